@@ -1,0 +1,198 @@
+"""The worker contract: what the launcher tells each worker, and the only module that names ELASTRAIN_* variables.
+
+The agent builds a :class:`LaunchContext` for each start of the workers and exports it with
+:func:`to_environ`; the training script reads it back as a typed :class:`WorkerEnv`::
+
+    from elastrain import WorkerEnv
+    env = WorkerEnv.from_environ()
+    if env.start_reason is StartReason.SCALE_DOWN: ...
+
+Rank, local rank and world size are torch's own variables (RANK, LOCAL_RANK, WORLD_SIZE, ...), so a
+script launched by plain torchrun still gets a usable WorkerEnv with the elastrain fields defaulted.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from elastrain.errors import WorkerEnvError
+
+# Every ELASTRAIN_* variable, named here and nowhere else.
+RUN_ID = "ELASTRAIN_RUN_ID"
+RESTART_COUNT = "ELASTRAIN_RESTART_COUNT"
+FAILURE_COUNT = "ELASTRAIN_FAILURE_COUNT"
+START_REASON = "ELASTRAIN_START_REASON"
+PREVIOUS_WORLD_SIZE = "ELASTRAIN_PREVIOUS_WORLD_SIZE"
+ROUND = "ELASTRAIN_ROUND"
+CHECKPOINT_DIR = "ELASTRAIN_CHECKPOINT_DIR"
+CONTROL_DIR = "ELASTRAIN_CONTROL_DIR"
+EVENTS_FILE = "ELASTRAIN_EVENTS_FILE"
+COLLECTIVE_TIMEOUT = "ELASTRAIN_COLLECTIVE_TIMEOUT"
+LOG_LEVEL = "ELASTRAIN_LOG_LEVEL"
+ZYGOTE = "ELASTRAIN_ZYGOTE"
+# Set by elastrain's own launcher only: a worker that sees it knows an elastrain agent supervises it.
+AGENT_PID = "ELASTRAIN_AGENT_PID"
+
+ALL_VARIABLES: tuple[str, ...] = (
+    RUN_ID,
+    RESTART_COUNT,
+    FAILURE_COUNT,
+    START_REASON,
+    PREVIOUS_WORLD_SIZE,
+    ROUND,
+    CHECKPOINT_DIR,
+    CONTROL_DIR,
+    EVENTS_FILE,
+    COLLECTIVE_TIMEOUT,
+    LOG_LEVEL,
+    ZYGOTE,
+    AGENT_PID,
+)
+
+
+class StartReason(str, enum.Enum):
+    """Why the workers were (re)started."""
+
+    FIRST_START = "first_start"
+    FAILURE = "failure"
+    SCALE_DOWN = "scale_down"
+    SCALE_UP = "scale_up"
+    # The world size stayed the same but membership changed (a node was replaced).
+    MEMBERSHIP = "membership"
+
+
+def start_reason(previous_world_size: int | None, world_size: int, worker_failed: bool) -> StartReason:
+    """Classify a start from the world sizes before and after it.
+
+    A change of size wins over a failure: when a node dies, the survivors' workers fail in their
+    collectives, but what happened to the job is a scale-down.
+    """
+    if previous_world_size is None:
+        return StartReason.FIRST_START
+    if world_size < previous_world_size:
+        return StartReason.SCALE_DOWN
+    if world_size > previous_world_size:
+        return StartReason.SCALE_UP
+    return StartReason.FAILURE if worker_failed else StartReason.MEMBERSHIP
+
+
+@dataclass(frozen=True)
+class LaunchContext:
+    """What the agent knows about one start of its workers, shared by every worker on the node."""
+
+    run_id: str
+    restart_count: int
+    failure_count: int
+    start_reason: StartReason
+    previous_world_size: int | None
+    round: int
+    checkpoint_dir: str | None = None
+    control_dir: str | None = None
+    events_file: str | None = None
+    collective_timeout_s: float | None = None
+
+
+def to_environ(ctx: LaunchContext) -> dict[str, str]:
+    """The ELASTRAIN_* variables for ``ctx``; unset optional fields are left out."""
+    out = {
+        RUN_ID: ctx.run_id,
+        RESTART_COUNT: str(ctx.restart_count),
+        FAILURE_COUNT: str(ctx.failure_count),
+        START_REASON: ctx.start_reason.value,
+        ROUND: str(ctx.round),
+        AGENT_PID: str(os.getpid()),
+    }
+    if ctx.previous_world_size is not None:
+        out[PREVIOUS_WORLD_SIZE] = str(ctx.previous_world_size)
+    if ctx.checkpoint_dir:
+        out[CHECKPOINT_DIR] = ctx.checkpoint_dir
+    if ctx.control_dir:
+        out[CONTROL_DIR] = ctx.control_dir
+    if ctx.events_file:
+        out[EVENTS_FILE] = ctx.events_file
+    if ctx.collective_timeout_s is not None:
+        out[COLLECTIVE_TIMEOUT] = repr(float(ctx.collective_timeout_s))
+    return out
+
+
+def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise WorkerEnvError(
+                f"{name} is not set: start this script with elastrain-run (or torchrun), or set the variable yourself"
+            )
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise WorkerEnvError(f"{name}={raw!r} is not an integer") from None
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """Everything a worker is told about itself and about why it was started."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    group_rank: int
+    restart_count: int
+    failure_count: int
+    start_reason: StartReason
+    previous_world_size: int | None
+    run_id: str
+    round: int
+    checkpoint_dir: str | None
+    control_dir: str | None
+    events_file: str | None
+    collective_timeout_s: float | None
+    under_elastrain: bool
+
+    @property
+    def is_restart(self) -> bool:
+        return self.start_reason is not StartReason.FIRST_START
+
+    @property
+    def world_size_changed(self) -> bool:
+        return self.previous_world_size is not None and self.previous_world_size != self.world_size
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
+        """Read the worker's environment; without a launcher, a single-process world."""
+        e = os.environ if environ is None else environ
+        world_size = _int(e, "WORLD_SIZE", 1)
+        rank = _int(e, "RANK", 0)
+        if not 0 <= rank < world_size:
+            raise WorkerEnvError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+        raw_reason = e.get(START_REASON, StartReason.FIRST_START.value)
+        try:
+            reason = StartReason(raw_reason)
+        except ValueError:
+            known = ", ".join(r.value for r in StartReason)
+            raise WorkerEnvError(f"{START_REASON}={raw_reason!r} is not one of: {known}") from None
+        torch_restarts = _int(e, "TORCHELASTIC_RESTART_COUNT", 0)
+        prev = e.get(PREVIOUS_WORLD_SIZE)
+        timeout = e.get(COLLECTIVE_TIMEOUT)
+        return cls(
+            rank=rank,
+            local_rank=_int(e, "LOCAL_RANK", 0),
+            world_size=world_size,
+            local_world_size=_int(e, "LOCAL_WORLD_SIZE", 1),
+            group_rank=_int(e, "GROUP_RANK", 0),
+            restart_count=_int(e, RESTART_COUNT, torch_restarts),
+            failure_count=_int(e, FAILURE_COUNT, torch_restarts),
+            start_reason=reason,
+            previous_world_size=int(prev) if prev else None,
+            run_id=e.get(RUN_ID) or e.get("TORCHELASTIC_RUN_ID") or "none",
+            round=_int(e, ROUND, 0),
+            checkpoint_dir=e.get(CHECKPOINT_DIR) or None,
+            control_dir=e.get(CONTROL_DIR) or None,
+            events_file=e.get(EVENTS_FILE) or None,
+            collective_timeout_s=float(timeout) if timeout else None,
+            under_elastrain=AGENT_PID in e,
+        )

@@ -1,0 +1,1 @@
+"""elastrain-run: torchrun's parser and agent, with elastic defaults and elastrain's own options."""

@@ -1,0 +1,98 @@
+"""Build torch's WorkerSpec and run an ElastrainAgent: the equivalent of torch's ``launch_agent``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.elastic import events, metrics
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.metrics.api import MetricsConfig
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
+
+from elastrain.launcher.agent import ElastrainAgent
+from elastrain.launcher.options import ElastrainOptions
+from elastrain.log import lifecycle
+
+
+def launch(
+    config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: list[Any], options: ElastrainOptions
+) -> dict[int, Any]:
+    """Run this node's agent until the job ends; return the workers' return values by rank."""
+    entrypoint_name = _get_entrypoint_name(entrypoint, args)
+    params = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    master_addr, master_port = _get_addr_and_port(params)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    lifecycle(
+        "agent_started",
+        entrypoint=entrypoint_name,
+        nnodes=f"{config.min_nodes}:{config.max_nodes}",
+        nproc_per_node=config.nproc_per_node,
+        rdzv_backend=config.rdzv_backend,
+        rdzv_endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        max_restarts=config.max_restarts,
+    )
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+    assert config.logs_specs is not None  # LaunchConfig.__post_init__ fills it
+    agent = ElastrainAgent(
+        spec=spec,
+        logs_specs=config.logs_specs,
+        options=options,
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=config.shutdown_timeout or 30,
+    )
+    shutdown_rdzv = True
+    try:
+        metrics.initialize_metrics(MetricsConfig(config.metrics_cfg))
+        result = agent.run()
+        events.record(agent.get_event_succeeded(), config.event_log_handler)
+        if result.is_failed():
+            lifecycle("job_failed", failed_ranks=",".join(str(r) for r in sorted(result.failures)))
+            raise ChildFailedError(name=entrypoint_name, failures=result.failures)
+        lifecycle("job_succeeded")
+        return dict(result.return_values)
+    except ChildFailedError:
+        raise
+    except SignalException as exc:
+        # Leaving on a signal must not close the rendezvous: the other nodes go on without us.
+        shutdown_rdzv = False
+        lifecycle("agent_signalled", signal=exc.sigval.name)
+        events.record(agent.get_event_failed(), config.event_log_handler)
+        raise
+    except Exception:
+        events.record(agent.get_event_failed(), config.event_log_handler)
+        raise
+    finally:
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()

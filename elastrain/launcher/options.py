@@ -1,0 +1,237 @@
+"""Command-line options: torchrun's parser, elastrain's options beside it, and validation of both.
+
+torchrun's own parser (``torch.distributed.run.get_args_parser``) is reused unchanged, so every
+torchrun flag and ``PET_*`` variable keeps its meaning. elastrain adds a group of options that also
+read ``PET_<NAME>`` variables. Validation turns bad input into :class:`UsageError` naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.argparse_util import env
+from torch.distributed.elastic.multiprocessing import Std
+from torch.distributed.run import get_args_parser
+
+from elastrain.errors import UsageError
+
+NPROC_KEYWORDS = ("auto", "cpu", "gpu", "xpu")
+# elastrain's fast handler serves this name; torch's own c10d handler stays reachable as TORCH_C10D.
+ELASTIC_DEFAULT_BACKEND = "c10d"
+
+
+@dataclass(frozen=True)
+class ElastrainOptions:
+    """elastrain's own launcher options (torchrun's stay in torch's ``LaunchConfig``)."""
+
+    checkpoint_dir: str | None = None
+    """Directory for checkpoints, passed to workers as ELASTRAIN_CHECKPOINT_DIR."""
+    save_on_change: bool = True
+    """Ask workers to checkpoint before an announced membership change (SIGTERM, a node joining)."""
+    save_timeout_s: float = 60.0
+    """How long the agent waits for that checkpoint to commit before it restarts anyway."""
+    collective_timeout_s: float = 30.0
+    """Timeout for workers' collectives (ELASTRAIN_COLLECTIVE_TIMEOUT); bounds a hang on a frozen peer."""
+
+    def __post_init__(self) -> None:
+        if self.save_timeout_s < 0:
+            raise UsageError("--save-timeout", f"must be >= 0 seconds, got {self.save_timeout_s}")
+        if self.collective_timeout_s <= 0:
+            raise UsageError("--collective-timeout", f"must be > 0 seconds, got {self.collective_timeout_s}")
+
+
+def _str_to_bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """torchrun's parser with elastrain's option group added beside its options."""
+    parser = get_args_parser()
+    parser.prog = "elastrain-run"
+    parser.description = (
+        "Elastic drop-in for torchrun: every torchrun option and PET_* variable works unchanged; "
+        "the options below are elastrain's own (each also reads PET_<NAME>)."
+    )
+    group = parser.add_argument_group("elastrain")
+    group.add_argument(
+        "--checkpoint-dir",
+        "--checkpoint_dir",
+        action=env,
+        default=None,
+        help="Checkpoint directory handed to workers (ELASTRAIN_CHECKPOINT_DIR).",
+    )
+    group.add_argument(
+        "--save-on-change",
+        "--save_on_change",
+        action=env,
+        type=_str_to_bool,
+        default=True,
+        help="Ask workers for a checkpoint before an announced membership change (default: true).",
+    )
+    group.add_argument(
+        "--save-timeout",
+        "--save_timeout",
+        action=env,
+        type=float,
+        default=60.0,
+        help="Seconds to wait for a requested checkpoint before restarting anyway (default: 60).",
+    )
+    group.add_argument(
+        "--collective-timeout",
+        "--collective_timeout",
+        action=env,
+        type=float,
+        default=30.0,
+        help="Seconds a worker's collective may wait on a peer (default: 30; gloo's own is 30 min).",
+    )
+    # Positionals must stay last for argparse.REMAINDER; torch's parser added them already.
+    _move_positionals_last(parser)
+    return parser
+
+
+def _move_positionals_last(parser: argparse.ArgumentParser) -> None:
+    positionals = [a for a in parser._actions if not a.option_strings]
+    for action in positionals:
+        parser._actions.remove(action)
+        parser._actions.append(action)
+
+
+def options_from_args(args: argparse.Namespace) -> ElastrainOptions:
+    return ElastrainOptions(
+        checkpoint_dir=args.checkpoint_dir,
+        save_on_change=bool(args.save_on_change),
+        save_timeout_s=float(args.save_timeout),
+        collective_timeout_s=float(args.collective_timeout),
+    )
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    parts = value.split(":")
+    if len(parts) not in (1, 2):
+        raise UsageError("--nnodes", f"expected N or MIN:MAX, got {value!r}")
+    try:
+        nums = [int(p) for p in parts]
+    except ValueError:
+        raise UsageError("--nnodes", f"expected integers as N or MIN:MAX, got {value!r}") from None
+    lo, hi = (nums[0], nums[0]) if len(nums) == 1 else (nums[0], nums[1])
+    if lo < 1:
+        raise UsageError("--nnodes", f"the minimum number of nodes must be at least 1, got {value!r}")
+    if lo > hi:
+        raise UsageError("--nnodes", f"MIN must not exceed MAX, got {value!r} (did you mean {hi}:{lo}?)")
+    return lo, hi
+
+
+def parse_rdzv_conf(value: str) -> dict[str, str]:
+    """Strict ``key=value,key=value`` parsing (torch's parser accepts ``key`` alone as ``None``)."""
+    out: dict[str, str] = {}
+    text = value.strip()
+    if not text:
+        return out
+    for item in text.split(","):
+        key, sep, val = item.partition("=")
+        key = key.strip()
+        if not sep or not key or not val.strip():
+            raise UsageError("--rdzv-conf", f"expected key=value[,key=value...], got {item.strip()!r} in {value!r}")
+        out[key] = val.strip()
+    return out
+
+
+def known_backends() -> list[str]:
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    from elastrain.rendezvous import registry
+
+    registry.register_handlers()
+    names = set(getattr(rendezvous_handler_registry, "_registry", {}))
+    return sorted(names)
+
+
+def _explicit(argv: Sequence[str], environ: Mapping[str, str], flag: str) -> bool:
+    names = (f"--{flag}", f"--{flag.replace('-', '_')}")
+    pet = "PET_" + flag.replace("-", "_").upper()
+    return pet in environ or any(a == n or a.startswith(n + "=") for a in argv for n in names)
+
+
+def validate_and_default(
+    args: argparse.Namespace, argv: Sequence[str], environ: Mapping[str, str] | None = None
+) -> None:
+    """Validate torchrun's options in place and apply elastrain's defaults; raise UsageError."""
+    e = os.environ if environ is None else environ
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    nproc = str(args.nproc_per_node)
+    if nproc not in NPROC_KEYWORDS:
+        try:
+            if int(nproc) < 1:
+                raise ValueError
+        except ValueError:
+            raise UsageError(
+                "--nproc-per-node", f"expected a positive integer or one of {', '.join(NPROC_KEYWORDS)}, got {nproc!r}"
+            ) from None
+    if args.max_restarts < 0:
+        raise UsageError("--max-restarts", f"must be >= 0, got {args.max_restarts}")
+    if args.monitor_interval <= 0:
+        raise UsageError("--monitor-interval", f"must be > 0 seconds, got {args.monitor_interval}")
+    parse_rdzv_conf(args.rdzv_conf)
+    for flag, spec in (("--redirects", args.redirects), ("--tee", args.tee)):
+        try:
+            Std.from_str(spec)
+        except (ValueError, KeyError):
+            raise UsageError(flag, f"expected 0-3 or local_rank:value pairs like 0:1,1:2, got {spec!r}") from None
+    if args.local_ranks_filter:
+        try:
+            [int(r) for r in args.local_ranks_filter.split(",")]
+        except ValueError:
+            raise UsageError(
+                "--local-ranks-filter", f"expected comma-separated integers, got {args.local_ranks_filter!r}"
+            ) from None
+    _check_script(args)
+
+    if args.standalone:
+        args.rdzv_backend = ELASTIC_DEFAULT_BACKEND
+        args.rdzv_endpoint = "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    elif not _explicit(argv, e, "rdzv-backend") and min_nodes < max_nodes:
+        # torchrun silently keeps the non-elastic static backend here; an elastic range means c10d.
+        args.rdzv_backend = ELASTIC_DEFAULT_BACKEND
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None and max_nodes == 1:
+        # torchrun's own single-node default.
+        args.rdzv_backend = ELASTIC_DEFAULT_BACKEND
+        args.rdzv_endpoint = "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+
+    backends = known_backends()
+    if args.rdzv_backend not in backends:
+        raise UsageError(
+            "--rdzv-backend", f"unknown backend {args.rdzv_backend!r}; choose one of: {', '.join(backends)}"
+        )
+    if args.rdzv_backend == "static" and min_nodes != max_nodes:
+        raise UsageError(
+            "--rdzv-backend", f"static rendezvous cannot be elastic (--nnodes {args.nnodes}); use c10d or etcd-v3"
+        )
+
+
+def _check_script(args: argparse.Namespace) -> None:
+    script = args.training_script
+    if args.module:
+        if args.no_python:
+            raise UsageError("--no-python", "cannot be combined with -m/--module")
+        return
+    if args.no_python and not args.run_path:
+        if shutil.which(script) is None and not Path(script).is_file():
+            raise UsageError("training_script", f"command {script!r} not found (with --no-python it is run as is)")
+        return
+    if not Path(script).is_file():
+        raise UsageError("training_script", f"file {script!r} does not exist")

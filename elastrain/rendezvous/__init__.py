@@ -1,0 +1,1 @@
+"""Rendezvous: which nodes form the next round, and where their stores live."""
