@@ -1,0 +1,128 @@
+"""Shared helpers for tests that start real processes: bounded, PID-scoped, loopback only."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A clean environment for launched processes: one thread each, no inherited PET_*/ELASTRAIN_*."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "ELASTRAIN_", "TORCHELASTIC_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    if extra:
+        env.update(extra)
+    return env
+
+
+def elastrain_cmd(*args: str) -> list[str]:
+    return [PYTHON, "-m", "elastrain", *args]
+
+
+def torchrun_cmd(*args: str) -> list[str]:
+    return [PYTHON, "-m", "torch.distributed.run", *args]
+
+
+def run(
+    cmd: Sequence[str], timeout: float = 120, env: Mapping[str, str] | None = None, cwd: str | Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run to completion with a hard timeout; the whole process tree is killed on timeout."""
+    proc = subprocess.Popen(
+        list(cmd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=worker_env(env),
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\nstdout:\n{out}\nstderr:\n{err}") from None
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+
+
+def spawn(
+    cmd: Sequence[str],
+    log: Path,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start a long-running process (an agent, a "node") in its own session, output to ``log``."""
+    fh = open(log, "wb")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(
+        list(cmd), stdout=fh, stderr=subprocess.STDOUT, env=worker_env(env), cwd=cwd, start_new_session=True
+    )
+
+
+def descendants(pid: int) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> list[int]:
+    """Signal ``pid`` and every descendant we can see now (workers run in their own sessions)."""
+    victims = [pid, *descendants(pid)]
+    for p in victims:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, sig)
+    return victims
+
+
+def alive(pids: Sequence[int]) -> list[int]:
+    out = []
+    for p in pids:
+        try:
+            proc = psutil.Process(p)
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.1, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@contextlib.contextmanager
+def reaped(*procs: subprocess.Popen[bytes]) -> Iterator[None]:
+    """Kill (by PID, with their trees) the processes a test started, whatever happens."""
+    try:
+        yield
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
