@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Any
 
+from elastrain import env
+
 logger = logging.getLogger("elastrain")
 
 _configured = False
@@ -26,7 +28,7 @@ def configure(level: str | None = None) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
-    logger.setLevel((level or os.environ.get("ELASTRAIN_LOG_LEVEL") or "INFO").upper())
+    logger.setLevel((level or os.environ.get(env.LOG_LEVEL) or "INFO").upper())
     logger.propagate = False
 
 

@@ -1,0 +1,148 @@
+"""Argument handling of elastrain-run: torchrun's options unchanged, elastrain's defaults, one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed.run import get_args_parser
+
+from elastrain.errors import UsageError
+from elastrain.launcher import cli
+from elastrain.launcher.options import (
+    build_parser,
+    options_from_args,
+    parse_nnodes,
+    parse_rdzv_conf,
+    validate_and_default,
+)
+
+SCRIPT = str(Path(__file__))
+
+
+def parse(argv: list[str], environ: dict[str, str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    validate_and_default(args, argv, environ or {})
+    return args
+
+
+def test_every_torchrun_option_is_accepted_and_documented() -> None:
+    torch_opts = {o for a in get_args_parser()._actions for o in a.option_strings}
+    ours = build_parser()
+    our_opts = {o for a in ours._actions for o in a.option_strings}
+    assert torch_opts <= our_opts
+    help_text = ours.format_help()
+    for opt in torch_opts - {"-h", "--help"}:
+        assert opt in help_text, opt
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("1", (1, 1)), ("2", (2, 2)), ("1:3", (1, 3)), ("2:2", (2, 2))],
+)
+def test_parse_nnodes(value: str, expected: tuple[int, int]) -> None:
+    assert parse_nnodes(value) == expected
+
+
+@pytest.mark.parametrize("value", ["0", "3:2", "a", "1:b", "1:2:3", "-1:2", "0:1"])
+def test_parse_nnodes_rejects(value: str) -> None:
+    with pytest.raises(UsageError) as err:
+        parse_nnodes(value)
+    assert err.value.flag == "--nnodes"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("", {}), ("a=1", {"a": "1"}), ("a=1, b = x=y", {"a": "1", "b": "x=y"})],
+)
+def test_parse_rdzv_conf(value: str, expected: dict[str, str]) -> None:
+    assert parse_rdzv_conf(value) == expected
+
+
+@pytest.mark.parametrize("value", ["a", "a=1,b", "=1", "a=", "a=1,,b=2"])
+def test_parse_rdzv_conf_rejects(value: str) -> None:
+    with pytest.raises(UsageError, match="--rdzv-conf"):
+        parse_rdzv_conf(value)
+
+
+def test_elastic_range_defaults_to_c10d() -> None:
+    args = parse(["--nnodes", "1:3", SCRIPT])
+    assert args.rdzv_backend == "c10d"
+
+
+def test_explicit_backend_is_kept() -> None:
+    args = parse(["--nnodes", "1:3", "--rdzv-backend", "torch-c10d", SCRIPT])
+    assert args.rdzv_backend == "torch-c10d"
+
+
+def test_pet_backend_counts_as_explicit() -> None:
+    argv = ["--nnodes", "2", SCRIPT]
+    args = build_parser().parse_args(argv)
+    args.rdzv_backend = "static"
+    validate_and_default(args, argv, {"PET_RDZV_BACKEND": "static"})
+    assert args.rdzv_backend == "static"
+
+
+def test_static_cannot_be_elastic() -> None:
+    with pytest.raises(UsageError, match="--rdzv-backend"):
+        parse(["--nnodes", "1:2", "--rdzv-backend", "static", SCRIPT])
+
+
+def test_standalone_like_torchrun() -> None:
+    args = parse(["--standalone", "--rdzv-endpoint", "ignored:1", SCRIPT])
+    assert (args.rdzv_backend, args.rdzv_endpoint) == ("c10d", "localhost:0")
+    assert args.rdzv_id != "none"
+
+
+def test_single_node_default_like_torchrun() -> None:
+    args = parse([SCRIPT])
+    assert (args.rdzv_backend, args.rdzv_endpoint) == ("c10d", "localhost:0")
+    assert args.master_port == 29500
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--nnodes", "3:2", SCRIPT], "--nnodes"),
+        (["--nnodes", "0", SCRIPT], "--nnodes"),
+        (["--rdzv-backend", "nope", SCRIPT], "--rdzv-backend"),
+        (["--rdzv-conf", "timeout", SCRIPT], "--rdzv-conf"),
+        (["/no/such/script.py"], "training_script"),
+        (["--nproc-per-node", "0", SCRIPT], "--nproc-per-node"),
+        (["--nproc-per-node", "lots", SCRIPT], "--nproc-per-node"),
+        (["--max-restarts", "-1", SCRIPT], "--max-restarts"),
+        (["--monitor-interval", "0", SCRIPT], "--monitor-interval"),
+        (["--redirects", "9", SCRIPT], "--redirects"),
+        (["--local-ranks-filter", "a,b", SCRIPT], "--local-ranks-filter"),
+        (["--no-python", "-m", "mod"], "--no-python"),
+        (["--no-python", "no-such-command-xyz"], "training_script"),
+        (["--save-timeout", "-1", SCRIPT], "--save-timeout"),
+        (["--collective-timeout", "0", SCRIPT], "--collective-timeout"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_flag(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"elastrain-run: error: {flag}"), err
+
+
+def test_elastrain_options_read_pet_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_CHECKPOINT_DIR", "/ckpt")
+    monkeypatch.setenv("PET_SAVE_TIMEOUT", "5")
+    opts = options_from_args(build_parser().parse_args([SCRIPT]))
+    assert opts.checkpoint_dir == "/ckpt"
+    assert opts.save_timeout_s == 5.0
+
+
+def test_bad_input_exit_code_and_no_traceback_in_a_real_process() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastrain", "--nnodes=3:2", SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("elastrain-run: error: --nnodes")
