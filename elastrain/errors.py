@@ -44,3 +44,31 @@ class CheckpointMismatchError(CheckpointError):
 
 class ScalingError(ElastrainError, ValueError):
     """A scaling policy cannot satisfy the requested batch sizes at this world size."""
+
+
+class PreemptionWatcherError(ElastrainError):
+    """A cloud metadata endpoint could not be reached, timed out, or answered something malformed."""
+
+
+class LaunchSpecError(ElastrainError, ValueError):
+    """A Kubernetes or AzureML launch spec cannot be built from these parameters; names the parameter to fix."""
+
+
+class RendezvousStateCorruptError(RendezvousError):
+    """The shared rendezvous state cannot be decoded (another launcher on the same --rdzv-id?)."""
+
+
+class RendezvousStoreLostError(RendezvousError):
+    """The store holding the rendezvous state stopped answering (for c10d: its host node died)."""
+
+
+class NodeLeftError(ElastrainError):
+    """This node left the job on purpose (SIGTERM, a preemption notice); the others go on without it."""
+
+
+class DataStateError(ElastrainError):
+    """The elastic sampler cannot form a step, or a saved data position does not fit this dataset."""
+
+
+class TraceError(ElastrainError, ValueError):
+    """A chaos preemption trace is malformed or impossible (a kill of a node that is down, ...); names the event."""

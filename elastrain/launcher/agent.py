@@ -1,14 +1,27 @@
 """ElastrainAgent: torch's LocalElasticAgent with elastrain's worker contract and lifecycle events.
 
-It reuses torch's monitor loop unchanged and hooks in at three seams: after each rendezvous (to
+It reuses torch's monitor loop unchanged and hooks in at a few seams: after each rendezvous (to
 classify the start and log the world-size change), when the per-worker environment is built (to add
-the ELASTRAIN_* variables) and after workers start (to log it).
+the ELASTRAIN_* variables), after workers start (to log it and to take SIGTERM as a graceful leave)
+and in ``_monitor_workers``, where membership changes become restarts that use no ``--max-restarts``:
+
+* a worker failure within the handler's grace window of a membership change (a peer died, left or
+  was evicted) is a membership change, not a failure;
+* healthy workers on a node whose round is over (a member departed, a node waits to join, this node
+  was evicted) are restarted through torch's own ``num_nodes_waiting`` branch; workers stuck in a
+  collective with a frozen peer are killed that way too;
+* before restarting for a node that waits to join, and before leaving, the agent asks its workers for
+  a checkpoint through the control channel (bounded by ``--save-timeout``).
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import tempfile
+import threading
+import time
+from types import FrameType
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
@@ -16,9 +29,14 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 
 from elastrain.control import ControlChannel
-from elastrain.env import LaunchContext, StartReason, start_reason, to_environ
+from elastrain.env import ZYGOTE, LaunchContext, StartReason, start_reason, to_environ
+from elastrain.errors import NodeLeftError
+from elastrain.launcher import zygote
 from elastrain.launcher.options import ElastrainOptions
 from elastrain.log import lifecycle
+
+# A SIGTERM (pod deletion, spot notice by signal) leaves within this many seconds at most.
+SIGTERM_LEAVE_DEADLINE_S = 25.0
 
 
 def _handler_round(handler: Any, fallback: int) -> int:
@@ -31,6 +49,14 @@ def _handler_round(handler: Any, fallback: int) -> int:
     state = getattr(state_holder, "state", None)
     value = getattr(state, "round", None)
     return value if isinstance(value, int) else fallback
+
+
+def _membership_change(handler: Any) -> str | None:
+    probe = getattr(handler, "membership_change", None)
+    if not callable(probe):
+        return None
+    change = probe()
+    return change if isinstance(change, str) else None
 
 
 class ElastrainAgent(LocalElasticAgent):
@@ -56,16 +82,127 @@ class ElastrainAgent(LocalElasticAgent):
         self._rounds_seen = 0
         self._context: LaunchContext | None = None
         self.control = ControlChannel(tempfile.mkdtemp(prefix="elastrain-control-"))
+        self._leave_lock = threading.Lock()
+        self._leave_reason: str | None = None
+        self._left = threading.Event()
+        self._workers_running = False
+        # Started now, so that torch is imported while the first rendezvous runs.
+        self._zygote = zygote.Zygote() if options.zygote else None
+
+    # -- leaving -----------------------------------------------------------------------------------
+    def request_leave(self, reason: str, deadline_s: float) -> None:
+        """Leave the job within ``deadline_s``: checkpoint (if enabled), announce, stop the workers, end.
+
+        Thread-safe and idempotent. Called from a watcher thread it does the checkpoint and the
+        announcement there and the main loop ends the agent at its next tick; called on the main thread
+        (the SIGTERM handler) it does everything inline.
+        """
+        with self._leave_lock:
+            if self._leave_reason is not None:
+                return
+            self._leave_reason = reason
+        started = time.monotonic()
+        lifecycle("leave_requested", level=logging.WARNING, reason=reason, deadline_s=deadline_s)
+        if self._workers_running:
+            self._checkpoint_before_change(f"leave: {reason}", max(0.0, deadline_s - 1.0))
+        leave = getattr(self._worker_group.spec.rdzv_handler, "leave", None)
+        if callable(leave):
+            leave(reason)
+        else:
+            lifecycle("leave_unannounced", level=logging.WARNING, why="the rendezvous handler cannot announce a leave")
+        self._left.set()
+        lifecycle("leave_announced", reason=reason, took_s=round(time.monotonic() - started, 3))
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        self.request_leave(name, min(self._options.save_timeout_s + 1.0, SIGTERM_LEAVE_DEADLINE_S))
+        raise NodeLeftError(f"left the job on {name}")
+
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _raise_if_left(self) -> None:
+        if self._leave_reason is not None:
+            # A watcher thread may still be checkpointing; wait for it (it is bounded by its deadline).
+            self._left.wait()
+            raise NodeLeftError(f"left the job: {self._leave_reason}")
+
+    def _checkpoint_before_change(self, reason: str, timeout_s: float) -> None:
+        """Ask local workers for a checkpoint and wait (bounded) for the ack; only with --checkpoint-dir."""
+        opts = self._options
+        if not opts.save_on_change or not opts.checkpoint_dir or timeout_s <= 0:
+            return
+        req = self.control.request_save(reason)
+        lifecycle("checkpoint_requested", request_id=req.request_id, reason=reason, timeout_s=timeout_s)
+        ack = self.control.wait_ack(req.request_id, min(opts.save_timeout_s, timeout_s))
+        if ack is None:
+            lifecycle("checkpoint_timeout", level=logging.WARNING, request_id=req.request_id, waited_s=timeout_s)
+        else:
+            lifecycle("checkpoint_acked", request_id=req.request_id, step=ack.step, checkpoint=ack.checkpoint)
+
+    def run(self, role: str = "default") -> RunResult:
+        self._install_sigterm()
+        try:
+            result: RunResult = super().run(role)
+        finally:
+            if self._zygote is not None:  # not in _shutdown: torch calls that on every worker stop
+                self._zygote.close()
+        return result
+
+    def _exit_barrier(self) -> None:
+        if self._leave_reason is None:
+            super()._exit_barrier()  # type: ignore[no-untyped-call]
 
     @property
     def context(self) -> LaunchContext | None:
         return self._context
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._raise_if_left()
+        handler = worker_group.spec.rdzv_handler
+        self._raise_if_fatal(handler)
         result: RunResult = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            change = self._wait_for_membership_change(handler)
+            if change is not None:
+                # A peer died, left or was evicted: our workers' collective broke because of it.
+                lifecycle("membership_changed", level=logging.WARNING, cause=change, workers="failed")
+                self._worker_failed = False
+                return RunResult(state=WorkerState.HEALTHY)
             self._worker_failed = True
+            return result
+        if result.state is WorkerState.HEALTHY:
+            change = _membership_change(handler)
+            if change is not None:
+                lifecycle("membership_changed", cause=change, workers="healthy")
+                if change.startswith("waiting"):
+                    self._checkpoint_before_change(f"scale-up: {change}", self._options.save_timeout_s)
         return result
+
+    def _raise_if_fatal(self, handler: Any) -> None:
+        fatal = getattr(handler, "fatal_error", None)
+        if isinstance(fatal, BaseException):
+            raise fatal
+
+    def _wait_for_membership_change(self, handler: Any) -> str | None:
+        """After a worker failure, wait (bounded) to learn whether a peer's departure caused it."""
+        grace = getattr(handler, "membership_grace_s", None)
+        if not isinstance(grace, float):
+            return None
+        deadline = time.monotonic() + grace
+        probe = getattr(handler, "probe_peers", None)
+        if callable(probe):
+            probe()  # a peer whose agent died is found at the next heartbeat tick, not after its timeout
+        while True:
+            self._raise_if_fatal(handler)
+            change = _membership_change(handler)
+            if change is not None:
+                return change
+            store_failing = bool(getattr(handler, "store_failing", False))
+            if time.monotonic() >= deadline and not store_failing:
+                return None
+            time.sleep(0.05)
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
@@ -107,9 +244,16 @@ class ElastrainAgent(LocalElasticAgent):
             worker_env.update(to_environ(self._context))
             # One restart count for the whole job, the same on every node (torch's counts local failures).
             worker_env["TORCHELASTIC_RESTART_COUNT"] = str(self._context.restart_count)
+        if self._zygote is not None:
+            worker_env[ZYGOTE] = "1"
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        pids: dict[int, Any] = super()._start_workers(worker_group)
+        self._raise_if_left()
+        with zygote.forking_from(self._zygote):
+            pids: dict[int, Any] = super()._start_workers(worker_group)
+        # torch's process context installs its own signal handlers on every start; SIGTERM is ours.
+        self._install_sigterm()
+        self._workers_running = True
         ctx = self._context
         lifecycle(
             "workers_started",
@@ -126,4 +270,5 @@ class ElastrainAgent(LocalElasticAgent):
             cause="worker_failure" if self._worker_failed else "membership_change",
             remaining_restarts=self._remaining_restarts,
         )
+        self._workers_running = False
         super()._restart_workers(worker_group)

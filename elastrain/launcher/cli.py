@@ -10,14 +10,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.run import config_from_args
 
 from elastrain import log
-from elastrain.errors import UsageError
+from elastrain.errors import ElastrainError, UsageError
 from elastrain.launcher.launch import launch
 from elastrain.launcher.options import build_parser, options_from_args, validate_and_default
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = 2) -> None:
     print(f"elastrain-run: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 @record
@@ -36,7 +36,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         # Anything torch's own config step still rejects, as one line rather than a traceback.
         _fail(str(exc))
         return
-    launch(config, cmd, cmd_args, options)
+    try:
+        launch(config, cmd, cmd_args, options)
+    except UsageError as exc:
+        # Found only at run time (say, etcd refused the --rdzv-conf credentials).
+        _fail(str(exc))
+    except ElastrainError as exc:
+        # An unreachable rendezvous and the like: what to fix, in one line, not a traceback.
+        _fail(str(exc), code=1)
 
 
 if __name__ == "__main__":

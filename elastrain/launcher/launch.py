@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -15,9 +16,12 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
+from elastrain.errors import NodeLeftError, RendezvousStoreLostError
+from elastrain.launcher import orphans
 from elastrain.launcher.agent import ElastrainAgent
 from elastrain.launcher.options import ElastrainOptions
 from elastrain.log import lifecycle
+from elastrain.preemption import start_monitor
 
 
 def launch(
@@ -25,6 +29,9 @@ def launch(
 ) -> dict[int, Any]:
     """Run this node's agent until the job ends; return the workers' return values by rank."""
     entrypoint_name = _get_entrypoint_name(entrypoint, args)
+    if isinstance(entrypoint, str):
+        # Workers die with this agent, even on SIGKILL (see orphans.py).
+        entrypoint, args = orphans.wrap(entrypoint, list(args))
     params = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -75,6 +82,8 @@ def launch(
     shutdown_rdzv = True
     try:
         metrics.initialize_metrics(MetricsConfig(config.metrics_cfg))
+        # Cloud preemption notices (--preemption-watchers) become agent.request_leave, from a daemon thread.
+        start_monitor(options.preemption_watchers, agent.request_leave, options.metadata_endpoint)
         result = agent.run()
         events.record(agent.get_event_succeeded(), config.event_log_handler)
         if result.is_failed():
@@ -84,6 +93,16 @@ def launch(
         return dict(result.return_values)
     except ChildFailedError:
         raise
+    except NodeLeftError as exc:
+        # A graceful leave: the others go on without us; the rendezvous stays open.
+        shutdown_rdzv = False
+        lifecycle("agent_left", reason=str(exc))
+        return {}
+    except RendezvousStoreLostError as exc:
+        shutdown_rdzv = False
+        lifecycle("rendezvous_store_lost", level=logging.ERROR, error=str(exc))
+        events.record(agent.get_event_failed(), config.event_log_handler)
+        raise SystemExit(f"elastrain-run: error: {exc}") from exc
     except SignalException as exc:
         # Leaving on a signal must not close the rendezvous: the other nodes go on without us.
         shutdown_rdzv = False

@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing import Std
 from torch.distributed.run import get_args_parser
 
 from elastrain.errors import UsageError
+from elastrain.preemption.monitor import parse_watchers
 
 NPROC_KEYWORDS = ("auto", "cpu", "gpu", "xpu")
 # elastrain's fast handler serves this name; torch's own c10d handler stays reachable as TORCH_C10D.
@@ -38,12 +39,19 @@ class ElastrainOptions:
     """How long the agent waits for that checkpoint to commit before it restarts anyway."""
     collective_timeout_s: float = 30.0
     """Timeout for workers' collectives (ELASTRAIN_COLLECTIVE_TIMEOUT); bounds a hang on a frozen peer."""
+    preemption_watchers: str = "none"
+    """Cloud preemption notices to watch: none, auto, or a list of azure,aws,gcp."""
+    metadata_endpoint: str | None = None
+    """Base URL of the instance metadata service (default: each cloud's own; tests point it at 127.0.0.1)."""
+    zygote: bool = False
+    """Fork workers from a per-node process that already imported torch (cuts worker start by the import)."""
 
     def __post_init__(self) -> None:
         if self.save_timeout_s < 0:
             raise UsageError("--save-timeout", f"must be >= 0 seconds, got {self.save_timeout_s}")
         if self.collective_timeout_s <= 0:
             raise UsageError("--collective-timeout", f"must be > 0 seconds, got {self.collective_timeout_s}")
+        parse_watchers(self.preemption_watchers)
 
 
 def _str_to_bool(value: str) -> bool:
@@ -95,6 +103,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="Seconds a worker's collective may wait on a peer (default: 30; gloo's own is 30 min).",
     )
+    group.add_argument(
+        "--preemption-watchers",
+        "--preemption_watchers",
+        action=env,
+        default="none",
+        help="Preemption notices to act on with a checkpoint and a graceful leave: none (default), auto "
+        "(probe the cloud metadata service once), or a list of azure,aws,gcp.",
+    )
+    group.add_argument(
+        "--metadata-endpoint",
+        "--metadata_endpoint",
+        action=env,
+        default=None,
+        help="Base URL of the metadata service for the preemption watchers (default: http://169.254.169.254).",
+    )
+    group.add_argument(
+        "--zygote",
+        action=env,
+        type=_str_to_bool,
+        default=False,
+        help="Fork workers from a per-node process that already imported torch, so a restart does not pay "
+        "the import again (python scripts and -m modules only; default: false).",
+    )
     # Positionals must stay last for argparse.REMAINDER; torch's parser added them already.
     _move_positionals_last(parser)
     return parser
@@ -113,6 +144,9 @@ def options_from_args(args: argparse.Namespace) -> ElastrainOptions:
         save_on_change=bool(args.save_on_change),
         save_timeout_s=float(args.save_timeout),
         collective_timeout_s=float(args.collective_timeout),
+        preemption_watchers=str(args.preemption_watchers),
+        metadata_endpoint=args.metadata_endpoint,
+        zygote=bool(args.zygote),
     )
 
 

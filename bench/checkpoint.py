@@ -1,0 +1,214 @@
+"""Checkpoint bench: what a save and a load cost, next to the disk's limit and torch.save.
+
+    python bench/checkpoint.py                 # 2 ranks, 8 x Linear(2048, 2048) + AdamW = 403 MB
+    python bench/checkpoint.py --hidden 512    # a quick, smaller run
+
+Ranks are started with torch.multiprocessing (gloo on CPU); the model is FSDP2-sharded. Times are
+medians over --repeats; every save goes to a fresh step directory, fsynced, with CRC-32s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from elastrain.checkpoint import Checkpointer
+from elastrain.checkpoint.checkpointer import DEFAULT_INTERVAL_SECONDS
+
+
+def build(hidden: int, layers: int, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden) for _ in range(layers)])
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, opt
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, hidden: int) -> None:
+    model(torch.randn(8, hidden)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def timed(fn: Callable[[], object]) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def disk_write(path: Path, nbytes: int) -> float:
+    """Seconds for every rank to write and fsync its share of ``nbytes`` at once."""
+    share = nbytes // dist.get_world_size()
+    block = os.urandom(8 << 20)
+
+    def write() -> None:
+        with open(path / f"disk-{dist.get_rank()}.bin", "wb") as f:
+            left = share
+            while left > 0:
+                f.write(block[: min(left, len(block))])
+                left -= len(block)
+            f.flush()
+            os.fsync(f.fileno())
+
+    t = timed(write)
+    os.remove(path / f"disk-{dist.get_rank()}.bin")
+    return t
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict[str, float]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    root = Path(args.dir)
+    model, opt = build(args.hidden, args.layers, world)
+    train_step(model, opt, args.hidden)
+    local = sum(p.to_local().numel() for p in model.parameters())  # type: ignore[operator]
+    nbytes_t = torch.tensor([local * 4 * 3])  # parameters + exp_avg + exp_avg_sq, fp32
+    dist.all_reduce(nbytes_t)
+    nbytes = int(nbytes_t.item())
+    res: dict[str, list[float]] = {k: [] for k in ("disk", "sync", "stall", "async", "load", "torch_save")}
+    # One checkpointer of each kind for all repeats, as in training (the staging buffers are reused).
+    sync_ck = Checkpointer(root / "sync", keep_last=1, async_save=False, interval_seconds=math.inf)
+    async_ck = Checkpointer(root / "async", keep_last=1, interval_seconds=math.inf)
+    for ck in (sync_ck, async_ck):
+        ck.register(model=model, optimizer=opt)
+    for step in range(1, args.repeats + 1):
+        res["disk"].append(disk_write(root, nbytes))
+        res["sync"].append(timed(lambda s=step: sync_ck.save(s, blocking=True)))  # type: ignore[misc]
+        dist.barrier()
+        t0 = time.perf_counter()
+        async_ck.save(step)
+        stall = time.perf_counter() - t0
+        async_ck.wait()
+        dist.barrier()
+        res["stall"].append(stall)
+        res["async"].append(time.perf_counter() - t0)
+        with Checkpointer(root / "async", keep_last=1) as ck:
+            ck.register(model=model, optimizer=opt)
+            os.system("sync")
+            res["load"].append(timed(ck.restore))
+
+        def torch_save() -> None:
+            msd, osd = get_state_dict(model, [opt], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if rank == 0:
+                with open(root / "full.pt", "wb") as f:
+                    torch.save({"model": msd, "optim": osd}, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+
+        res["torch_save"].append(timed(torch_save))
+    sync_ck.close()
+    async_ck.close()
+
+    # Training overhead: alternate blocks of --every steps without and with a save (at the block's
+    # first step, committed within the block), so that drifts in machine load cancel out pairwise.
+    def block(ck: Checkpointer | None, first: int) -> float:
+        def run() -> None:
+            for i in range(first, first + args.every):
+                train_step(model, opt, args.hidden)
+                if ck is not None and i == first:
+                    ck.save(i)
+            if ck is not None:
+                ck.wait()
+
+        return timed(run)
+
+    block(None, 0)  # warm up
+    pairs = []
+    with Checkpointer(root / "train", keep_last=1, interval_seconds=math.inf) as ck:
+        ck.register(model=model, optimizer=opt)
+        for b in range(args.pairs):
+            plain = block(None, 0)
+            with_save = block(ck, (b + 1) * args.every)
+            pairs.append((plain, with_save))
+        step_wait = ck.last_result.step_wait_s if ck.last_result else 0.0
+        # The agreement maybe_save() runs every step (one all_reduce of two flags).
+        t0 = time.perf_counter()
+        for _ in range(100):
+            ck._sync.all_max([0, 0])
+        agree = (time.perf_counter() - t0) / 100
+    if rank == 0:
+        out.update({k: statistics.median(v) for k, v in res.items()})
+        out.update(nbytes=nbytes, agree=agree, step_wait=step_wait)
+        out.update(step_s=statistics.median(p for p, _ in pairs) / args.every)
+        out.update(per_save=statistics.median(w - p for p, w in pairs))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=2048, help="Linear width (default 2048: 403 MB with AdamW)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--pairs", type=int, default=3, help="block pairs (without / with a save) for the overhead")
+    p.add_argument("--every", type=int, default=5, help="steps per block: one save every this many steps")
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    args = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="elastrain-bench-", dir=args.dir) as tmp:
+        args.dir = tmp
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        manager = mp.Manager()
+        out = manager.dict()
+        mp.spawn(worker, args=(args.nproc, port, args, out), nprocs=args.nproc, join=True)
+        r = dict(out)
+    mb = r["nbytes"] / 1e6
+    sync = r["sync"]
+    model = f"{args.layers} x Linear({args.hidden}, {args.hidden}) + AdamW"
+    print(f"checkpoint bench: {args.nproc} ranks, {model} = {mb:.0f} MB")
+    print(f"medians of {args.repeats}; every save fsynced and CRC-32-checked; load includes verification\n")
+    rows = [
+        ("disk write (limit)", r["disk"], f"{mb / r['disk'] / 1e3:.2f} GB/s"),
+        ("sync save", sync, f"{mb / sync / 1e3:.2f} GB/s, {sync / r['disk']:.2f}x disk"),
+        ("async save: stall", r["stall"], f"{100 * r['stall'] / sync:.1f}% of sync save (target <= 10%)"),
+        ("  + next step's wait", r["step_wait"], "optimizer.step() waiting for the overlapped copy"),
+        ("async save: total", r["async"], f"{r['async'] / sync:.2f}x sync save"),
+        ("load (restore)", r["load"], f"{mb / r['load'] / 1e3:.2f} GB/s"),
+        ("torch.save from rank 0", r["torch_save"], f"{r['torch_save'] / sync:.2f}x sync save"),
+    ]
+    for name, secs, note in rows:
+        print(f"  {name:<24} {secs:8.3f} s   {note}")
+    step_s, per_save = r["step_s"], r["per_save"]
+    print(f"\ntraining: {step_s:.3f} s/step without checkpoints (median of {args.pairs} blocks of {args.every} steps)")
+    print(
+        f"  one async save per block: {per_save:+.3f} s per save (median of block pairs), "
+        f"= {100 * per_save / (args.every * step_s):.1f}% at a save every {args.every} steps"
+    )
+    default_pct = 100 * (per_save / DEFAULT_INTERVAL_SECONDS + r["agree"] / step_s)
+    print(
+        f"  default interval ({DEFAULT_INTERVAL_SECONDS:.0f} s): {per_save:.3f} s per save + agreement "
+        f"{1e3 * r['agree']:.2f} ms/step = {default_pct:.2f}% overhead (target <= 5%)"
+    )
+
+
+if __name__ == "__main__":
+    main()

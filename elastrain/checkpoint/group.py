@@ -1,0 +1,61 @@
+"""The checkpointer's own process groups, and the few collectives it needs; a 1-process world without dist."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Group:
+    """A gloo group over the ranks of ``parent`` (the default group when ``None``), with its own timeout.
+
+    The checkpointer uses two: one for the training thread (agreeing when to save, restoring) and one
+    for the background save, so that collectives of the two threads never interleave on one group.
+    Creating one is a collective over the default group: every process must construct it.
+    """
+
+    def __init__(self, parent: dist.ProcessGroup | None = None, timeout_s: float | None = None) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.pg: dist.ProcessGroup | None = None
+        if not self.distributed:
+            self.rank, self.world_size = 0, 1
+            return
+        ranks = None if parent is None else dist.get_process_group_ranks(parent)
+        timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        self.pg = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        self.rank = dist.get_rank(self.pg)
+        self.world_size = dist.get_world_size(self.pg)
+
+    def all_max(self, values: list[int]) -> list[int]:
+        if not self.distributed:
+            return values
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        return [int(v) for v in t.tolist()]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)  # type: ignore[arg-type]
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.pg)
+
+    def destroy(self) -> None:
+        if self.pg is not None:
+            dist.destroy_process_group(self.pg)
+            self.pg = None

@@ -1,0 +1,311 @@
+"""Fast worker start: fork workers from a process that already imported torch (``--zygote true``).
+
+A fresh worker pays ``import torch`` (1.3-2 s on an idle machine, 4-8 s on a loaded one) on every
+membership change. The agent starts one *zygote* per node when it starts; the zygote imports the
+preload modules once, then forks a worker for each request and reports its exit code. Workers keep
+every guarantee of the normal path: own session, same environment and arguments, stdout/stderr
+redirection, death with the agent (zygote and worker both carry ``PR_SET_PDEATHSIG``).
+
+Only ``python [-u] script.py ...`` and ``python [-u] -m module ...`` commands are forked; anything
+else (``--no-python``, other interpreters) starts the normal way. Caveat: environment variables that
+a module reads *at import time* are those of the agent, not the worker's (torch reads RANK,
+MASTER_ADDR and friends at run time, so they are unaffected).
+
+The agent side is :class:`Zygote` plus :func:`start_processes`, which replaces torch's function of
+that name for the duration of one worker start (see ``ElastrainAgent._start_workers``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import api as mp_api
+from torch.distributed.elastic.multiprocessing import start_processes as torch_start_processes
+
+from elastrain.errors import ElastrainError
+from elastrain.launcher import orphans
+from elastrain.log import lifecycle
+
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.distributed.distributed_c10d")
+_PR_SET_PDEATHSIG = 1
+
+
+class ZygoteError(ElastrainError):
+    """The zygote could not start or fork a worker; workers then start the normal way."""
+
+
+# -- agent side -------------------------------------------------------------------------------------
+
+
+class Zygote:
+    """The agent's handle on its zygote process."""
+
+    def __init__(self, preload: tuple[str, ...] = DEFAULT_PRELOAD) -> None:
+        parent, child = socket.socketpair()
+        self._sock = parent
+        self._file = parent.makefile("rwb", buffering=0)
+        code = f"from elastrain.launcher.zygote import serve; serve({child.fileno()}, {list(preload)!r})"
+        entry, args = orphans.wrap(sys.executable, ["-c", code])
+        self.proc = subprocess.Popen([entry, *map(str, args)], pass_fds=[child.fileno()], start_new_session=True)
+        child.close()
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._spawned: dict[int, threading.Event] = {}
+        self._pids: dict[int, int] = {}
+        self.exit_codes: dict[int, int] = {}
+        self._next = 0
+        self.ready_s: float | None = None
+        self._started = time.monotonic()
+        threading.Thread(target=self._read, name="elastrain-zygote", daemon=True).start()
+
+    def _read(self) -> None:
+        for raw in self._file:
+            msg = json.loads(raw)
+            if "ready" in msg:
+                self.ready_s = time.monotonic() - self._started
+                self._ready.set()
+            elif "spawned" in msg:
+                self._pids[int(msg["spawned"])] = int(msg["pid"])
+                self._spawned[int(msg["spawned"])].set()
+            elif "exited" in msg:
+                self.exit_codes[int(msg["exited"])] = int(msg["code"])
+        # The zygote is gone: its workers died with it (PDEATHSIG).
+        self._ready.set()
+        for pid in list(self._pids.values()):
+            self.exit_codes.setdefault(pid, -int(signal.SIGKILL))
+        for ev in self._spawned.values():
+            ev.set()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def spawn(self, argv: list[str], env: dict[str, str], stdout: str | None, stderr: str | None) -> int:
+        """Fork one worker; returns its pid."""
+        if not self._ready.wait(timeout=120) or not self.alive:
+            raise ZygoteError("the zygote did not become ready (see its output above)")
+        with self._lock:
+            self._next += 1
+            rid = self._next
+            self._spawned[rid] = threading.Event()
+            full_env = {**os.environ, **env}  # as torch's SubprocessHandler does
+            req = {"id": rid, "argv": argv, "env": full_env, "cwd": os.getcwd(), "stdout": stdout, "stderr": stderr}
+            self._file.write(json.dumps(req).encode() + b"\n")
+        if not self._spawned[rid].wait(timeout=30) or rid not in self._pids:
+            raise ZygoteError("the zygote did not fork the worker")
+        return self._pids[rid]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        if self.alive:
+            self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+
+
+def python_command(entrypoint: str, args: tuple[Any, ...]) -> list[str] | None:
+    """``sys.argv`` for the forked worker, or ``None`` if this command cannot be forked from the zygote."""
+    argv = [str(a) for a in args]
+    if entrypoint == sys.executable and argv[:3] == ["-S", "-c", orphans.WRAPPER] and len(argv) > 4:
+        entrypoint, argv = argv[4], argv[5:]  # unwrap orphans.wrap (the zygote sets PDEATHSIG itself)
+    if os.path.realpath(entrypoint) != os.path.realpath(sys.executable):
+        return None
+    while argv and argv[0] == "-u":
+        argv = argv[1:]
+    if argv[:1] == ["-m"] and len(argv) > 1:
+        return ["-m", *argv[1:]]
+    if argv and not argv[0].startswith("-"):
+        return argv
+    return None
+
+
+class _ZygoteProc:
+    """The slice of ``subprocess.Popen`` that torch's SubprocessContext uses."""
+
+    def __init__(self, zygote: Zygote, pid: int) -> None:
+        self.zygote, self.pid = zygote, pid
+
+    def poll(self) -> int | None:
+        return self.zygote.exit_codes.get(self.pid)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            time.sleep(0.02)
+        return code
+
+
+class _ZygoteHandler:
+    def __init__(self, proc: _ZygoteProc, local_rank: int) -> None:
+        self.proc, self.local_rank_id = proc, local_rank
+
+    def close(self, death_sig: signal.Signals | None = None) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, death_sig or signal.SIGTERM)
+
+
+class ZygoteContext(mp_api.SubprocessContext):
+    """torch's SubprocessContext whose processes are forked by the zygote."""
+
+    zygote: Zygote
+    argvs: dict[int, list[str]]
+
+    def _start(self) -> None:
+        self.subprocess_handlers = {
+            r: _ZygoteHandler(  # type: ignore[misc]
+                _ZygoteProc(
+                    self.zygote, self.zygote.spawn(self.argvs[r], self.envs[r], self.stdouts[r], self.stderrs[r])
+                ),
+                r,
+            )
+            for r in range(self.nprocs)
+        }
+
+
+def start_processes(zygote: Zygote, **kwargs: Any) -> mp_api.PContext:
+    """torch's ``start_processes``, forking from ``zygote`` where the command allows it."""
+    entrypoint, args = kwargs["entrypoint"], kwargs["args"]
+    argvs = {r: python_command(entrypoint, a) for r, a in args.items()} if isinstance(entrypoint, str) else {}
+    why = (
+        "the zygote died"
+        if not zygote.alive
+        else "not a python script or module"
+        if not argvs or any(v is None for v in argvs.values())
+        else "numa binding"
+        if kwargs.get("numa_options")
+        else None
+    )
+    if why is not None:
+        lifecycle("zygote_skipped", why=why)
+        return torch_start_processes(**kwargs)
+    kwargs.pop("start_method", None)
+    ctx = ZygoteContext(**kwargs)
+    ctx.zygote = zygote
+    ctx.argvs = {r: v for r, v in argvs.items() if v is not None}
+    try:
+        ctx.start()
+    except Exception:
+        ctx.close()
+        raise
+    return ctx
+
+
+@contextlib.contextmanager
+def forking_from(zygote: Zygote | None) -> Iterator[None]:
+    """Within this block, torch's LocalElasticAgent starts workers through ``zygote``."""
+    if zygote is None:
+        yield
+        return
+    from torch.distributed.elastic.agent.server import local_elastic_agent as lea
+
+    original = getattr(lea, "start_processes")  # noqa: B009 - not re-exported; patched for this block only
+    setattr(lea, "start_processes", lambda **kw: start_processes(zygote, **kw))  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(lea, "start_processes", original)  # noqa: B010
+
+
+# -- zygote side ------------------------------------------------------------------------------------
+
+
+def _prctl_pdeathsig() -> None:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+def serve(fd: int, preload: list[str]) -> None:
+    """The zygote's main loop: preload, then fork one worker per request and report exits."""
+    import importlib
+    import selectors
+
+    for name in preload:
+        importlib.import_module(name)
+    sock = socket.socket(fileno=fd)
+    out = sock.makefile("wb", buffering=0)
+    out.write(b'{"ready": true}\n')
+    children: set[int] = set()
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ)
+    buf = b""
+    while True:
+        for _ in sel.select(timeout=0.02):
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                os._exit(0)
+            buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            req = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                sel.close()
+                out.close()
+                sock.close()
+                _become_worker(req)
+            children.add(pid)
+            out.write(json.dumps({"spawned": req["id"], "pid": pid}).encode() + b"\n")
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                children.discard(pid)
+                code = os.waitstatus_to_exitcode(status)
+                out.write(json.dumps({"exited": pid, "code": code}).encode() + b"\n")
+
+
+def _become_worker(req: dict[str, Any]) -> None:
+    code = 1
+    try:
+        os.setsid()
+        _prctl_pdeathsig()
+        os.environ.clear()
+        os.environ.update(req["env"])
+        os.chdir(req["cwd"])
+        for stream, target in ((1, req.get("stdout")), (2, req.get("stderr"))):
+            if target:
+                f = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                os.dup2(f, stream)
+                os.close(f)
+        sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]  # python -u
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        import runpy
+
+        argv: list[str] = req["argv"]
+        if argv[0] == "-m":
+            sys.argv = argv[1:]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = argv
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int) and exc.code is not None:
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)

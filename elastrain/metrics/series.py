@@ -1,0 +1,97 @@
+"""Metrics keyed by global step that stay continuous across restarts.
+
+Each start of the workers is a *segment* with a token that all ranks share. Rank 0 opens the
+segment with the step it restored; every point carries its segment's token and global step. When
+the job restarts from step ``R``, the points earlier segments logged after ``R`` were computed by
+steps that the restart re-runs: :func:`read_metrics` marks them *superseded*, so each step shows
+once, with its final value, and the series continues from ``R + 1`` without a jump back to 0.
+
+Several processes may append to the same file (each line is one ``O_APPEND`` write), and the
+order of points within the file does not matter, only the order of segments.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastrain.metrics.events import append_json_line, read_json_lines
+
+METRICS_FILENAME = "metrics.jsonl"
+
+
+class MetricsWriter:
+    """Appends points of one segment to a metrics file."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], segment: str, restored_step: int = 0, open_segment: bool = True
+    ) -> None:
+        """``open_segment``: write the segment's header (rank 0 does; other ranks only add points)."""
+        self.path = Path(path)
+        self.segment = segment
+        self.restored_step = restored_step
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if open_segment:
+            append_json_line(
+                self.path,
+                {"kind": "segment", "segment": segment, "restored_step": restored_step, "time": round(time.time(), 3)},
+            )
+
+    def log(self, step: int, **values: Any) -> None:
+        """Record ``values`` (JSON-able) at global ``step``."""
+        append_json_line(
+            self.path,
+            {"kind": "point", "segment": self.segment, "step": step, "time": round(time.time(), 3), "values": values},
+        )
+
+
+@dataclass(frozen=True)
+class Point:
+    segment: str
+    step: int
+    values: dict[str, Any]
+    time: float
+
+
+@dataclass
+class MetricsHistory:
+    """What a metrics file says once restarts are accounted for."""
+
+    segments: list[str] = field(default_factory=list)
+    restored_steps: dict[str, int] = field(default_factory=dict)
+    active: list[Point] = field(default_factory=list)
+    superseded: list[Point] = field(default_factory=list)
+
+    def series(self, name: str) -> list[tuple[int, Any]]:
+        """``(step, value)`` for ``name`` over the active points, in step order."""
+        points = sorted((p for p in self.active if name in p.values), key=lambda p: p.step)
+        return [(p.step, p.values[name]) for p in points]
+
+
+def read_metrics(path: str | os.PathLike[str]) -> MetricsHistory:
+    """Read a metrics file and split its points into active and superseded."""
+    history = MetricsHistory()
+    order: dict[str, int] = {}
+    points: list[Point] = []
+    for record in read_json_lines(path):
+        seg = str(record.get("segment", ""))
+        if seg not in order:
+            order[seg] = len(order)
+            history.segments.append(seg)
+        if record.get("kind") == "segment":
+            history.restored_steps[seg] = int(record.get("restored_step", 0))
+        elif record.get("kind") == "point":
+            points.append(Point(seg, int(record["step"]), dict(record.get("values", {})), float(record.get("time", 0))))
+    # The lowest step any *later* segment restarted from bounds what a segment's points may keep.
+    limit: dict[str, float] = {}
+    lowest = float("inf")
+    for seg in reversed(history.segments):
+        limit[seg] = lowest
+        if seg in history.restored_steps:
+            lowest = min(lowest, history.restored_steps[seg])
+    for p in points:
+        (history.active if p.step <= limit[p.segment] else history.superseded).append(p)
+    return history

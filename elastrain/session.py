@@ -1,0 +1,496 @@
+"""Session: a plain PyTorch loop made elastic with about ten added lines.
+
+::
+
+    from elastrain.session import Session
+
+    with Session(model, optimizer, dataset, global_batch=64, micro_batch=8, collate_fn=collate,
+                 max_steps=1000, save_every_steps=50) as session:
+        for step in session:                      # until max_steps / epochs
+            for mb in step:                       # this rank's micro-batches; DDP no_sync handled
+                loss = session.model(**mb.data).loss
+                step.backward(loss, mb)           # scaled: the gradient is the global batch's mean
+            step.optimizer_step()                 # LR, optimizer, data cursor, checkpoint, metrics
+            step.log(loss=loss.item())
+
+The session initialises the process group (gloo on CPU, nccl on GPU, with the launcher's collective
+timeout), wraps the model in DDP, plans the batch with a scaling policy, feeds a ``DataLoader``
+through an :class:`~elastrain.data.ElasticSampler`, restores the newest checkpoint, and after every
+optimizer step advances the train state, saves when due (or when the launcher asks) and writes the
+events and metrics files. The model is yours: anything whose batches come out of a ``collate_fn``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+from elastrain.checkpoint import Checkpointer, RestoreInfo
+from elastrain.control import ControlChannel
+from elastrain.data import ElasticSampler, EpochEnd, RankStep
+from elastrain.env import WorkerEnv
+from elastrain.errors import ElastrainError
+from elastrain.log import configure, lifecycle
+from elastrain.metrics import (
+    EVENTS_FILENAME,
+    METRICS_FILENAME,
+    EventsFile,
+    MetricsWriter,
+    TensorBoardWriter,
+    read_metrics,
+    tensorboard_available,
+)
+from elastrain.scaling import BatchPlan, Policy, ScalingConfig, Schedule, loss_scale, plan, ramped_scale
+from elastrain.train_state import TrainState
+
+
+class SessionError(ElastrainError):
+    """The training loop used the session out of order."""
+
+
+def move_to(data: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """``data`` with every tensor inside (dicts, lists, tuples) moved to ``device``."""
+    if isinstance(data, torch.Tensor):
+        return data.to(device, non_blocking=non_blocking)
+    if isinstance(data, Mapping):
+        moved_map = {k: move_to(v, device, non_blocking) for k, v in data.items()}
+        try:
+            return type(data)(moved_map)  # type: ignore[call-arg]
+        except TypeError:  # a mapping type that cannot be built from a dict (defaultdict)
+            return moved_map
+    if isinstance(data, (list, tuple)):
+        moved = [move_to(v, device, non_blocking) for v in data]
+        return type(data)(moved) if not hasattr(data, "_fields") else type(data)(*moved)
+    return data
+
+
+class MicroBatch:
+    """One forward/backward pass worth of this rank's data."""
+
+    def __init__(self, data: Any, indices: Sequence[int], loss_scale: float) -> None:
+        self.data = data
+        self.indices = list(indices)
+        """Dataset indices in this micro-batch."""
+        self.loss_scale = loss_scale
+        """Multiply the micro-batch's *mean* loss by this before ``backward`` (``Step.backward`` does)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.indices)
+
+
+class Step:
+    """One optimizer step: iterate it for the micro-batches, then call :meth:`optimizer_step`."""
+
+    def __init__(self, session: Session, rank_step: RankStep, micro: list[MicroBatch], lr: float | None) -> None:
+        self._session = session
+        self.rank_step = rank_step
+        self.micro_batches = micro
+        self.number = session.state.step + 1
+        """The global step number this step gets once done (1-based, continuous across restarts)."""
+        self.epoch = rank_step.range.start.epoch
+        self.lr = lr
+        """The learning rate of the first parameter group for this step (None: the session leaves LR alone)."""
+        self.global_size = rank_step.global_size
+        self._loss_sum: torch.Tensor | float = 0.0
+        self._done = False
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        model = self._session.model
+        last = len(self.micro_batches) - 1
+        for i, mb in enumerate(self.micro_batches):
+            # Gradients are all-reduced once per step, on the last micro-batch's backward.
+            sync = i == last or not isinstance(model, DistributedDataParallel)
+            with contextlib.nullcontext() if sync else model.no_sync():  # type: ignore[operator]
+                yield mb
+
+    def backward(self, loss: torch.Tensor, mb: MicroBatch) -> None:
+        """``(loss × mb.loss_scale).backward()`` for a loss that is the mean over ``mb``'s samples (or tokens)."""
+        scaled = loss * mb.loss_scale
+        self._loss_sum = self._loss_sum + scaled.detach().to(torch.float64)  # no device sync per micro-batch
+        scaled.backward()  # type: ignore[no-untyped-call]
+
+    def mean_loss(self) -> float:
+        """The step's loss averaged over all its samples on all ranks (a collective: call it on every rank)."""
+        # On the model's device: nccl reduces CUDA tensors only.
+        total = torch.as_tensor(self._loss_sum, dtype=torch.float64, device=self._session.device).reshape(1)
+        if self._session.distributed:
+            dist.all_reduce(total)
+        return float(total.item()) / self._session.world_size
+
+    def optimizer_step(self) -> None:
+        """Apply the optimizer, clear gradients, and commit the step (data cursor, state, checkpoint)."""
+        if self._done:
+            raise SessionError(f"optimizer_step() called twice for step {self.number}")
+        self._done = True
+        self._session._finish(self)
+
+    def log(self, **values: Any) -> None:
+        """Record metrics at this step's global number (rank 0 writes; tensors become floats)."""
+        self._session.log(self.number, **values)
+
+
+class Session:
+    """Process group, DDP, elastic data, scaling policy, checkpoints and metrics for one training loop."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: Dataset[Any],
+        *,
+        global_batch: int | None = None,
+        micro_batch: int = 1,
+        policy: Policy | str = Policy.CONSTANT,
+        accumulation: int = 1,
+        reference_world_size: int | None = None,
+        rescale_warmup_steps: int = 0,
+        lr_schedule: Schedule | None = None,
+        max_steps: int | None = None,
+        epochs: int | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        seed: int = 0,
+        shuffle: bool = True,
+        epoch_end: EpochEnd | str = EpochEnd.PARTIAL,
+        token_count: Callable[[Any], int] | None = None,
+        checkpoint_dir: str | None = None,
+        save_every_steps: int | None = None,
+        save_every_seconds: float | None = None,
+        keep_last: int = 3,
+        async_save: bool = True,
+        metrics_dir: str | None = None,
+        tensorboard_dir: str | None = None,
+        extra_state: Mapping[str, Any] | None = None,
+        ddp: bool = True,
+        ddp_kwargs: Mapping[str, Any] | None = None,
+        device: torch.device | str | None = None,
+        env: WorkerEnv | None = None,
+    ) -> None:
+        """See the module docstring; the batch settings are :class:`~elastrain.scaling.ScalingConfig`'s.
+
+        ``lr_schedule`` maps samples consumed to a multiplier on each parameter group's initial LR.
+        With neither a schedule nor an LR-scaling policy the session never touches the LR (use your
+        own scheduler, registered through ``extra_state``). ``token_count(batch)`` switches loss
+        normalisation from samples to tokens (one scalar all-reduce per step).
+        """
+        self.config = ScalingConfig(
+            policy=Policy(policy),
+            global_batch=global_batch,
+            micro_batch=micro_batch,
+            accumulation=accumulation,
+            reference_world_size=reference_world_size,
+            rescale_warmup_steps=rescale_warmup_steps,
+        )
+        if max_steps is None and epochs is None:
+            raise SessionError("give max_steps or epochs: Session(..., max_steps=N) says when training ends")
+        self.env = env or WorkerEnv.from_environ()
+        self.module = model
+        self.model: torch.nn.Module = model
+        self.optimizer = optimizer
+        self.dataset = dataset
+        self.max_steps = max_steps
+        self.epochs = epochs
+        self.lr_schedule = lr_schedule
+        self.token_count = token_count
+        self._loader_kwargs: dict[str, Any] = {
+            "collate_fn": collate_fn,
+            "num_workers": num_workers,
+            "pin_memory": pin_memory,
+        }
+        self._sampler_kwargs: dict[str, Any] = {"seed": seed, "shuffle": shuffle, "epoch_end": EpochEnd(epoch_end)}
+        self._checkpoint_dir = checkpoint_dir or self.env.checkpoint_dir
+        self._ckpt_kwargs: dict[str, Any] = {
+            "keep_last": keep_last,
+            "interval_steps": save_every_steps,
+            "interval_seconds": save_every_seconds,
+            "async_save": async_save,
+        }
+        self._metrics_dir = metrics_dir or self._checkpoint_dir
+        self._tensorboard_dir = tensorboard_dir
+        self._extra_state = dict(extra_state or {})
+        self._use_ddp = ddp
+        self._ddp_kwargs = dict(ddp_kwargs or {})
+        self.device = torch.device(device) if device is not None else self._default_device()
+        self._base_lrs = [float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]
+
+        self.state = TrainState()
+        self.world_size = self.env.world_size
+        self.rank = self.env.rank
+        self.distributed = False
+        self._owns_group = False
+        self.plan: BatchPlan | None = None
+        self.sampler: ElasticSampler | None = None
+        self.checkpointer: Checkpointer | None = None
+        self.restored: RestoreInfo | None = None
+        self.segment = ""
+        self.events = EventsFile(None)
+        self._metrics: MetricsWriter | None = None
+        self._tensorboard: TensorBoardWriter | None = None
+        self._loader: DataLoader[Any] | None = None
+        self._steps: Iterator[RankStep] | None = None
+        self._batches: Iterator[Any] | None = None
+        self._current: Step | None = None
+        self._started = False
+        self._stop_requested = False
+        self._steps_rerun = 0
+        # Rank 0 watches the launcher's save requests only to record them as events; the checkpointer acts on them.
+        self._control = ControlChannel(self.env.control_dir) if self.env.control_dir and self.rank == 0 else None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def _default_device(self) -> torch.device:
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.env.local_rank)
+        return torch.device("cpu")
+
+    def _init_process_group(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            self.distributed = True
+        elif self.env.world_size > 1 or self.env.under_elastrain:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            timeout = timedelta(seconds=self.env.collective_timeout_s) if self.env.collective_timeout_s else None
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            dist.init_process_group(backend=backend, timeout=timeout)
+            self.distributed = self._owns_group = True
+        if self.distributed:
+            self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+
+    def start(self) -> Session:
+        """Everything up to the first step; ``with Session(...)`` calls it."""
+        if self._started:
+            return self
+        self._started = True
+        configure()
+        self._init_process_group()
+        self.module.to(self.device)
+        if self.distributed and self._use_ddp:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = DistributedDataParallel(self.module, device_ids=ids, **self._ddp_kwargs)
+        # Batch sizes do not depend on the LR reference, so the sampler can be built before the restore.
+        self.plan = plan(self.config, self.world_size)
+        self.sampler = ElasticSampler(self.dataset, self.plan, self.rank, **self._sampler_kwargs)  # type: ignore[arg-type]
+        if self._checkpoint_dir:
+            self.checkpointer = Checkpointer(directory=self._checkpoint_dir, **self._ckpt_kwargs)
+            self.checkpointer.register(
+                model=self.module,
+                optimizer=self.optimizer,
+                train_state=self.state,
+                sampler=self.sampler,
+                **self._extra_state,
+            )
+            self.restored = self.checkpointer.restore()
+        else:
+            lifecycle("checkpoints_disabled", level=logging.WARNING, why="no checkpoint_dir and no --checkpoint-dir")
+        self.plan = plan(self.config, self.world_size, self.state.reference_world_size or self.world_size)
+        self.sampler.plan = self.plan
+        previous = self.state.world_size
+        changed = self.state.start(self.world_size, lr_scale=self.plan.lr_scale)
+        self.segment = self._agree_on_segment()
+        restored_step = self.restored.step if self.restored else 0
+        if self.rank == 0:
+            self._open_metrics(restored_step)
+            self.events.record(
+                "start",
+                world_size=self.world_size,
+                start_reason=self.env.start_reason.value,
+                restart_count=self.env.restart_count,
+                restored_step=self.restored.step if self.restored else None,
+                checkpoint=self.restored.path if self.restored else None,
+                samples_seen=self.state.samples_seen,
+                epoch=self.sampler.epoch,
+                cursor=self.sampler.position.cursor,
+            )
+            if self.restored is not None:
+                self.events.record(
+                    "restore",
+                    step=self.restored.step,
+                    path=self.restored.path,
+                    saved_world_size=self.restored.world_size,
+                    steps_rerun=self._steps_rerun,
+                )
+            lr = self._lr_for_next_step()
+            fields: dict[str, Any] = {
+                "world_size": f"{previous if previous is not None else 'none'}->{self.world_size}",
+                "policy": self.plan.policy.value,
+                "global_batch": self.plan.global_batch,
+                "micro_batch": self.plan.micro_batch,
+                "accumulation": self.plan.accumulation,
+                # With no LR policy or schedule the script's own LR (or scheduler) stands.
+                "lr": f"{lr if lr is not None else self.optimizer.param_groups[0]['lr']:.6g}",
+                "step": self.state.step,
+            }
+            lifecycle("rescale" if changed is not None else "batch_plan", **fields)
+            if changed is not None:
+                self.events.record("world_size_changed", old=changed, new=self.world_size, step=self.state.step)
+                self.events.record("rescale", **fields)
+        return self
+
+    def _agree_on_segment(self) -> str:
+        token = [uuid.uuid4().hex[:12]]
+        if self.distributed:
+            dist.broadcast_object_list(token, src=0)
+        return str(token[0])
+
+    def _open_metrics(self, restored_step: int) -> None:
+        events_path = self.env.events_file
+        if self._metrics_dir:
+            Path(self._metrics_dir).mkdir(parents=True, exist_ok=True)
+            events_path = events_path or str(Path(self._metrics_dir) / EVENTS_FILENAME)
+            metrics_path = Path(self._metrics_dir) / METRICS_FILENAME
+            # Steps logged past the restored one were computed by a start that died: they are re-run now.
+            logged = max((p.step for p in read_metrics(metrics_path).active), default=0)
+            self._steps_rerun = max(0, logged - restored_step)
+            self._metrics = MetricsWriter(metrics_path, self.segment, restored_step)
+        self.events = EventsFile(events_path, run_id=self.env.run_id, segment=self.segment)
+        if self._tensorboard_dir:
+            if tensorboard_available():
+                self._tensorboard = TensorBoardWriter(self._tensorboard_dir, restored_step)
+            else:
+                lifecycle("tensorboard_unavailable", level=logging.WARNING, fix="pip install 'elastrain[tensorboard]'")
+
+    def close(self, save: bool = True) -> None:
+        """Save the final step (unless ``save`` is false), then release checkpoint threads and the process group."""
+        self._batches = self._steps = self._loader = None  # stops DataLoader workers
+        if self.checkpointer is not None:
+            final = save and self.state.step > 0
+            if final and self.checkpointer.save(self.state.step, blocking=True, reason="final"):
+                self.events.record("checkpoint", step=self.state.step, reason="final")
+            self.checkpointer.close()
+            self.checkpointer = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+        if self.rank == 0 and self._started:
+            self.events.record("finish" if save else "stop", step=self.state.step, samples_seen=self.state.samples_seen)
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+
+    def __enter__(self) -> Session:
+        return self.start()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # After an exception the step in flight is half done: never save it.
+        self.close(save=exc_type is None)
+
+    # -- the loop --------------------------------------------------------------------------------
+    @property
+    def should_stop(self) -> bool:
+        """True once max_steps or epochs are reached, or after :meth:`request_stop`."""
+        if self._stop_requested:
+            return True
+        if self.max_steps is not None and self.state.step >= self.max_steps:
+            return True
+        return self.epochs is not None and self.sampler is not None and self.sampler.epoch >= self.epochs
+
+    def request_stop(self) -> None:
+        self._stop_requested = True
+
+    def __iter__(self) -> Iterator[Step]:
+        self.start()
+        while not self.should_stop:
+            step = self.next_step()
+            yield step
+            if not step._done:
+                raise SessionError(f"step {step.number} ended without step.optimizer_step()")
+
+    def next_step(self) -> Step:
+        """The next step's micro-batches (already loaded) and LR; the loop calls it via ``for step in session``."""
+        if self._current is not None and not self._current._done:
+            raise SessionError(f"step {self._current.number} is not finished: call step.optimizer_step() first")
+        sampler = self._require_sampler()
+        rank_step = next(self._steps, None) if self._steps is not None else None
+        if rank_step is None:
+            # A new epoch (or the first step): the loader and the step plan start from the same committed position.
+            self._loader = DataLoader(self.dataset, batch_sampler=sampler, **self._loader_kwargs)
+            self._steps = sampler.steps(sampler.position)
+            self._batches = iter(self._loader)
+            rank_step = next(self._steps)
+        if self._batches is None:
+            raise SessionError("internal: no batch iterator")
+        datas = [next(self._batches) for _ in rank_step.micro_batches]
+        non_blocking = bool(self._loader_kwargs["pin_memory"]) and self.device.type == "cuda"
+        if self.device.type != "cpu":
+            datas = [move_to(d, self.device, non_blocking) for d in datas]
+        scales = self._loss_scales(rank_step, datas)
+        micro = [MicroBatch(d, idx, s) for d, idx, s in zip(datas, rank_step.micro_batches, scales, strict=True)]
+        lr = self._apply_lr()
+        self._current = Step(self, rank_step, micro, lr)
+        return self._current
+
+    def _loss_scales(self, rank_step: RankStep, datas: list[Any]) -> list[float]:
+        if self.token_count is None:
+            return [loss_scale(len(idx), self.world_size, rank_step.global_size) for idx in rank_step.micro_batches]
+        counts = [int(self.token_count(d)) for d in datas]
+        total = torch.tensor([sum(counts)], dtype=torch.int64, device=self.device)
+        if self.distributed:
+            dist.all_reduce(total)
+        return [loss_scale(c, self.world_size, int(total.item())) for c in counts]
+
+    def _lr_for_next_step(self) -> float | None:
+        mult = self._lr_multiplier()
+        return None if mult is None else self._base_lrs[0] * mult
+
+    def _lr_multiplier(self) -> float | None:
+        if self.plan is None or (self.lr_schedule is None and self.plan.policy is Policy.CONSTANT):
+            return None
+        scale = ramped_scale(
+            self.state.previous_lr_scale(),
+            self.plan.lr_scale,
+            self.state.steps_since_change,
+            self.config.rescale_warmup_steps,
+        )
+        schedule = self.lr_schedule(self.state.samples_seen) if self.lr_schedule is not None else 1.0
+        return scale * schedule
+
+    def _apply_lr(self) -> float | None:
+        mult = self._lr_multiplier()
+        if mult is None:
+            return None
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
+            group["lr"] = base * mult
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _finish(self, step: Step) -> None:
+        if step is not self._current:
+            raise SessionError(f"optimizer_step() of step {step.number}, but the current step is another one")
+        sampler = self._require_sampler()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        sampler.commit(step.rank_step)
+        self.state.advance(step.global_size, sampler.epoch)
+        request = self._control.pending() if self._control is not None else None
+        if self.checkpointer is not None and self.checkpointer.maybe_save(self.state.step):
+            # A save the launcher asked for announces a membership change: a preemption notice, a node leaving.
+            self.events.record("checkpoint", step=self.state.step, requested=request.reason if request else None)
+            if request is not None and self._control is not None:
+                self._control.mark_handled(request.request_id)
+                # The agent asks with "leave: <why>" when its node goes (SIGTERM, a preemption notice).
+                kind = "preemption" if request.reason.startswith("leave") else "membership_change"
+                self.events.record(kind, step=self.state.step, reason=request.reason)
+
+    def log(self, step: int, **values: Any) -> None:
+        if self.rank != 0:
+            return
+        plain = {k: float(v.item()) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+        if self._metrics is not None:
+            self._metrics.log(step, **plain)
+        if self._tensorboard is not None:
+            self._tensorboard.log(step, **plain)
+
+    def _require_sampler(self) -> ElasticSampler:
+        if self.sampler is None:
+            raise SessionError("the session is not started: use `with Session(...) as session:` or session.start()")
+        return self.sampler

@@ -1,0 +1,259 @@
+"""The Checkpointer in one process (no torch.distributed): round trips, fallback, mismatch, requests."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from elastrain import env as env_vars
+from elastrain.checkpoint import Checkpointer, layout
+from elastrain.control import ControlChannel
+from elastrain.errors import CheckpointError, CheckpointMismatchError
+from elastrain.log import parse_event_line
+
+
+class Events(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[dict[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        parsed = parse_event_line(record.getMessage())
+        if parsed:
+            self.events.append(parsed)
+
+    def named(self, name: str) -> list[dict[str, str]]:
+        return [e for e in self.events if e["event"] == name]
+
+
+@pytest.fixture
+def events() -> Iterator[Events]:
+    handler = Events()
+    logger = logging.getLogger("elastrain")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(old_level)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in env_vars.ALL_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+        self.history: list[int] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "history": list(self.history)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.n, self.history = sd["n"], list(sd["history"])
+
+
+class Job:
+    def __init__(self, width: int = 8) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 2))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.01)
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, 2)
+        self.counter = Counter()
+
+    def step(self, i: int) -> None:
+        self.model(torch.randn(3, 4)).pow(2).sum().backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.sched.step()
+        self.counter.n = i
+        self.counter.history.append(i)
+
+    def checkpointer(self, root: Path | str, **kw: Any) -> Checkpointer:
+        ckpt = Checkpointer(root, **kw)
+        ckpt.register(model=self.model, optimizer=self.opt, scheduler=self.sched, counter=self.counter)
+        return ckpt
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "params": [p.detach().clone() for p in self.model.parameters()],
+            "adam": [{k: v.clone() for k, v in self.opt.state[p].items()} for p in self.model.parameters()],
+            "sched": self.sched.state_dict(),
+            "counter": self.counter.state_dict(),
+        }
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
+    for sa, sb in zip(a["adam"], b["adam"], strict=True):
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert a["sched"] == b["sched"] and a["counter"] == b["counter"]
+
+
+def train(job: Job, ckpt: Checkpointer, first: int, last: int) -> dict[int, dict[str, Any]]:
+    snaps = {}
+    for i in range(first, last + 1):
+        job.step(i)
+        if ckpt.maybe_save(i):
+            snaps[i] = job.snapshot()
+    return snaps
+
+
+def test_no_directory_names_the_flag() -> None:
+    with pytest.raises(CheckpointError, match="--checkpoint-dir"):
+        Checkpointer()
+
+
+def test_directory_comes_from_the_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(env_vars.CHECKPOINT_DIR, str(tmp_path / "c"))
+    with Checkpointer() as ckpt:
+        assert ckpt.root == str(tmp_path / "c")
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_round_trip_is_bit_exact_and_resumes_the_rng(tmp_path: Path, async_save: bool, events: Events) -> None:
+    job = Job()
+    with job.checkpointer(tmp_path, interval_steps=3, async_save=async_save) as ckpt:
+        assert ckpt.restore() is None
+        snaps = train(job, ckpt, 1, 6)
+        after = (torch.rand(1), random.random())
+        job.step(7)  # changes parameters and AdamW state while step 6 may still be copied / written
+    assert sorted(snaps) == [3, 6]
+    committed = events.named("checkpoint_committed")
+    assert [e["step"] for e in committed] == ["3", "6"] and "stall_s" in committed[0] and "total_s" in committed[0]
+
+    fresh = Job(width=8)
+    with fresh.checkpointer(tmp_path) as ckpt:
+        info = ckpt.restore()
+    assert info is not None and (info.step, info.world_size) == (6, 1)
+    assert_same(snaps[6], fresh.snapshot())
+    assert torch.equal(torch.rand(1), after[0]) and random.random() == after[1]
+    assert events.named("checkpoint_restored")[-1]["step"] == "6"
+
+
+def test_corrupt_shard_falls_back_with_a_warning_naming_it(tmp_path: Path, events: Events) -> None:
+    job = Job()
+    with job.checkpointer(tmp_path, interval_steps=2) as ckpt:
+        snaps = train(job, ckpt, 1, 4)
+    shard = next((tmp_path / layout.step_dir_name(4)).glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same length, one flipped byte
+    shard.write_bytes(bytes(data))
+    fresh = Job()
+    with fresh.checkpointer(tmp_path) as ckpt:
+        info = ckpt.restore()
+    assert info is not None and info.step == 2
+    assert_same(snaps[2], fresh.snapshot())
+    fallback = events.named("checkpoint_fallback")
+    assert fallback[0]["bad"] == str(tmp_path / layout.step_dir_name(4)) and "CRC-32" in fallback[0]["reason"]
+
+
+def test_missing_marker_and_vanished_files_fall_back(tmp_path: Path, events: Events) -> None:
+    job = Job()
+    with job.checkpointer(tmp_path, interval_steps=1, keep_last=5) as ckpt:
+        train(job, ckpt, 1, 3)
+    (tmp_path / layout.step_dir_name(3) / layout.MARKER).unlink()
+    (tmp_path / layout.step_dir_name(2) / ".metadata").unlink()
+    with Job().checkpointer(tmp_path) as ckpt:
+        info = ckpt.restore()
+    assert info is not None and info.step == 1
+    reasons = [e["reason"] for e in events.named("checkpoint_fallback")]
+    assert "no commit marker" in reasons[0] and ".metadata is missing" in reasons[1]
+
+
+def test_checkpoint_of_another_model_is_a_clear_error(tmp_path: Path) -> None:
+    job = Job(width=8)
+    with job.checkpointer(tmp_path, interval_steps=1) as ckpt:
+        train(job, ckpt, 1, 1)
+    other = Job(width=16)
+    before = [p.detach().clone() for p in other.model.parameters()]
+    with other.checkpointer(tmp_path) as ckpt, pytest.raises(CheckpointMismatchError) as err:
+        ckpt.restore()
+    assert "model/0.weight (saved (8, 4), model has (16, 4))" in str(err.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.model.parameters(), strict=True))  # nothing loaded
+
+
+def test_unsaved_registered_object_is_a_clear_error(tmp_path: Path) -> None:
+    job = Job()
+    with job.checkpointer(tmp_path, interval_steps=1) as ckpt:
+        train(job, ckpt, 1, 1)
+    again = Job()
+    with again.checkpointer(tmp_path) as ckpt:
+        ckpt.register(sampler=Counter())
+        with pytest.raises(CheckpointMismatchError, match="no state for sampler"):
+            ckpt.restore()
+
+
+def test_retention_keeps_the_newest_and_never_overwrites(tmp_path: Path, events: Events) -> None:
+    job = Job()
+    with job.checkpointer(tmp_path, interval_steps=1, keep_last=2) as ckpt:
+        train(job, ckpt, 1, 5)
+        ckpt.wait()
+        assert [d.step for d in layout.list_step_dirs(str(tmp_path))] == [4, 5]
+        marker = (tmp_path / layout.step_dir_name(5) / layout.MARKER).read_bytes()
+        assert ckpt.save(5, blocking=True) is False
+        assert (tmp_path / layout.step_dir_name(5) / layout.MARKER).read_bytes() == marker
+    assert {e["removed"] for e in events.named("checkpoint_purged")} == {
+        str(tmp_path / layout.step_dir_name(s)) for s in (1, 2, 3)
+    }
+
+
+def test_save_on_request_at_the_next_step_and_ack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    control = tmp_path / "control"
+    monkeypatch.setenv(env_vars.CONTROL_DIR, str(control))
+    agent = ControlChannel(control)
+    job = Job()
+    with job.checkpointer(tmp_path / "c") as ckpt:
+        job.step(1)
+        assert not ckpt.maybe_save(1)
+        request = agent.request_save("sigterm")
+        job.step(2)
+        assert ckpt.maybe_save(2)
+        ack = agent.wait_ack(request.request_id, timeout_s=30)
+        job.step(3)
+        assert not ckpt.maybe_save(3)  # handled once
+    assert ack is not None and ack.step == 2 and ack.checkpoint == str(tmp_path / "c" / layout.step_dir_name(2))
+
+
+def test_interval_in_seconds(tmp_path: Path) -> None:
+    job = Job()
+    with job.checkpointer(tmp_path, interval_seconds=0.05) as ckpt:
+        job.step(1)
+        assert not ckpt.maybe_save(1)
+        time.sleep(0.1)
+        job.step(2)
+        assert ckpt.maybe_save(2)
+        assert not ckpt.maybe_save(2)
+
+
+def test_bad_settings_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="keep_last"):
+        Checkpointer(tmp_path, keep_last=0)
+    with pytest.raises(CheckpointError, match="interval_steps"):
+        Checkpointer(tmp_path, interval_steps=0)
+
+
+def test_fsspec_url_round_trip() -> None:
+    pytest.importorskip("fsspec")
+    root = f"memory://elastrain-ckpt-{time.monotonic_ns()}"
+    job = Job()
+    with job.checkpointer(root, interval_steps=2, keep_last=1) as ckpt:
+        snaps = train(job, ckpt, 1, 4)
+    assert [d.step for d in layout.list_step_dirs(root)] == [4]
+    fresh = Job()
+    with fresh.checkpointer(root) as ckpt:
+        info = ckpt.restore()
+    assert info is not None and info.path == f"{root}/{layout.step_dir_name(4)}"
+    assert_same(snaps[4], fresh.snapshot())

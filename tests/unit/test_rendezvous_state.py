@@ -1,0 +1,128 @@
+"""The pure rendezvous decisions: join, leave, evict, complete, change detection, liveness."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastrain.errors import RendezvousStateCorruptError
+from elastrain.rendezvous import state as st
+
+INFO = st.NodeInfo("127.0.0.1", 1000, 2000, 3000)
+
+
+def joined(*nodes: str, base: st.RendezvousState | None = None) -> st.RendezvousState:
+    s = base or st.RendezvousState()
+    for n in nodes:
+        s = st.join(s, n, INFO)
+    return s
+
+
+def formed(*nodes: str) -> st.RendezvousState:
+    return st.complete(joined(*nodes), max_nodes=8)
+
+
+def test_encode_roundtrip() -> None:
+    s = st.remove(st.join(formed("a", "b"), "c", INFO), ["b"], "dead")
+    s = st.after_store_failover(st.RendezvousState(**{**s.__dict__, "store_host": "a"}), "c")
+    assert st.decode(st.encode(s)) == s
+
+
+def test_decode_rejects_foreign_state() -> None:
+    with pytest.raises(RendezvousStateCorruptError, match="rdzv-id"):
+        st.decode(b'{"some": "other launcher"}')
+
+
+def test_join_is_idempotent_and_ordered() -> None:
+    s = joined("a", "b", "a")
+    assert s.joining == ("a", "b")
+    assert s.heartbeats == {"a": 0, "b": 0}
+
+
+@pytest.mark.parametrize(
+    ("joiners", "min_nodes", "max_nodes", "ready_for", "expected"),
+    [
+        (("a",), 2, 4, 10.0, False),  # below min
+        (("a", "b"), 1, 2, 0.0, True),  # max reached: at once
+        (("a",), 1, 2, 0.5, False),  # first round: last call not over
+        (("a",), 1, 2, 1.0, True),  # first round: last call over
+    ],
+)
+def test_can_complete_first_round(
+    joiners: tuple[str, ...], min_nodes: int, max_nodes: int, ready_for: float, expected: bool
+) -> None:
+    assert st.can_complete(joined(*joiners), min_nodes, max_nodes, ready_for, last_call_s=1.0) is expected
+
+
+def test_round_completes_when_every_live_member_rejoined_without_last_call() -> None:
+    s = formed("a", "b")
+    s = st.remove(s, ["b"], "dead")
+    assert st.change_for(s, "a", 0) is not None
+    s = joined("a", base=s)
+    assert st.can_complete(s, 1, 4, ready_for_s=0.0, last_call_s=30.0)
+    s = st.complete(s, 4)
+    assert (s.round, s.members, s.departed) == (1, ("a",), {})
+
+
+def test_round_waits_for_live_members_before_admitting_a_newcomer() -> None:
+    s = joined("c", base=formed("a", "b"))
+    assert st.change_for(s, "a", 0) == "waiting: c"
+    assert not st.can_complete(s, 1, 4, 100.0, 1.0)
+    s = joined("b", "a", base=s)
+    assert st.can_complete(s, 1, 4, 0.0, 1.0)
+    assert st.complete(s, 4).members == ("a", "b", "c")  # survivors keep their ranks
+
+
+def test_complete_caps_at_max_nodes_and_keeps_the_rest_waiting() -> None:
+    s = st.complete(joined("a", "b", "c"), max_nodes=2)
+    assert (s.members, s.joining) == (("a", "b"), ("c",))
+    assert st.nodes_waiting(s) == 1
+
+
+def test_remove_marks_departed_members_and_drops_joiners() -> None:
+    s = joined("c", base=formed("a", "b"))
+    s = st.remove(s, ["b", "c"], "left:SIGTERM")
+    assert s.departed == {"b": "left:SIGTERM"}
+    assert s.joining == ()
+    assert "b" not in s.heartbeats and "c" not in s.nodes
+    assert st.live_members(s) == ("a",)
+    assert st.nodes_waiting(s) == 1
+
+
+def test_change_for_evicted_node_and_superseded_round() -> None:
+    s = st.remove(formed("a", "b"), ["b"], "dead")
+    assert st.change_for(s, "b", 0) == "this node was evicted"
+    assert st.change_for(s, "a", -1) is not None
+    assert st.change_for(formed("a", "b"), "a", 0) is None
+
+
+def test_closed_state_is_not_a_membership_change() -> None:
+    assert st.change_for(st.close(formed("a")), "a", 0) is None
+
+
+def test_beat_refuses_evicted_nodes() -> None:
+    s = formed("a", "b")
+    assert st.beat(s, "a") is not None and st.beat(s, "a").heartbeats["a"] == 1  # type: ignore[union-attr]
+    assert st.beat(st.remove(s, ["a"], "dead"), "a") is None
+
+
+def test_dead_nodes_by_observer_clock_never_self() -> None:
+    obs = st.observe(st.Observations(), {"a": 0, "b": 0}, now=0.0, stall_s=1.0)
+    obs = st.observe(obs, {"a": 1, "b": 0}, now=0.5, stall_s=1.0)
+    obs = st.observe(obs, {"a": 2, "b": 0}, now=1.0, stall_s=1.0)
+    obs = st.observe(obs, {"a": 3, "b": 0}, now=1.5, stall_s=1.0)
+    assert st.dead_nodes(obs, 1.5, timeout_s=1.25, exclude="a") == ["b"]
+    assert st.dead_nodes(obs, 1.5, timeout_s=1.25, exclude="b") == []
+
+
+def test_observer_that_stalled_restarts_its_baselines() -> None:
+    obs = st.observe(st.Observations(), {"a": 0, "b": 0}, now=0.0, stall_s=1.0)
+    obs = st.observe(obs, {"a": 0, "b": 0}, now=10.0, stall_s=1.0)  # we were frozen for 10 s
+    assert st.dead_nodes(obs, 10.0, timeout_s=1.25, exclude="a") == []
+
+
+def test_store_successors_skip_the_host_and_follow_rank_order() -> None:
+    s = joined("d", base=formed("a", "b", "c"))
+    s = st.RendezvousState(**{**s.__dict__, "store_host": "a"})
+    assert st.store_successors(s) == ["b", "c", "d"]
+    after = st.after_store_failover(s, "b")
+    assert after.store_host == "b" and after.departed == {"a": "dead"}
