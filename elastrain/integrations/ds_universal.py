@@ -8,8 +8,11 @@ checkpoint it came from::
     <root>/step-0000000100/universal/               # its universal form, with its own commit marker
     <root>/step-0000000100/.universal-<pid>-<hex>/  # a conversion in progress (or a killed one's leftover)
 
-The converter writes into a fresh temporary directory, elastrain writes a commit marker there
-listing every file with its length and CRC-32, and only then renames the directory to
+The converter reads a view of the step's own top-level files (symbolic links in the temporary
+directory: ``ds_to_universal`` walks its input folder recursively, so a killed conversion's leftover
+or a damaged ``universal`` directory under the step would otherwise be read as extra shards) and
+writes into the same fresh temporary directory; elastrain writes a commit marker there listing
+every file with its length and CRC-32, and only then renames the output directory to
 ``universal``. A conversion killed at any point leaves at most a temporary directory, which is
 never loaded and is removed by a later conversion (once it is an hour old, so that a conversion
 still running elsewhere is left alone) or with its step directory; a ``universal`` directory is
@@ -120,12 +123,16 @@ def convert(
     for leftover in stale_temporaries(step_path, older_than_s=stale_after_s):
         shutil.rmtree(leftover, ignore_errors=True)
     tmp = Path(step_path) / f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    source, out = tmp / "input", tmp / "output"
+    source.mkdir(parents=True)
+    for entry in Path(step_path).iterdir():
+        if entry.is_file():
+            (source / entry.name).symlink_to(entry.resolve())
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     try:
         proc = subprocess.run(
-            converter_command(step_path, tmp),
+            converter_command(source, out),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -140,21 +147,23 @@ def convert(
         shutil.rmtree(tmp, ignore_errors=True)
         tail = "\n".join(proc.stdout.splitlines()[-20:])
         raise ConversionError(f"{step_path}: ds_to_universal exited with {proc.returncode}:\n{tail}")
-    shutil.rmtree(tmp / "tmp", ignore_errors=True)  # the converter's scratch space, if it left it
-    _fsync_tree(tmp)
+    shutil.rmtree(out / "tmp", ignore_errors=True)  # the converter's scratch space, if it left it
+    _fsync_tree(out)
     marker = layout.CommitMarker(
         step=step,
         world_size=source_world_size,
-        files=layout.manifest(str(tmp), checksum=checksum),
+        files=layout.manifest(str(out), checksum=checksum),
         kind="deepspeed-universal",
     )
-    layout.write_commit_marker(str(tmp), marker)
+    layout.write_commit_marker(str(out), marker)
     try:
-        os.rename(tmp, target)
+        os.rename(out, target)
     except OSError:
         # Another converter won the race; its result is as good as ours.
-        shutil.rmtree(tmp, ignore_errors=True)
         if committed_universal(step_path, checksum) is None:
+            shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"{target} exists but does not verify after a concurrent conversion") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     fsync_dir(os.fspath(step_path))
     return target

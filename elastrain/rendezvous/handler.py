@@ -9,8 +9,10 @@ never the agent's shared store (pytorch#135712).
 
 Options (``--rdzv-conf key=value``), in seconds:
 
-* ``heartbeat_interval`` (0.25) and ``heartbeat_timeout`` (1.25): a node whose heartbeat did not move
-  for the timeout is dead (a node whose agent process is gone is dead at once: its probe port refuses);
+* ``heartbeat_interval`` (0.25) and ``heartbeat_timeout`` (5): a node whose heartbeat did not move
+  for the timeout is dead (a node whose agent process is gone is dead at once: its probe port refuses,
+  so the timeout only decides for frozen or unreachable nodes; a short one evicts live nodes that are
+  merely CPU-starved, as seen with 1.25 s on a loaded 2-core machine);
 * ``last_call_timeout`` (30, as torch): how long a job's *first* round waits for more than
   ``min_nodes``; later rounds never wait for it;
 * ``join_timeout`` (600) and ``store_lost_timeout`` (3): how long the store may fail before giving up.
@@ -49,7 +51,7 @@ _T = TypeVar("_T")
 @dataclass(frozen=True)
 class HandlerSettings:
     heartbeat_interval_s: float = 0.25
-    heartbeat_timeout_s: float = 1.25
+    heartbeat_timeout_s: float = 5.0
     last_call_s: float = 30.0
     join_timeout_s: float = 600.0
     store_lost_timeout_s: float = 3.0

@@ -51,13 +51,15 @@ def main() -> None:
     if out:
         with open(os.path.join(out, f"start-{rank}-{os.getpid()}.json"), "w") as fh:
             json.dump(record_, fh)
+    if os.environ.get("PROBE_FAIL_RANK") == str(rank):
+        # Before any collective: torchrun's own restarts race in gloo's connectFullMesh when a rank
+        # fails after one, and that race is torchrun's, not what this test compares.
+        raise RuntimeError(f"probe failure on purpose at rank {rank}")
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
     print(f"PROBE rank={rank} local_rank={os.environ['LOCAL_RANK']} sum={int(t.item())}", flush=True)
     dist.destroy_process_group()
-    if os.environ.get("PROBE_FAIL_RANK") == str(rank):
-        raise RuntimeError(f"probe failure on purpose at rank {rank}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,61 @@
+"""Process trees of local "nodes": an agent and every worker it started, tracked so none is orphaned.
+
+torch starts workers in their own session (``start_new_session=True``), so signalling the agent's
+process group misses them, and once the agent is dead they are re-parented and invisible from it.
+A :class:`ProcessTree` therefore remembers every descendant it has ever seen (PID and creation time,
+so a reused PID is never signalled) and kills by that list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+import psutil
+
+
+class ProcessTree:
+    """One node incarnation: the root process and every descendant seen while it ran."""
+
+    def __init__(self, root_pid: int) -> None:
+        self.root_pid = root_pid
+        self._seen: dict[int, float] = {}
+        self._remember(root_pid)
+        self.refresh()
+
+    def _remember(self, pid: int) -> None:
+        with contextlib.suppress(psutil.Error):
+            self._seen.setdefault(pid, psutil.Process(pid).create_time())
+
+    def refresh(self) -> None:
+        """Record the descendants that exist now (call it often: a dead agent's workers are no longer its children)."""
+        for pid in list(self._seen):
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(pid).children(recursive=True):
+                    self._remember(child.pid)
+
+    def alive(self) -> list[int]:
+        """Remembered processes still running (not zombies), in the order first seen."""
+        out = []
+        for pid, created in self._seen.items():
+            try:
+                proc = psutil.Process(pid)
+                if proc.create_time() == created and proc.status() != psutil.STATUS_ZOMBIE:
+                    out.append(pid)
+            except psutil.Error:
+                pass
+        return out
+
+    def signal(self, sig: int, root_only: bool = False) -> list[int]:
+        """Send ``sig`` to the root (``root_only``) or to every live process of the tree; return the PIDs."""
+        self.refresh()
+        victims = [self.root_pid] if root_only else self.alive()
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        return victims
+
+    def kill(self) -> list[int]:
+        """SIGKILL every live process of the tree."""
+        return self.signal(signal.SIGKILL)

@@ -1,0 +1,214 @@
+"""Preemption traces: when which node is killed, warned or brought back.
+
+A trace is a file (YAML or JSON)::
+
+    nodes: 3            # how many node slots the job has
+    start: [0, 1, 2]    # nodes up at t=0 (default: all)
+    events:
+      - {at: 20, action: kill, node: 1}              # SIGKILL, no warning (AzureML low priority)
+      - {at: 45, action: start, node: 1}             # the node comes back
+      - {at: 60, action: term, node: 2, notice: 10}  # SIGTERM, then SIGKILL 10 s later (AWS/GCP notice)
+
+Times are seconds after the harness started the first node. An event may also wait for training
+progress: ``{at: 0, after_step: 150, action: kill, node: 1}`` fires once the job has logged step 150
+(and ``at`` has passed), which makes a trace mean the same on fast and slow machines. Events fire
+in order: one that waits holds back those after it. :func:`random_trace` draws a seeded
+trace that mimics the AzureML low-priority experiment: nodes vanish and return at random, and
+never fewer than ``min_alive`` are up.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from elastrain.errors import TraceError
+
+
+class Action(str, enum.Enum):
+    KILL = "kill"
+    TERM = "term"
+    START = "start"
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    at: float
+    action: Action
+    node: int
+    notice_s: float = 0.0
+    """For ``term``: seconds between SIGTERM and the SIGKILL of whatever is left."""
+    after_step: int | None = None
+    """Also wait until the job's progress (its highest logged step) reaches this step."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"at": self.at, "action": self.action.value, "node": self.node}
+        if self.action is Action.TERM:
+            out["notice"] = self.notice_s
+        if self.after_step is not None:
+            out["after_step"] = self.after_step
+        return out
+
+
+@dataclass(frozen=True)
+class Trace:
+    nodes: int
+    events: tuple[TraceEvent, ...] = ()
+    start: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise TraceError(f"nodes must be at least 1, got {self.nodes}")
+        if not self.start:
+            object.__setattr__(self, "start", tuple(range(self.nodes)))
+        # A stable sort: events at the same time (or waiting on steps) keep the file's order.
+        object.__setattr__(self, "events", tuple(sorted(self.events, key=lambda e: e.at)))
+        validate(self)
+
+    @property
+    def duration_s(self) -> float:
+        return self.events[-1].at if self.events else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"nodes": self.nodes, "start": list(self.start), "events": [e.to_dict() for e in self.events]}
+
+    def min_alive(self) -> int:
+        """The fewest nodes up at any moment of the trace (notice windows count as up)."""
+        up = set(self.start)
+        lowest = len(up)
+        for e in self.events:
+            if e.action is Action.START:
+                up.add(e.node)
+            else:
+                up.discard(e.node)
+            lowest = min(lowest, len(up))
+        return lowest
+
+
+def validate(trace: Trace) -> None:
+    """Every node index in range, no kill of a node that is down, no start of a node that is up."""
+    for n in trace.start:
+        if not 0 <= n < trace.nodes:
+            raise TraceError(f"start: node {n} is outside 0..{trace.nodes - 1}")
+    up = set(trace.start)
+    for i, e in enumerate(trace.events):
+        where = f"events[{i}] (at {e.at}s)"
+        if e.at < 0:
+            raise TraceError(f"{where}: 'at' must be >= 0 seconds")
+        if not 0 <= e.node < trace.nodes:
+            raise TraceError(f"{where}: node {e.node} is outside 0..{trace.nodes - 1}; raise 'nodes' or fix 'node'")
+        if e.notice_s < 0:
+            raise TraceError(f"{where}: 'notice' must be >= 0 seconds")
+        if e.after_step is not None and e.after_step < 0:
+            raise TraceError(f"{where}: 'after_step' must be >= 0")
+        if e.action is Action.START:
+            if e.node in up:
+                raise TraceError(f"{where}: node {e.node} is already up; kill or term it before starting it again")
+            up.add(e.node)
+        else:
+            if e.node not in up:
+                raise TraceError(f"{where}: node {e.node} is not up; it cannot be {e.action.value}ed")
+            up.discard(e.node)
+
+
+def _event(raw: Mapping[str, Any], index: int) -> TraceEvent:
+    try:
+        action = Action(str(raw["action"]).lower())
+        after = raw.get("after_step")
+        return TraceEvent(
+            at=float(raw["at"] if after is None else raw.get("at", 0.0)),
+            action=action,
+            node=int(raw["node"]),
+            notice_s=float(raw.get("notice", 0.0)),
+            after_step=None if after is None else int(after),
+        )
+    except KeyError as exc:
+        raise TraceError(
+            f"events[{index}]: missing key {exc.args[0]!r} (each event needs action, node, and at or after_step)"
+        ) from None
+    except ValueError as exc:
+        raise TraceError(f"events[{index}]: {exc} (action is one of kill, term, start)") from None
+
+
+def trace_from_dict(data: Mapping[str, Any]) -> Trace:
+    if "nodes" not in data:
+        raise TraceError("a trace needs 'nodes' (the number of node slots)")
+    events = data.get("events") or []
+    if not isinstance(events, list):
+        raise TraceError("'events' must be a list of {at, action, node} mappings")
+    return Trace(
+        nodes=int(data["nodes"]),
+        events=tuple(_event(e, i) for i, e in enumerate(events)),
+        start=tuple(int(n) for n in data.get("start") or ()),
+    )
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read a trace file; ``.json`` as JSON, anything else as YAML (a superset of JSON)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise TraceError(f"cannot read trace file {p}: {exc.strerror}") from None
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise TraceError(f"{p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise TraceError(f"{p}: a trace is a mapping with 'nodes' and 'events'")
+    return trace_from_dict(data)
+
+
+def random_trace(
+    seed: int,
+    nodes: int = 3,
+    duration_s: float = 180.0,
+    mean_up_s: float = 60.0,
+    mean_down_s: float = 20.0,
+    min_alive: int = 1,
+    protect: Iterable[int] = (),
+    notice_s: float | None = None,
+) -> Trace:
+    """A seeded trace like the AzureML low-priority run: each node is up for an exponential time
+    (mean ``mean_up_s``, at least a quarter of it), then preempted and back after another (mean
+    ``mean_down_s``, at least a quarter of it).
+
+    A preemption that would leave fewer than ``min_alive`` nodes up is postponed until another node
+    returns. Nodes in ``protect`` are never preempted (for example the node hosting a c10d store).
+    With ``notice_s`` preemptions are SIGTERMs with that notice; without, SIGKILLs.
+    """
+    if not 1 <= min_alive <= nodes:
+        raise TraceError(f"min_alive must be between 1 and nodes={nodes}, got {min_alive}")
+    rng = random.Random(seed)
+    protected = set(protect)
+    # Next planned change per node: (time, node); a node is up at t=0.
+    next_change = {n: rng.expovariate(1.0 / mean_up_s) for n in range(nodes) if n not in protected}
+    up = set(range(nodes))
+    events: list[TraceEvent] = []
+    while next_change:
+        node, at = min(next_change.items(), key=lambda kv: (kv[1], kv[0]))
+        if at > duration_s:
+            break
+        at = round(at, 1)
+        if node in up:
+            if len(up) - 1 < min_alive:
+                # Postpone until just after the next return of another node.
+                later = [t for n, t in next_change.items() if n not in up]
+                next_change[node] = (min(later) if later else at + mean_up_s) + 0.5
+                continue
+            action = Action.KILL if notice_s is None else Action.TERM
+            events.append(TraceEvent(at, action, node, notice_s or 0.0))
+            up.discard(node)
+            next_change[node] = at + max(0.25 * mean_down_s, rng.expovariate(1.0 / mean_down_s))
+        else:
+            events.append(TraceEvent(at, Action.START, node))
+            up.add(node)
+            next_change[node] = at + max(0.25 * mean_up_s, rng.expovariate(1.0 / mean_up_s))
+    return Trace(nodes=nodes, events=tuple(events))

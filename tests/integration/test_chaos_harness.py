@@ -1,0 +1,131 @@
+"""The chaos harness follows a trace: kills and returns at the right times, whole trees, no orphans.
+
+The "nodes" here are small fake agents (a parent that starts a worker in its own session, as torch
+does), so the test is about the harness, not about training; tests/e2e/test_t5_preemption.py runs
+it with real elastrain-run agents.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import psutil
+import pytest
+from support import PYTHON, REPO, free_port, run
+
+from elastrain.chaos.harness import ChaosHarness
+from elastrain.chaos.trace import trace_from_dict
+
+FAKE_NODE = r"""
+import os, signal, subprocess, sys, time
+node, until, pid_dir, ignore_term = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+if ignore_term:
+    signal.signal(signal.SIGTERM, lambda *_: None)
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+with open(os.path.join(pid_dir, f"{node}-{os.getpid()}"), "w") as f:
+    f.write(f"{os.getpid()} {worker.pid} {time.time()}")
+while time.time() < until:
+    time.sleep(0.05)
+sys.exit(0)  # leaves its worker behind, like an agent that died: the harness must reap it
+"""
+
+
+@pytest.mark.slow
+def test_harness_follows_the_trace_and_leaves_no_orphans(tmp_path):
+    script = tmp_path / "fake_node.py"
+    script.write_text(FAKE_NODE)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    trace = trace_from_dict(
+        {
+            "nodes": 3,
+            "events": [
+                {"at": 1.0, "action": "kill", "node": 1},
+                {"at": 1.5, "action": "term", "node": 2, "notice": 1.0},
+                {"at": 2.5, "action": "start", "node": 1},
+            ],
+        }
+    )
+    until = time.time() + 5.0
+
+    def node_command(i: int) -> list[str]:
+        return [sys.executable, str(script), str(i), str(until), str(pid_dir), "1" if i == 2 else "0"]
+
+    out = tmp_path / "out"
+    result = ChaosHarness(trace, node_command, out, poll_s=0.05, drain_s=10).run(timeout_s=60)
+
+    assert result.succeeded, result.timeline
+    events = [(e["action"], e.get("node")) for e in result.timeline]
+    assert events[:3] == [("start", 0), ("start", 1), ("start", 2)]
+    by_action = {(e["action"], e.get("node")): e for e in result.timeline}
+    kill, term = by_action[("kill", 1)], by_action[("term", 2)]
+    restart = [e for e in result.timeline if e["action"] == "start" and e["node"] == 1][1]
+    hard = by_action[("notice_expired", 2)]
+    assert 1.0 <= kill["t"] < 2.0
+    assert 1.5 <= term["t"] < 2.5
+    assert 2.5 <= hard["t"] < 3.5, "SIGKILL follows SIGTERM after the notice window, not before"
+    assert 2.5 <= restart["t"] < 3.5
+    assert restart["incarnation"] == 2
+    # Every kill took the agent and its worker (in its own session).
+    first_node1 = [p for p in pid_dir.iterdir() if p.name.startswith("1-")]
+    agent, worker = min((p.read_text().split()[:2] for p in first_node1), key=lambda x: int(x[0]))
+    assert {int(agent), int(worker)} <= set(kill["pids"])
+    # Exits are recorded; node 0 and the restarted node 1 finished the "job".
+    exits = {(e["node"], e["returncode"]) for e in result.timeline if e["action"] == "exit"}
+    assert (0, 0) in exits
+    assert {(1, -9), (2, -9)} <= exits, "every kill and expired notice is followed by the node's exit"
+    # No process that any node ever started is alive at the end.
+    started = [int(x) for p in pid_dir.iterdir() for x in p.read_text().split()[:2]]
+    assert len(started) == 8  # 4 incarnations x (agent + worker)
+    assert not [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    saved = json.loads((out / "timeline.json").read_text())
+    assert saved["result"]["succeeded"] is True
+    assert saved["trace"]["nodes"] == 3
+    assert (out / "node-1.log").read_text().count("chaos: node 1 start") == 2
+
+
+HOST_NODE = r"""
+import socket, sys, time
+node, port = int(sys.argv[1]), int(sys.argv[2])
+if node == 0:
+    time.sleep(1.0)  # slow to come up, like an agent importing torch
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", port))
+    server.listen()
+time.sleep(1.0)
+"""
+
+
+def test_first_node_is_up_before_the_others_start(tmp_path):
+    """With host_port, node 0 binds the store port before any other node starts (so it hosts the store)."""
+    script = tmp_path / "host_node.py"
+    script.write_text(HOST_NODE)
+    port = free_port()
+    trace = trace_from_dict({"nodes": 3})
+    result = ChaosHarness(
+        trace, lambda i: [sys.executable, str(script), str(i), str(port)], tmp_path / "out", poll_s=0.05, host_port=port
+    ).run(timeout_s=30)
+    assert result.succeeded, result.timeline
+    actions = [(e["action"], e.get("node")) for e in result.timeline]
+    assert actions[:4] == [("start", 0), ("host_ready", 0), ("start", 1), ("start", 2)]
+    assert result.timeline[1]["t"] >= 1.0
+
+
+@pytest.mark.slow
+def test_cli_runs_a_script_as_local_elastrain_nodes(tmp_path):
+    """``python -m elastrain.chaos`` with real elastrain-run agents: 2 nodes, the minimal example, no preemption."""
+    trace = tmp_path / "trace.yaml"
+    trace.write_text("nodes: 2\nevents: []\n")
+    out = tmp_path / "chaos"
+    cmd = [PYTHON, "-m", "elastrain.chaos", "--trace", str(trace), "--output-dir", str(out), "--port", str(free_port()),
+           "--timeout", "150", "--", str(REPO / "examples" / "minimal" / "train.py")]  # fmt: skip
+    res = run(cmd, timeout=180)
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("node-*.log")))
+    assert res.returncode == 0, res.stderr[-3000:] + logs
+    assert "world_size=2 sum=3" in logs
+    timeline = json.loads((out / "timeline.json").read_text())
+    assert [e["action"] for e in timeline["events"]][:3] == ["start", "host_ready", "start"]
+    assert timeline["result"] == {**timeline["result"], "succeeded": True, "leftover_pids": []}
