@@ -278,13 +278,7 @@ class Checkpointer:
         return SaveResult(step=step, path=path, stall_s=job.stall_s, total_s=total, step_wait_s=step_wait)
 
     def _purge(self) -> None:
-        try:
-            removed = layout.purge(self.root, self.keep_last, self._bad_steps, self.storage)
-        except OSError as e:
-            self._log("checkpoint_purge_failed", logging.WARNING, error=str(e))
-            return
-        for d in removed:
-            self._log("checkpoint_purged", removed=d.path, why="retention" if d.committed else "incomplete")
+        layout.purge_and_log(self.root, self.keep_last, self._bad_steps, self.storage, self._log)
 
     def _finish(self, result: SaveResult | Future[SaveResult]) -> None:
         try:

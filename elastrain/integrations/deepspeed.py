@@ -237,13 +237,7 @@ class DeepSpeedCheckpointer:
         return int(m.group(1)) == int(getattr(self.engine, "global_rank", self.rank))
 
     def _purge(self) -> None:
-        try:
-            removed = layout.purge(self.root, self.keep_last, self._bad_steps, self.storage)
-        except OSError as e:
-            self._log("checkpoint_purge_failed", logging.WARNING, error=str(e))
-            return
-        for d in removed:
-            self._log("checkpoint_purged", removed=d.path, why="retention" if d.committed else "incomplete")
+        layout.purge_and_log(self.root, self.keep_last, self._bad_steps, self.storage, self._log)
 
     # -- restoring -------------------------------------------------------------------------------
     def restore(self) -> DeepSpeedRestoreInfo | None:
