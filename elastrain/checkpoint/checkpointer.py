@@ -100,6 +100,10 @@ class Checkpointer:
     group it works as a single process. ``save``, ``maybe_save`` and ``restore`` are collective:
     every rank calls them with the same step. With neither interval given it saves every
     :data:`DEFAULT_INTERVAL_SECONDS`; pass ``interval_seconds=math.inf`` to save only on request.
+
+    A save that answers the launcher's request (an announced membership change is coming) is
+    synchronous, and afterwards the training thread holds for up to ``hold_after_request_s`` for the
+    restart the launcher is about to do, so that no step runs past the checkpoint only to be redone.
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class Checkpointer:
         thread_count: int = 1,
         sync_every_steps: int = 1,
         overlap_staging: bool = True,
+        hold_after_request_s: float = 5.0,
     ) -> None:
         env = WorkerEnv.from_environ()
         root = resolve_root(directory, env.checkpoint_dir, "Checkpointer")
@@ -149,6 +154,7 @@ class Checkpointer:
         self.last_result: SaveResult | None = None
         self.last_error: BaseException | None = None
         self._closed = False
+        self.hold_after_request_s = hold_after_request_s
 
     # -- registration ----------------------------------------------------------------------------
     def register(
@@ -176,7 +182,20 @@ class Checkpointer:
                 timed = requested = False
         if not (due or timed or requested) or step == self._last_saved_step:
             return False
-        return self.save(step, blocking=not self.async_save, reason="request" if requested else "interval")
+        if not requested:
+            return self.save(step, blocking=not self.async_save, reason="interval")
+        saved = self.save(step, blocking=True, reason="request")
+        self._hold_for_restart(step)
+        return saved
+
+    def _hold_for_restart(self, step: int) -> None:
+        """After a requested save, wait (bounded) to be restarted rather than run steps that would be redone."""
+        if self.hold_after_request_s <= 0:
+            return
+        self._log("checkpoint_hold", step=step, up_to_s=self.hold_after_request_s)
+        time.sleep(self.hold_after_request_s)
+        # Still here: the change was called off (or is slow); training goes on from this checkpoint.
+        self._log("checkpoint_hold_over", logging.WARNING, step=step)
 
     def _claim_request(self) -> SaveRequest | None:
         """The launcher's request this save answers (any request made before now), marked handled."""
