@@ -11,8 +11,10 @@ module, not here.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,3 +107,17 @@ class ControlChannel:
             self.directory / _ACK.format(request_id=request_id),
             {"request_id": request_id, "step": step, "checkpoint": checkpoint},
         )
+
+
+def hold_for_restart(seconds: float, step: int, log: Callable[..., None]) -> None:
+    """Worker side, after the save that answered a request: wait (bounded) to be restarted.
+
+    The launcher asked because a membership change is coming; a step run now would be redone after
+    the restart. If no restart comes within ``seconds`` (the change was called off), training goes on
+    from the checkpoint. ``log(event, level, **fields)`` is the caller's lifecycle logger.
+    """
+    if seconds <= 0:
+        return
+    log("checkpoint_hold", logging.INFO, step=step, up_to_s=seconds)
+    time.sleep(seconds)
+    log("checkpoint_hold_over", logging.WARNING, step=step)

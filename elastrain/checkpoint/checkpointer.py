@@ -42,7 +42,7 @@ from elastrain.checkpoint.settings import check_schedule, resolve_root
 from elastrain.checkpoint.staging import Stager
 from elastrain.checkpoint.state import Registry
 from elastrain.checkpoint.storage import storage_for
-from elastrain.control import ControlChannel, SaveRequest
+from elastrain.control import ControlChannel, SaveRequest, hold_for_restart
 from elastrain.env import WorkerEnv
 from elastrain.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from elastrain.log import lifecycle
@@ -185,17 +185,8 @@ class Checkpointer:
         if not requested:
             return self.save(step, blocking=not self.async_save, reason="interval")
         saved = self.save(step, blocking=True, reason="request")
-        self._hold_for_restart(step)
+        hold_for_restart(self.hold_after_request_s, step, self._log)
         return saved
-
-    def _hold_for_restart(self, step: int) -> None:
-        """After a requested save, wait (bounded) to be restarted rather than run steps that would be redone."""
-        if self.hold_after_request_s <= 0:
-            return
-        self._log("checkpoint_hold", step=step, up_to_s=self.hold_after_request_s)
-        time.sleep(self.hold_after_request_s)
-        # Still here: the change was called off (or is slow); training goes on from this checkpoint.
-        self._log("checkpoint_hold_over", logging.WARNING, step=step)
 
     def _claim_request(self) -> SaveRequest | None:
         """The launcher's request this save answers (any request made before now), marked handled."""

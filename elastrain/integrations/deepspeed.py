@@ -39,7 +39,7 @@ from elastrain.checkpoint.group import Group
 from elastrain.checkpoint.settings import check_schedule, resolve_root
 from elastrain.checkpoint.state import Stateful
 from elastrain.checkpoint.storage import LocalStorage, fsync_dir
-from elastrain.control import ControlChannel
+from elastrain.control import ControlChannel, hold_for_restart
 from elastrain.env import WorkerEnv
 from elastrain.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from elastrain.integrations import ds_universal
@@ -112,6 +112,7 @@ class DeepSpeedCheckpointer:
         *,
         verify_checksums: bool = True,
         conversion_timeout_s: float = 1800.0,
+        hold_after_request_s: float = 5.0,
     ) -> None:
         env = WorkerEnv.from_environ()
         root = resolve_root(directory, env.checkpoint_dir, "DeepSpeedCheckpointer")
@@ -122,6 +123,7 @@ class DeepSpeedCheckpointer:
         self.interval_steps = interval_steps
         self.verify_checksums = verify_checksums
         self.conversion_timeout_s = conversion_timeout_s
+        self.hold_after_request_s = hold_after_request_s
         self.storage = LocalStorage()
         os.makedirs(self.root, exist_ok=True)
         self._group = Group(None, env.collective_timeout_s)
@@ -159,7 +161,11 @@ class DeepSpeedCheckpointer:
             due, requested = bool(due_all), bool(requested_all)
         if not (due or requested) or step == self._last_saved_step:
             return False
-        return self.save(step, reason="request" if requested else "interval")
+        if not requested:
+            return self.save(step, reason="interval")
+        saved = self.save(step, reason="request")
+        hold_for_restart(self.hold_after_request_s, step, self._log)
+        return saved
 
     def save(self, step: int, reason: str = "explicit") -> bool:
         """Save ``step`` (collective) and commit it; False if that step is already committed."""
