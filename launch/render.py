@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import yaml
@@ -30,3 +31,15 @@ def to_yaml(docs: Sequence[dict[str, Any]], header: str = "") -> str:
 
 def from_yaml(text: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(text) if d is not None]
+
+
+def examples_command(write: bool, write_all: Callable[[], list[str]], stale: Callable[[], list[str]], cli: str) -> int:
+    """``python -m CLI examples [--write]``: rewrite the rendered examples, or fail if any is out of date."""
+    if write:
+        for path in write_all():
+            print(f"wrote {path}")
+        return 0
+    bad = stale()
+    for path in bad:
+        print(f"stale: {path} (run python -m {cli} examples --write)", file=sys.stderr)
+    return 1 if bad else 0

@@ -29,7 +29,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 
 from elastrain.control import ControlChannel
-from elastrain.env import ZYGOTE, LaunchContext, StartReason, start_reason, to_environ
+from elastrain.env import ZYGOTE, LaunchContext, start_reason, to_environ
 from elastrain.errors import NodeLeftError
 from elastrain.launcher import zygote
 from elastrain.launcher.options import ElastrainOptions
@@ -135,9 +135,10 @@ class ElastrainAgent(LocalElasticAgent):
             return
         req = self.control.request_save(reason)
         lifecycle("checkpoint_requested", request_id=req.request_id, reason=reason, timeout_s=timeout_s)
-        ack = self.control.wait_ack(req.request_id, min(opts.save_timeout_s, timeout_s))
+        wait_s = min(opts.save_timeout_s, timeout_s)
+        ack = self.control.wait_ack(req.request_id, wait_s)
         if ack is None:
-            lifecycle("checkpoint_timeout", level=logging.WARNING, request_id=req.request_id, waited_s=timeout_s)
+            lifecycle("checkpoint_timeout", level=logging.WARNING, request_id=req.request_id, waited_s=wait_s)
         else:
             lifecycle("checkpoint_acked", request_id=req.request_id, step=ack.step, checkpoint=ack.checkpoint)
 
@@ -214,7 +215,7 @@ class ElastrainAgent(LocalElasticAgent):
         self._rounds_seen += 1
         self._context = LaunchContext(
             run_id=spec.rdzv_handler.get_run_id(),
-            restart_count=round_ if reason is not StartReason.FIRST_START or round_ else 0,
+            restart_count=round_,
             failure_count=failures,
             start_reason=reason,
             previous_world_size=self._previous_world_size,

@@ -20,7 +20,7 @@ from launch.azureml.spec import (
     compute_cluster,
     warnings,
 )
-from launch.render import to_yaml
+from launch.render import examples_command, to_yaml
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,14 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     try:
         if a.command == "examples":
-            if a.write:
-                for path in examples.write():
-                    print(f"wrote {path}")
-                return 0
-            bad = examples.stale()
-            for path in bad:
-                print(f"stale: {path} (run python -m launch.azureml examples --write)", file=sys.stderr)
-            return 1 if bad else 0
+            return examples_command(a.write, examples.write, examples.stale, "launch.azureml")
         script = a.script[1:] if a.script[:1] == ["--"] else a.script
         params = AzureMLJobParams(
             script=tuple(script),

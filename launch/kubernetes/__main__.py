@@ -17,7 +17,7 @@ from elastrain.errors import LaunchSpecError
 from launch.kubernetes import example_specs as examples
 from launch.kubernetes import schema
 from launch.kubernetes.spec import PyTorchJobParams, etcd_manifests, kubeflow_pet_env, manifests, warnings
-from launch.render import from_yaml, to_yaml
+from launch.render import examples_command, from_yaml, to_yaml
 
 
 def _pairs(values: Sequence[str] | None, flag: str) -> tuple[tuple[str, str], ...]:
@@ -122,14 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for k, val in kubeflow_pet_env(doc).items():
                         print(f"{k}={val}")
             return 0
-        if a.write:
-            for path in examples.write():
-                print(f"wrote {path}")
-            return 0
-        bad = examples.stale()
-        for path in bad:
-            print(f"stale: {path} (run python -m launch.kubernetes examples --write)", file=sys.stderr)
-        return 1 if bad else 0
+        return examples_command(a.write, examples.write, examples.stale, "launch.kubernetes")
     except LaunchSpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
