@@ -25,32 +25,31 @@ def constant() -> Schedule:
     return lr
 
 
-def warmup_linear(warmup_samples: int, total_samples: int, final_ratio: float = 0.0) -> Schedule:
-    """Linear warm-up from 0 to 1 over ``warmup_samples``, then linear decay to ``final_ratio`` at ``total_samples``."""
+def _warmup_then(warmup_samples: int, total_samples: int, decay: Callable[[float], float]) -> Schedule:
+    """Linear warm-up from 0 to 1 over ``warmup_samples``, then ``decay(progress)`` with progress 0 → 1."""
     _check(warmup_samples, total_samples)
+    span = max(total_samples - warmup_samples, 1)
 
     def lr(samples: int) -> float:
         if samples < warmup_samples:
             return samples / warmup_samples
-        span = max(total_samples - warmup_samples, 1)
-        progress = min((samples - warmup_samples) / span, 1.0)
-        return 1.0 - (1.0 - final_ratio) * progress
+        return decay(min((samples - warmup_samples) / span, 1.0))
 
     return lr
+
+
+def warmup_linear(warmup_samples: int, total_samples: int, final_ratio: float = 0.0) -> Schedule:
+    """Linear warm-up from 0 to 1 over ``warmup_samples``, then linear decay to ``final_ratio`` at ``total_samples``."""
+    return _warmup_then(warmup_samples, total_samples, lambda p: 1.0 - (1.0 - final_ratio) * p)
 
 
 def warmup_cosine(warmup_samples: int, total_samples: int, final_ratio: float = 0.0) -> Schedule:
     """Linear warm-up over ``warmup_samples``, then cosine decay to ``final_ratio`` at ``total_samples``."""
-    _check(warmup_samples, total_samples)
-
-    def lr(samples: int) -> float:
-        if samples < warmup_samples:
-            return samples / warmup_samples
-        span = max(total_samples - warmup_samples, 1)
-        progress = min((samples - warmup_samples) / span, 1.0)
-        return final_ratio + (1.0 - final_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return lr
+    return _warmup_then(
+        warmup_samples,
+        total_samples,
+        lambda p: final_ratio + (1.0 - final_ratio) * 0.5 * (1.0 + math.cos(math.pi * p)),
+    )
 
 
 def from_steps(step_schedule: Callable[[int], float], samples_per_step: int) -> Schedule:
