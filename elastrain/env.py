@@ -27,6 +27,7 @@ FAILURE_COUNT = "ELASTRAIN_FAILURE_COUNT"
 START_REASON = "ELASTRAIN_START_REASON"
 PREVIOUS_WORLD_SIZE = "ELASTRAIN_PREVIOUS_WORLD_SIZE"
 ROUND = "ELASTRAIN_ROUND"
+GENERATION = "ELASTRAIN_GENERATION"
 CHECKPOINT_DIR = "ELASTRAIN_CHECKPOINT_DIR"
 CONTROL_DIR = "ELASTRAIN_CONTROL_DIR"
 EVENTS_FILE = "ELASTRAIN_EVENTS_FILE"
@@ -93,6 +94,7 @@ class LaunchContext:
     control_dir: str | None = None
     events_file: str | None = None
     collective_timeout_s: float | None = None
+    generation: int | None = None
 
 
 def to_environ(ctx: LaunchContext) -> dict[str, str]:
@@ -115,6 +117,8 @@ def to_environ(ctx: LaunchContext) -> dict[str, str]:
         out[EVENTS_FILE] = ctx.events_file
     if ctx.collective_timeout_s is not None:
         out[COLLECTIVE_TIMEOUT] = repr(float(ctx.collective_timeout_s))
+    if ctx.generation is not None:
+        out[GENERATION] = str(ctx.generation)
     return out
 
 
@@ -152,6 +156,9 @@ class WorkerEnv:
     events_file: str | None
     collective_timeout_s: float | None
     under_elastrain: bool
+    # The job generation this world claimed in the checkpoint root (the fencing token every commit carries);
+    # None when the launcher claimed none (plain torchrun, or no --checkpoint-dir).
+    generation: int | None = None
 
     @property
     def is_restart(self) -> bool:
@@ -178,6 +185,7 @@ class WorkerEnv:
         torch_restarts = _int(e, "TORCHELASTIC_RESTART_COUNT", 0)
         prev = e.get(PREVIOUS_WORLD_SIZE)
         timeout = e.get(COLLECTIVE_TIMEOUT)
+        generation = e.get(GENERATION)
         return cls(
             rank=rank,
             local_rank=_int(e, "LOCAL_RANK", 0),
@@ -195,4 +203,5 @@ class WorkerEnv:
             events_file=e.get(EVENTS_FILE) or None,
             collective_timeout_s=float(timeout) if timeout else None,
             under_elastrain=AGENT_PID in e,
+            generation=_int(e, GENERATION) if generation else None,
         )

@@ -34,6 +34,14 @@ class CheckpointError(ElastrainError):
     """A checkpoint could not be written or read."""
 
 
+class CheckpointSaveError(CheckpointError):
+    """A checkpoint save failed (in the background or not); names the path and the cause."""
+
+
+class StaleGenerationError(CheckpointError):
+    """A newer world of this run id claimed the checkpoint root: this world must stop and never commit again."""
+
+
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint on disk is incomplete or damaged; it is skipped, never loaded."""
 
