@@ -12,6 +12,7 @@ from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParam
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
 from elastrain.errors import NodeLeftError
+from elastrain.rendezvous import state as st
 from elastrain.rendezvous.handler import ElastrainRendezvousHandler, HandlerSettings
 from elastrain.rendezvous.registry import ETCD_V3, TORCH_C10D, etcd_v3_handler_creator, register_handlers
 
@@ -71,7 +72,7 @@ def test_leave_makes_survivor_reform_at_once() -> None:
         rendezvous_all([a, b])
         b.leave("SIGTERM")
         change = a.membership_change()
-        assert change is not None and change.startswith("departed")
+        assert change is not None and change.kind is st.ChangeKind.DEPARTED
         assert a.num_nodes_waiting() >= 1
         started = time.monotonic()
         info = a.next_rendezvous()
@@ -88,14 +89,14 @@ def test_silent_node_is_evicted_by_heartbeat_and_rejoins_as_newcomer() -> None:
     try:
         rendezvous_all([a, b])
         b._stop_heartbeat()  # b "freezes": its heartbeat stops, its process (probe) stays alive
-        eventually(lambda: (a.membership_change() or "").startswith("departed"))
-        assert b.membership_change() == "this node was evicted"
+        eventually(lambda: str(a.membership_change()).startswith("departed"))
+        assert str(b.membership_change()) == "evicted: this node was evicted"
         a.next_rendezvous()
         assert a.elastrain_round == 1
         # b comes back: it is a newcomer now, a sees it waiting, both form round 2.
         joined = threading.Thread(target=b.next_rendezvous)
         joined.start()
-        eventually(lambda: a.membership_change() == f"waiting: {b.node_id}")
+        eventually(lambda: str(a.membership_change()) == f"scale_up: waiting: {b.node_id}")
         info = a.next_rendezvous()
         joined.join(timeout=10)
         assert info.world_size == 2
@@ -114,7 +115,7 @@ def test_newcomer_waits_until_members_rejoin() -> None:
         assert a.elastrain_round == 0
         done = threading.Event()
         threading.Thread(target=lambda: (b.next_rendezvous(), done.set())).start()
-        eventually(lambda: a.membership_change() == f"waiting: {b.node_id}")
+        eventually(lambda: str(a.membership_change()) == f"scale_up: waiting: {b.node_id}")
         assert not done.wait(0.3)  # b waits for a (a live member) to re-join
         a.next_rendezvous()
         assert done.wait(10)
