@@ -448,7 +448,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         if self._stores is None or not address or address == "unknown":
             raise RendezvousError(
                 f"another world of run {self.get_run_id()} holds a newer generation in {self._fence_root} "
-                "and its store is unknown; start this node again to join it"
+                f"(its store: {address or 'unknown'}) and this backend cannot move there; start this node "
+                "again to join it"
             )
         backoff = _Backoff(0.5, 5.0)
         while True:
