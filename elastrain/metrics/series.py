@@ -7,7 +7,11 @@ steps that the restart re-runs: :func:`read_metrics` marks them *superseded*, so
 once, with its final value, and the series continues from ``R + 1`` without a jump back to 0.
 
 Several processes may append to the same file (each line is one ``O_APPEND`` write), and the
-order of points within the file does not matter, only the order of segments.
+order of points within the file does not matter, only the order of segments. On an object store
+(``s3://``, ``az://``) the file is a folder of parts (:mod:`elastrain.metrics.lines`): the segment
+header is put at once, points are buffered and put every ``flush_every_s`` seconds and at
+:meth:`MetricsWriter.flush` (the session flushes whenever it takes a checkpoint, so every point up
+to a committed step is stored before the step can be restored). :func:`read_metrics` reads both.
 """
 
 from __future__ import annotations
@@ -15,37 +19,49 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from elastrain.metrics.events import append_json_line, read_json_lines
+from elastrain.metrics.lines import LineLog, read_json_lines
 
 METRICS_FILENAME = "metrics.jsonl"
+# On object stores: how old the oldest buffered point may get before it is put (one object per flush).
+DEFAULT_FLUSH_EVERY_S = 30.0
 
 
 class MetricsWriter:
-    """Appends points of one segment to a metrics file."""
+    """Appends points of one segment to a metrics file (a local path or a URL)."""
 
     def __init__(
-        self, path: str | os.PathLike[str], segment: str, restored_step: int = 0, open_segment: bool = True
+        self,
+        path: str | os.PathLike[str],
+        segment: str,
+        restored_step: int = 0,
+        open_segment: bool = True,
+        flush_every_s: float = DEFAULT_FLUSH_EVERY_S,
     ) -> None:
         """``open_segment``: write the segment's header (rank 0 does; other ranks only add points)."""
-        self.path = Path(path)
+        self.path = os.fspath(path)
         self.segment = segment
         self.restored_step = restored_step
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = LineLog(self.path, flush_every_s=flush_every_s)
         if open_segment:
-            append_json_line(
-                self.path,
+            self._log.append(
                 {"kind": "segment", "segment": segment, "restored_step": restored_step, "time": round(time.time(), 3)},
             )
+            self._log.flush()  # the header orders this segment after every earlier one: store it now
 
     def log(self, step: int, **values: Any) -> None:
         """Record ``values`` (JSON-able) at global ``step``."""
-        append_json_line(
-            self.path,
+        self._log.append(
             {"kind": "point", "segment": self.segment, "step": step, "time": round(time.time(), 3), "values": values},
         )
+
+    def flush(self) -> None:
+        """Store every point logged so far (a no-op on local files, which are written at once)."""
+        self._log.flush()
+
+    def close(self) -> None:
+        self.flush()
 
 
 @dataclass(frozen=True)
@@ -72,7 +88,7 @@ class MetricsHistory:
 
 
 def read_metrics(path: str | os.PathLike[str]) -> MetricsHistory:
-    """Read a metrics file and split its points into active and superseded."""
+    """Read a metrics file (a local path or a URL) and split its points into active and superseded."""
     history = MetricsHistory()
     order: dict[str, int] = {}
     points: list[Point] = []
