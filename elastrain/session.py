@@ -475,7 +475,7 @@ class Session:
         request = self._control.pending() if self._control is not None else None
         if self.checkpointer is not None and self.checkpointer.maybe_save(self.state.step):
             if self._metrics is not None:
-                self._metrics.flush()  # on object stores: every point up to a saved step is stored with it
+                self._metrics.checkpointed(self.state.step)  # object stores: no restorable step's points lost
             # A save the launcher asked for announces a membership change: a preemption notice, a node leaving.
             self.events.record("checkpoint", step=self.state.step, requested=request.reason if request else None)
             if request is not None and self._control is not None:

@@ -112,7 +112,8 @@ class AzuriteServer:
         self.filesystem().mkdir(name)
         return name
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 2.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` (Azurite waits for idle keep-alive clients otherwise)."""
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return

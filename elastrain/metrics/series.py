@@ -9,9 +9,10 @@ once, with its final value, and the series continues from ``R + 1`` without a ju
 Several processes may append to the same file (each line is one ``O_APPEND`` write), and the
 order of points within the file does not matter, only the order of segments. On an object store
 (``s3://``, ``az://``) the file is a folder of parts (:mod:`elastrain.metrics.lines`): the segment
-header is put at once, points are buffered and put every ``flush_every_s`` seconds and at
-:meth:`MetricsWriter.flush` (the session flushes whenever it takes a checkpoint, so every point up
-to a committed step is stored before the step can be restored). :func:`read_metrics` reads both.
+header is put at once, points are buffered and put every ``flush_every_s`` seconds, at
+:meth:`MetricsWriter.flush`, and around each checkpoint (:meth:`MetricsWriter.checkpointed`, which
+the session calls), so that no point of a step a restart restores is lost with a buffer.
+:func:`read_metrics` reads both.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class MetricsWriter:
         self.segment = segment
         self.restored_step = restored_step
         self._log = LineLog(self.path, flush_every_s=flush_every_s)
+        self._flush_from: int | None = None
         if open_segment:
             self._log.append(
                 {"kind": "segment", "segment": segment, "restored_step": restored_step, "time": round(time.time(), 3)},
@@ -55,6 +57,18 @@ class MetricsWriter:
         self._log.append(
             {"kind": "point", "segment": self.segment, "step": step, "time": round(time.time(), 3), "values": values},
         )
+        if self._flush_from is not None and step >= self._flush_from:
+            self._flush_from = None
+            self._log.flush()
+
+    def checkpointed(self, step: int) -> None:
+        """A checkpoint of ``step`` was taken: store the points up to it now, and its own as they come.
+
+        A restart restores that step and never re-runs it, so its points must not wait in a buffer
+        that a kill would lose. The points of ``step`` are usually logged after its save started.
+        """
+        self._flush_from = step
+        self._log.flush()
 
     def flush(self) -> None:
         """Store every point logged so far (a no-op on local files, which are written at once)."""

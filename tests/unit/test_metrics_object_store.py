@@ -108,3 +108,16 @@ def test_a_failed_put_keeps_the_records_for_the_next_flush(root: str, monkeypatc
     w.log(2, loss=2.0)
     w.flush()
     assert read_metrics(path).series("loss") == [(1, 1.0), (2, 2.0)]
+
+
+def test_a_checkpointed_step_stores_its_points_when_they_are_logged(root: str) -> None:
+    path = join_path(root, "metrics.jsonl")
+    w = MetricsWriter(path, "seg", flush_every_s=3600)
+    for step in (1, 2):
+        w.log(step, loss=float(step))
+    w.checkpointed(3)  # the save of step 3 starts before step 3 logs its loss
+    assert [s for s, _ in read_metrics(path).series("loss")] == [1, 2]
+    w.log(3, loss=3.0)
+    assert [s for s, _ in read_metrics(path).series("loss")] == [1, 2, 3]
+    w.log(4, loss=4.0)  # buffered again until the next flush
+    assert [s for s, _ in read_metrics(path).series("loss")] == [1, 2, 3]
