@@ -259,7 +259,8 @@ def check_shared(root: str, group: ProbeGroup, storage: Storage | None = None) -
         if rank_error is not None:
             problems.append(f"rank {rank} on {rank_host} cannot write there ({rank_error})")
         elif rank_missing:
-            problems.append(f"rank {rank} on {rank_host} does not see the files of ranks {_ranges(rank_missing)}")
+            whose = f"rank{'s' if len(rank_missing) > 1 else ''} {_ranges(rank_missing)}"
+            problems.append(f"rank {rank} on {rank_host} does not see the probe files of {whose}")
     if problems:
         raise CheckpointError(
             f"--checkpoint-dir {root} is not one directory shared by all nodes: "

@@ -121,3 +121,10 @@ def test_a_checkpointed_step_stores_its_points_when_they_are_logged(root: str) -
     assert [s for s, _ in read_metrics(path).series("loss")] == [1, 2, 3]
     w.log(4, loss=4.0)  # buffered again until the next flush
     assert [s for s, _ in read_metrics(path).series("loss")] == [1, 2, 3]
+
+
+def test_probe_messages_name_rank_ranges() -> None:
+    from elastrain.checkpoint.storage import _ranges
+
+    assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert _ranges([3]) == "3"
