@@ -12,7 +12,9 @@ parts in name order, which is the order in which writers started them: within on
 across writers (a restart on another node) as far as the nodes' clocks agree, far closer than the
 seconds a restart takes. A record still in a buffer when its process is killed is lost: callers
 flush at the points that matter (:class:`~elastrain.metrics.series.MetricsWriter` when a
-checkpoint is taken; events flush every record).
+checkpoint is taken; events flush every record). :func:`compact` merges the parts into one, so
+that a long run's start does not read thousands of objects (a metrics writer that opens a segment
+compacts first).
 
 No torch import: agents use this too.
 """
@@ -32,6 +34,7 @@ from typing import Any
 from elastrain.log import lifecycle
 
 PART_SUFFIX = ".jsonl"
+COMPACTED = "-compacted"
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -108,6 +111,61 @@ class LineLog:
             self._seq += 1
 
 
+def _list_parts(fs: Any, root: str) -> list[str]:
+    fs.invalidate_cache()  # other processes add parts: never answer from a cached listing
+    try:
+        return sorted(str(p) for p in fs.find(root) if str(p) != root and str(p).endswith(PART_SUFFIX))
+    except FileNotFoundError:
+        return []
+
+
+def _read_parts(fs: Any, parts: list[str]) -> list[tuple[str, bytes]]:
+    """``(name, bytes)`` of each part in name order; one batched request on async backends (s3fs, adlfs)."""
+    if not parts:
+        return []
+    contents = fs.cat(parts, on_error="omit")  # a part deleted meanwhile (compacted) is left out
+    return [(name, _line_ended(bytes(contents[name]))) for name in sorted(contents)]
+
+
+def _line_ended(data: bytes) -> bytes:
+    return data if not data or data.endswith(b"\n") else data + b"\n"
+
+
+def _unique_lines(data: bytes) -> bytes:
+    """Each line once, first occurrence kept: a compaction cut short leaves its parts beside the merged copy."""
+    seen: set[bytes] = set()
+    out = []
+    for line in data.splitlines(keepends=True):
+        if line not in seen:
+            seen.add(line)
+            out.append(line)
+    return b"".join(out)
+
+
+def compact(path: str | os.PathLike[str]) -> int:
+    """Merge the parts of the log at URL ``path`` into one part; returns how many parts it merged.
+
+    The merged part takes the place of the newest part it contains (``<its name>-compacted.jsonl``),
+    is put first, and only then are the merged parts deleted: a kill in between leaves duplicate
+    lines, which readers drop. Parts written meanwhile are untouched. Local files: nothing to do.
+    """
+    text = os.fspath(path)
+    if not is_url(text):
+        return 0
+    from fsspec.core import url_to_fs
+
+    fs, root = url_to_fs(text)
+    parts = _read_parts(fs, _list_parts(fs, root))
+    if len(parts) < 2:
+        return 0
+    newest = parts[-1][0][: -len(PART_SUFFIX)].removesuffix(COMPACTED)
+    target = f"{newest}{COMPACTED}{PART_SUFFIX}"
+    fs.pipe_file(target, _unique_lines(b"".join(data for _, data in parts)))
+    merged = [name for name, _ in parts if name != target]
+    fs.rm(merged)
+    return len(parts)
+
+
 def read_text(path: str | os.PathLike[str]) -> str:
     """A log's whole text: a file's content, or the concatenation of a folder's parts in name order.
 
@@ -119,31 +177,17 @@ def read_text(path: str | os.PathLike[str]) -> str:
         from fsspec.core import url_to_fs
 
         fs, root = url_to_fs(text)
-        fs.invalidate_cache()
-        chunks: list[bytes] = []
-        if fs.isfile(root):
-            chunks.append(bytes(fs.cat_file(root)))
-        try:
-            parts = sorted(p for p in fs.find(root) if str(p) != root and str(p).endswith(PART_SUFFIX))
-        except FileNotFoundError:
-            parts = []
-        if parts:
-            # One batched request on async backends (s3fs, adlfs); a part deleted meanwhile is left out.
-            contents = fs.cat(parts, on_error="omit")
-            chunks.extend(bytes(contents[p]) for p in sorted(contents))
-        return b"".join(c if c.endswith(b"\n") or not c else c + b"\n" for c in chunks).decode(errors="replace")
+        head = _line_ended(bytes(fs.cat_file(root))) if fs.isfile(root) else b""
+        parts = _read_parts(fs, _list_parts(fs, root))
+        return (head + _unique_lines(b"".join(data for _, data in parts))).decode(errors="replace")
     local = Path(text)
     if local.is_dir():
-        parts_local = sorted(p for p in local.iterdir() if p.name.endswith(PART_SUFFIX) and p.is_file())
-        return "".join(_line_ended(p.read_text(errors="replace")) for p in parts_local)
+        files = sorted(p for p in local.iterdir() if p.name.endswith(PART_SUFFIX) and p.is_file())
+        return _unique_lines(b"".join(_line_ended(p.read_bytes()) for p in files)).decode(errors="replace")
     try:
         return local.read_text(errors="replace")
     except FileNotFoundError:
         return ""
-
-
-def _line_ended(text: str) -> str:
-    return text if not text or text.endswith("\n") else text + "\n"
 
 
 def read_json_lines(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

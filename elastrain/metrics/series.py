@@ -17,12 +17,14 @@ the session calls), so that no point of a step a restart restores is lost with a
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastrain.metrics.lines import LineLog, read_json_lines
+from elastrain.log import lifecycle
+from elastrain.metrics.lines import LineLog, compact, read_json_lines
 
 METRICS_FILENAME = "metrics.jsonl"
 # On object stores: how old the oldest buffered point may get before it is put (one object per flush).
@@ -47,6 +49,10 @@ class MetricsWriter:
         self._log = LineLog(self.path, flush_every_s=flush_every_s)
         self._flush_from: int | None = None
         if open_segment:
+            try:
+                compact(self.path)  # object stores: read one part at the next start, not thousands
+            except OSError as e:
+                lifecycle("log_compact_failed", level=logging.WARNING, path=self.path, error=str(e))
             self._log.append(
                 {"kind": "segment", "segment": segment, "restored_step": restored_step, "time": round(time.time(), 3)},
             )

@@ -14,7 +14,7 @@ import pytest
 
 from elastrain.checkpoint.storage import join_path
 from elastrain.metrics import EventsFile, MetricsWriter, read_events, read_metrics
-from elastrain.metrics.lines import LineLog, read_json_lines
+from elastrain.metrics.lines import LineLog, compact, read_json_lines
 
 
 @pytest.fixture
@@ -50,9 +50,11 @@ def test_restarts_on_a_url_supersede_like_on_a_file(root: str) -> None:
     assert h.series("loss") == [(s, 10.0 - s) for s in range(1, 6)] + [(s, 100.0 + s) for s in range(6, 10)]
     assert sorted((p.segment, p.step) for p in h.superseded) == [("a", 6), ("a", 7)]
     assert h.series("grad_norm") == [(9, 1.0)]
-    # Nothing was appended to an object: each flush is a new part; the path is their folder.
+    # Nothing was appended to an object: each flush is a new part; the path is their folder. Opening
+    # segment b merged a's parts into one (b's header, b's points and the other rank's follow it).
     parts = fsspec.filesystem("memory").ls(path, detail=False)
-    assert len(parts) == 5 and all(str(p).endswith(".jsonl") for p in parts)
+    assert len(parts) == 4 and all(str(p).endswith(".jsonl") for p in parts)
+    assert sum(str(p).endswith("-compacted.jsonl") for p in parts) == 1
 
 
 def test_points_wait_for_a_flush_and_a_header_is_stored_at_once(root: str) -> None:
@@ -65,6 +67,9 @@ def test_points_wait_for_a_flush_and_a_header_is_stored_at_once(root: str) -> No
     assert read_metrics(path).series("loss") == [(4, 1.0)]
     w.flush()  # nothing buffered: no empty part
     assert len(fsspec.filesystem("memory").ls(path, detail=False)) == 2
+    assert compact(path) == 2 and len(fsspec.filesystem("memory").ls(path, detail=False)) == 1
+    assert read_metrics(path).series("loss") == [(4, 1.0)]
+    assert compact(path) == 0
 
 
 def test_events_are_put_one_by_one(root: str) -> None:
@@ -128,3 +133,20 @@ def test_probe_messages_name_rank_ranges() -> None:
 
     assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
     assert _ranges([3]) == "3"
+
+
+def test_a_compaction_cut_short_reads_each_record_once(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = join_path(root, "events.jsonl")
+    events = EventsFile(path)
+    for name in ("start", "checkpoint", "restore"):
+        events.record(name)
+    fs = fsspec.filesystem("memory")
+    monkeypatch.setattr(type(fs), "rm", lambda self, *a, **k: None)  # killed after the put, before deleting
+    assert compact(path) == 3
+    assert len(fs.ls(path, detail=False)) == 4
+    assert [e["event"] for e in read_events(path)] == ["start", "checkpoint", "restore"]
+    monkeypatch.undo()
+    events.record("finish")
+    assert compact(path) == 5  # the merged copy is replaced, not merged into itself
+    assert [e["event"] for e in read_events(path)] == ["start", "checkpoint", "restore", "finish"]
+    assert len(fs.ls(path, detail=False)) == 1
