@@ -369,7 +369,7 @@ class Session:
             self.checkpointer.close()
             self.checkpointer = None
         if self._metrics is not None:
-            self._metrics.flush()
+            self._metrics.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None

@@ -12,9 +12,9 @@ parts in name order, which is the order in which writers started them: within on
 across writers (a restart on another node) as far as the nodes' clocks agree, far closer than the
 seconds a restart takes. A record still in a buffer when its process is killed is lost: callers
 flush at the points that matter (:class:`~elastrain.metrics.series.MetricsWriter` when a
-checkpoint is taken; events flush every record). :func:`compact` merges the parts into one, so
-that a long run's start does not read thousands of objects (a metrics writer that opens a segment
-compacts first).
+checkpoint is taken; events flush every record). :func:`compact` merges the parts into one, in
+the background, so that neither a long run's start nor a reader has thousands of objects to read
+(the metrics writer of rank 0 merges when it opens a segment and every 64 flushes).
 
 No torch import: agents use this too.
 """
@@ -25,6 +25,7 @@ import atexit
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -35,6 +36,7 @@ from elastrain.log import lifecycle
 
 PART_SUFFIX = ".jsonl"
 COMPACTED = "-compacted"
+_COMPACTED_TAIL = re.compile(r"(-compacted-[0-9a-z]+)+$")
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -60,12 +62,15 @@ class LineLog:
     """Appends records to a JSON-lines log: a local file, or parts under a URL (see the module docstring).
 
     ``flush_every_s``: on object stores, put the buffer once its oldest record is this old (0: every
-    record). Local files are written at once whatever it says.
+    record). ``compact_every``: on object stores, merge the log's parts in a background thread after
+    every this many flushes (0: never), so that the number of parts stays small during a long run.
+    Local files are written at once whatever these say.
     """
 
-    def __init__(self, path: str | os.PathLike[str], flush_every_s: float = 0.0) -> None:
+    def __init__(self, path: str | os.PathLike[str], flush_every_s: float = 0.0, compact_every: int = 0) -> None:
         self.path = os.fspath(path)
         self.flush_every_s = flush_every_s
+        self.compact_every = compact_every
         self.url = is_url(self.path)
         self._fs: Any = None
         self._buffer: list[bytes] = []
@@ -73,11 +78,12 @@ class LineLog:
         self._seq = 0
         self._writer = uuid.uuid4().hex[:8]
         self._lock = threading.Lock()
+        self._compactor: threading.Thread | None = None
         if self.url:
             from fsspec.core import url_to_fs
 
             self._fs, _ = url_to_fs(self.path)
-            atexit.register(self.flush)
+            atexit.register(self.close)
         else:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
 
@@ -109,6 +115,31 @@ class LineLog:
                 return
             self._buffer.clear()
             self._seq += 1
+            periodic = self.compact_every > 0 and self._seq % self.compact_every == 0
+        if periodic:
+            self.compact_in_background()
+
+    def compact_in_background(self) -> None:
+        """Start merging the log's parts (:func:`compact`) on a thread, unless a merge is still running."""
+        if not self.url or (self._compactor is not None and self._compactor.is_alive()):
+            return
+        self._compactor = threading.Thread(target=self._compact, name="elastrain-log-compact", daemon=True)
+        self._compactor.start()
+
+    def _compact(self) -> None:
+        try:
+            compact(self.path, tag=self._writer)
+        except OSError as e:
+            lifecycle("log_compact_failed", level=logging.WARNING, path=self.path, error=str(e))
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Flush, and wait (bounded) for a running merge: a merge cut short only leaves duplicates readers drop."""
+        self.flush()
+        compactor = self._compactor
+        if compactor is not None and compactor.is_alive():
+            compactor.join(timeout_s)
+            if compactor.is_alive():
+                lifecycle("log_compact_unfinished", level=logging.WARNING, path=self.path, waited_s=timeout_s)
 
 
 def _list_parts(fs: Any, root: str) -> list[str]:
@@ -142,12 +173,14 @@ def _unique_lines(data: bytes) -> bytes:
     return b"".join(out)
 
 
-def compact(path: str | os.PathLike[str]) -> int:
+def compact(path: str | os.PathLike[str], tag: str | None = None) -> int:
     """Merge the parts of the log at URL ``path`` into one part; returns how many parts it merged.
 
-    The merged part takes the place of the newest part it contains (``<its name>-compacted.jsonl``),
+    The merged part takes the place of the newest part it contains (``<its name>-compacted-<tag>``),
     is put first, and only then are the merged parts deleted: a kill in between leaves duplicate
-    lines, which readers drop. Parts written meanwhile are untouched. Local files: nothing to do.
+    lines, which readers drop. Parts written meanwhile are untouched, and each merger names its
+    result with its own ``tag``, so that two merging at once never overwrite each other: every
+    part deleted is inside a merged part already stored. Local files: nothing to do.
     """
     text = os.fspath(path)
     if not is_url(text):
@@ -158,8 +191,8 @@ def compact(path: str | os.PathLike[str]) -> int:
     parts = _read_parts(fs, _list_parts(fs, root))
     if len(parts) < 2:
         return 0
-    newest = parts[-1][0][: -len(PART_SUFFIX)].removesuffix(COMPACTED)
-    target = f"{newest}{COMPACTED}{PART_SUFFIX}"
+    newest = _COMPACTED_TAIL.sub("", parts[-1][0][: -len(PART_SUFFIX)])
+    target = f"{newest}{COMPACTED}-{tag or uuid.uuid4().hex[:8]}{PART_SUFFIX}"
     fs.pipe_file(target, _unique_lines(b"".join(data for _, data in parts)))
     merged = [name for name, _ in parts if name != target]
     fs.rm(merged)

@@ -17,18 +17,17 @@ the session calls), so that no point of a step a restart restores is lost with a
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastrain.log import lifecycle
-from elastrain.metrics.lines import LineLog, compact, read_json_lines
+from elastrain.metrics.lines import LineLog, read_json_lines
 
 METRICS_FILENAME = "metrics.jsonl"
 # On object stores: how old the oldest buffered point may get before it is put (one object per flush).
 DEFAULT_FLUSH_EVERY_S = 30.0
+COMPACT_EVERY = 64  # flushes between merges of the parts (object stores)
 
 
 class MetricsWriter:
@@ -46,13 +45,11 @@ class MetricsWriter:
         self.path = os.fspath(path)
         self.segment = segment
         self.restored_step = restored_step
-        self._log = LineLog(self.path, flush_every_s=flush_every_s)
+        # The writer that opens the segment (rank 0) keeps the parts few; point-only writers just add theirs.
+        self._log = LineLog(self.path, flush_every_s=flush_every_s, compact_every=COMPACT_EVERY if open_segment else 0)
         self._flush_from: int | None = None
         if open_segment:
-            try:
-                compact(self.path)  # object stores: read one part at the next start, not thousands
-            except OSError as e:
-                lifecycle("log_compact_failed", level=logging.WARNING, path=self.path, error=str(e))
+            self._log.compact_in_background()  # object stores: the earlier starts' parts become one
             self._log.append(
                 {"kind": "segment", "segment": segment, "restored_step": restored_step, "time": round(time.time(), 3)},
             )
@@ -81,7 +78,8 @@ class MetricsWriter:
         self._log.flush()
 
     def close(self) -> None:
-        self.flush()
+        """Flush, and let a running merge of parts finish (bounded)."""
+        self._log.close()
 
 
 @dataclass(frozen=True)
