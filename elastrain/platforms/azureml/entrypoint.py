@@ -1,6 +1,6 @@
 """AzureML entrypoint: map the node's AzureML environment to elastrain-run's rendezvous, then exec it.
 
-    python -m launch.azureml.entrypoint --min-nodes 1 --checkpoint-dir ${{outputs.checkpoints}} \\
+    python -m elastrain.platforms.azureml.entrypoint --min-nodes 1 --checkpoint-dir ${{outputs.checkpoints}} \\
         -- [elastrain-run options] train.py [script args]
 
 With ``distribution: {type: pytorch, process_count_per_instance: 1}`` AzureML runs this once per node
@@ -99,7 +99,9 @@ def read_azureml_env(environ: Mapping[str, str]) -> AzureMLNode:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch.azureml.entrypoint", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m elastrain.platforms.azureml.entrypoint", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--min-nodes", type=int, default=1, help="fewest nodes the job trains on (default 1)")
     p.add_argument("--max-nodes", type=int, default=None, help="default: AZUREML_NODE_COUNT")
     p.add_argument("--nproc-per-node", default="1", help="workers per node: N, gpu, cpu or auto (default 1)")
@@ -158,7 +160,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         node = read_azureml_env(env)
         run_args = elastrain_argv(node, args)
     except LaunchSpecError as exc:
-        print(f"launch.azureml.entrypoint: error: {exc}", file=sys.stderr)
+        print(f"elastrain.platforms.azureml.entrypoint: error: {exc}", file=sys.stderr)
         return 2
     cmd = [sys.executable, "-m", "elastrain", *run_args]
     print(

@@ -1,7 +1,7 @@
-"""``python -m launch.azureml``: render an AzureML low-priority compute cluster and command job as YAML.
+"""``python -m elastrain.platforms.azureml``: render an AzureML low-priority compute cluster and command job as YAML.
 
-python -m launch.azureml render --compute lowpri --min-nodes 1 --max-nodes 4 -- train.py --steps 100
-python -m launch.azureml examples          # are the rendered examples up to date? (--write)
+python -m elastrain.platforms.azureml render --compute lowpri --min-nodes 1 --max-nodes 4 -- train.py
+python -m elastrain.platforms.azureml examples          # are the rendered examples up to date? (--write)
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 from collections.abc import Sequence
 
 from elastrain.errors import LaunchSpecError
-from launch.azureml import example_specs as examples
-from launch.azureml.spec import (
+from elastrain.platforms.azureml import example_specs as examples
+from elastrain.platforms.azureml.spec import (
     AzureMLJobParams,
     check_command_job,
     check_compute,
@@ -20,11 +20,11 @@ from launch.azureml.spec import (
     compute_cluster,
     warnings,
 )
-from launch.render import examples_command, to_yaml
+from elastrain.platforms.render import examples_command, to_yaml
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m launch.azureml", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m elastrain.platforms.azureml", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("render", help="compute.yaml and job.yaml documents on stdout (or into --out)")
     r.add_argument("--compute", default="lowpri-cluster")
@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-path", default=None, help="datastore URI (default: the job's own output folder)")
     r.add_argument("--what", choices=("job", "compute", "both"), default="both")
     r.add_argument("script", nargs=argparse.REMAINDER, help="-- training script and its arguments")
-    x = sub.add_parser("examples", help="check or rewrite launch/azureml/examples/")
+    x = sub.add_parser("examples", help="check or rewrite launch/azureml/")
     x.add_argument("--write", action="store_true")
     return parser
 
@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     try:
         if a.command == "examples":
-            return examples_command(a.write, examples.write, examples.stale, "launch.azureml")
+            return examples_command(a.write, examples.rendered, examples.PLATFORM)
         script = a.script[1:] if a.script[:1] == ["--"] else a.script
         params = AzureMLJobParams(
             script=tuple(script),

@@ -9,7 +9,7 @@ Two documents, each for ``az ml ... create --file``:
   read-write. The output's default datastore path is keyed by the job name, so a job that AzureML
   restarts from scratch after a preemption finds the same folder and resumes from it.
 
-The command runs :mod:`launch.azureml.entrypoint`, which maps AzureML's variables (``MASTER_ADDR``,
+The command runs :mod:`elastrain.platforms.azureml.entrypoint`, which maps AzureML's variables (``MASTER_ADDR``,
 ``MASTER_PORT``, ``NODE_RANK``, ``AZUREML_NODE_COUNT``, ``AZUREML_RUN_ID``) to ``elastrain-run``.
 :func:`check_command_job` and :func:`check_compute` validate the documents as data, without the Azure
 SDK (an optional extra, ``elastrain[azure]``).
@@ -94,7 +94,7 @@ def entrypoint_command(p: AzureMLJobParams) -> str:
     flags = [
         "python",
         "-m",
-        "launch.azureml.entrypoint",
+        "elastrain.platforms.azureml.entrypoint",
         "--min-nodes",
         str(p.min_nodes),
         "--nproc-per-node",

@@ -1,6 +1,6 @@
-"""Kubernetes: an elastic Kubeflow PyTorchJob running elastrain-run (``python -m launch.kubernetes``)."""
+"""Kubernetes: an elastic Kubeflow PyTorchJob running elastrain-run (``python -m elastrain.platforms.kubernetes``)."""
 
-from launch.kubernetes.spec import (
+from elastrain.platforms.kubernetes.spec import (
     PyTorchJobParams,
     etcd_manifests,
     kubeflow_pet_env,

@@ -1,6 +1,6 @@
-"""AzureML: a low-priority command job running elastrain (``python -m launch.azureml``), and its entrypoint."""
+"""AzureML: a low-priority command job running elastrain (``python -m elastrain.platforms.azureml``)."""
 
-from launch.azureml.spec import (
+from elastrain.platforms.azureml.spec import (
     AzureMLJobParams,
     check_command_job,
     check_compute,

@@ -1,9 +1,9 @@
-"""``python -m launch.kubernetes``: render an elastic PyTorchJob (and an etcd) as YAML.
+"""``python -m elastrain.platforms.kubernetes``: render an elastic PyTorchJob (and an etcd) as YAML.
 
-python -m launch.kubernetes render --name t5 --image IMG --min-nodes 1 --max-nodes 4 -- train.py --steps 100
-python -m launch.kubernetes etcd --name elastrain-etcd
-python -m launch.kubernetes env job.yaml          # the PET_* variables Kubeflow will inject
-python -m launch.kubernetes examples              # are the rendered examples up to date? (--write)
+python -m elastrain.platforms.kubernetes render --name t5 --image IMG --min-nodes 1 --max-nodes 4 -- train.py
+python -m elastrain.platforms.kubernetes etcd --name elastrain-etcd
+python -m elastrain.platforms.kubernetes env job.yaml          # the PET_* variables Kubeflow will inject
+python -m elastrain.platforms.kubernetes examples              # are the rendered examples up to date? (--write)
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from elastrain.errors import LaunchSpecError
-from launch.kubernetes import example_specs as examples
-from launch.kubernetes import schema
-from launch.kubernetes.spec import PyTorchJobParams, etcd_manifests, kubeflow_pet_env, manifests, warnings
-from launch.render import examples_command, from_yaml, to_yaml
+from elastrain.platforms.kubernetes import example_specs as examples
+from elastrain.platforms.kubernetes import schema
+from elastrain.platforms.kubernetes.spec import PyTorchJobParams, etcd_manifests, kubeflow_pet_env, manifests, warnings
+from elastrain.platforms.render import examples_command, from_yaml, to_yaml
 
 
 def _pairs(values: Sequence[str] | None, flag: str) -> tuple[tuple[str, str], ...]:
@@ -31,7 +31,9 @@ def _pairs(values: Sequence[str] | None, flag: str) -> tuple[tuple[str, str], ..
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m launch.kubernetes", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m elastrain.platforms.kubernetes", description=__doc__.splitlines()[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("render", help="an elastic PyTorchJob (and its checkpoint PVC) as YAML on stdout")
@@ -67,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("env", help="the PET_* variables Kubeflow puts in the pods of a rendered job")
     v.add_argument("file", type=Path)
 
-    x = sub.add_parser("examples", help="check or rewrite launch/kubernetes/examples/")
+    x = sub.add_parser("examples", help="check or rewrite launch/kubernetes/")
     x.add_argument("--write", action="store_true")
     return parser
 
@@ -122,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for k, val in kubeflow_pet_env(doc).items():
                         print(f"{k}={val}")
             return 0
-        return examples_command(a.write, examples.write, examples.stale, "launch.kubernetes")
+        return examples_command(a.write, examples.rendered, examples.PLATFORM)
     except LaunchSpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
