@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from elastrain.platforms.kubernetes import trainjob
 from elastrain.platforms.kubernetes.spec import PyTorchJobParams, etcd_manifests, manifests, warnings
 from elastrain.platforms.render import to_yaml, warnings_block
 
@@ -38,6 +39,10 @@ ETCD_V3 = PyTorchJobParams(
     node_selector=_SPOT_POOL,
 )
 
+# Kubeflow Trainer v2: the same two jobs as a TrainJob and its ClusterTrainingRuntime.
+TRAINJOB_C10D = trainjob.TrainJobParams(**{**C10D.__dict__, "rdzv_endpoint": None})
+TRAINJOB_ETCD_V3 = trainjob.TrainJobParams(**ETCD_V3.__dict__, runtime_name="elastrain-torch-gpu")
+
 
 def rendered() -> dict[str, str]:
     """File name → YAML text for every example."""
@@ -45,6 +50,12 @@ def rendered() -> dict[str, str]:
     for fname, params in (("pytorchjob-c10d.yaml", C10D), ("pytorchjob-etcd-v3.yaml", ETCD_V3)):
         header = "Rendered by `python -m elastrain.platforms.kubernetes examples --write`; do not edit by hand."
         out[fname] = to_yaml(manifests(params), header=header + warnings_block(warnings(params)))
+    for fname, t in (("trainjob-c10d.yaml", TRAINJOB_C10D), ("trainjob-etcd-v3.yaml", TRAINJOB_ETCD_V3)):
+        header = (
+            "Kubeflow Trainer v2 (trainer.kubeflow.org/v1alpha1): the runtime, the checkpoint claim and the TrainJob.\n"
+            "Rendered by `python -m elastrain.platforms.kubernetes examples --write`; do not edit by hand."
+        )
+        out[fname] = to_yaml(trainjob.manifests(t), header=header + warnings_block(trainjob.warnings(t)))
     etcd_header = (
         "A one-member etcd for --rdzv-backend etcd-v3, on on-demand nodes (not the spot pool).\n"
         "Rendered by `python -m elastrain.platforms.kubernetes examples --write`; do not edit by hand."

@@ -152,11 +152,11 @@ def container_args(p: PyTorchJobParams) -> list[str]:
     return args + list(p.script)
 
 
-def _labels(p: PyTorchJobParams) -> dict[str, str]:
+def job_labels(p: PyTorchJobParams) -> dict[str, str]:
     return {"app.kubernetes.io/name": "elastrain", "app.kubernetes.io/instance": p.name, **dict(p.labels)}
 
 
-def _resources(p: PyTorchJobParams) -> dict[str, Any]:
+def resource_requirements(p: PyTorchJobParams) -> dict[str, Any]:
     limits: dict[str, Any] = {}
     requests: dict[str, Any] = {}
     if p.cpu:
@@ -189,7 +189,7 @@ def pod_template(p: PyTorchJobParams) -> Manifest:
         "ports": [{"name": PORT_NAME, "containerPort": _pod_rdzv_port(p), "protocol": "TCP"}],
         "env": [{"name": k, "value": v} for k, v in p.env],
     }
-    resources = _resources(p)
+    resources = resource_requirements(p)
     if resources:
         container["resources"] = resources
     if not container["env"]:
@@ -200,7 +200,7 @@ def pod_template(p: PyTorchJobParams) -> Manifest:
         spec["volumes"] = [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": p.claim_name}}]
     if p.node_selector:
         spec["nodeSelector"] = dict(p.node_selector)
-    return {"metadata": {"labels": _labels(p)}, "spec": spec}
+    return {"metadata": {"labels": job_labels(p)}, "spec": spec}
 
 
 def pytorchjob(p: PyTorchJobParams) -> Manifest:
@@ -218,7 +218,7 @@ def pytorchjob(p: PyTorchJobParams) -> Manifest:
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": {"name": p.name, "namespace": p.namespace, "labels": _labels(p)},
+        "metadata": {"name": p.name, "namespace": p.namespace, "labels": job_labels(p)},
         "spec": {
             "runPolicy": {"cleanPodPolicy": "None"},
             "elasticPolicy": elastic,
@@ -238,7 +238,7 @@ def checkpoint_claim(p: PyTorchJobParams) -> Manifest | None:
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": {"name": p.claim_name, "namespace": p.namespace, "labels": _labels(p)},
+        "metadata": {"name": p.claim_name, "namespace": p.namespace, "labels": job_labels(p)},
         "spec": spec,
     }
 
