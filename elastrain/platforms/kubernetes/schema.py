@@ -219,6 +219,14 @@ def validate_pytorchjob(doc: dict[str, Any], version: str = KUBERNETES_VERSION) 
             raise LaunchSpecError(f"PyTorchJob pytorchReplicaSpecs/{rtype}/template: {exc}") from None
 
 
+@cache
+def _validator(kind: str) -> Any:
+    import jsonschema
+
+    # The kept schemas are checked once by the tests; validating them again on every call is slow.
+    return jsonschema.Draft7Validator(trainer_schema(kind)["openAPIV3Schema"])
+
+
 def validate_trainer(doc: Mapping[str, Any]) -> None:
     """A TrainJob or ClusterTrainingRuntime against the kept CRD schema of its kind (strict)."""
     try:
@@ -230,7 +238,7 @@ def validate_trainer(doc: Mapping[str, Any]) -> None:
         raise LaunchSpecError(f"{kind}: apiVersion must be {TRAINER_API_VERSION}, got {doc.get('apiVersion')!r}")
     kept = trainer_schema(kind)
     try:
-        jsonschema.validate(doc, kept["openAPIV3Schema"])
+        _validator(kind).validate(doc)
     except jsonschema.ValidationError as exc:
         raise LaunchSpecError(
             f"{kind} {_path(exc)}: {exc.message} (schema of Kubeflow Trainer {kept['release']})"
