@@ -42,6 +42,8 @@ class ClusterNode:
     node_count: int
     run_id: str
     """Stays the same when the platform restarts or requeues the job."""
+    restart_count: int = 0
+    """How many times the platform restarted or requeued the job, where it says (logged only)."""
 
     def __post_init__(self) -> None:
         if self.node_count < 1 or not 0 <= self.node_rank < self.node_count:
@@ -133,6 +135,7 @@ def run(
     cmd = [sys.executable, "-m", "elastrain", *run_args]
     print(
         f"elastrain {platform} node_rank={node.node_rank} nodes={node.node_count} run_id={node.run_id} "
+        f"restart_count={node.restart_count} "
         f"command={shlex.join(cmd)}",
         file=sys.stderr,
         flush=True,
