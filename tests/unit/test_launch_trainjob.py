@@ -14,7 +14,7 @@ from elastrain.launcher.options import build_parser, options_from_args, validate
 from elastrain.platforms.kubernetes import example_specs as examples
 from elastrain.platforms.kubernetes import schema
 from elastrain.platforms.kubernetes.__main__ import main as k8s_main
-from elastrain.platforms.kubernetes.trainjob import (
+from elastrain.platforms.kubernetes.kubeflow_trainer import (
     TrainJobParams,
     cluster_training_runtime,
     container_argv,

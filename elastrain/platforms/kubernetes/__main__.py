@@ -21,7 +21,7 @@ import yaml
 
 from elastrain.errors import LaunchSpecError
 from elastrain.platforms.kubernetes import example_specs as examples
-from elastrain.platforms.kubernetes import schema, spec, trainjob
+from elastrain.platforms.kubernetes import kubeflow_trainer, schema, spec
 from elastrain.platforms.render import examples_command, from_yaml, to_yaml
 
 
@@ -57,7 +57,7 @@ def _job_flags(r: argparse.ArgumentParser, claim_help: str) -> None:
     r.add_argument("--gpus", type=int, default=0)
     r.add_argument("--env", action="append", metavar="KEY=VALUE")
     r.add_argument("--node-selector", action="append", metavar="KEY=VALUE")
-    r.add_argument("--validate", action="store_true", help="check against the kept schemas (needs jsonschema)")
+    r.add_argument("--validate", action="store_true", help="check against the schemas (needs elastrain[kubernetes])")
     r.add_argument("script", nargs=argparse.REMAINDER, help="-- training script and its arguments")
 
 
@@ -71,8 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     _job_flags(r, "PVC name ('' for none; default <name>-checkpoints)")
 
     t = sub.add_parser("trainjob", help="a Kubeflow Trainer v2 ClusterTrainingRuntime, PVC and TrainJob")
-    _job_flags(t, f"the runtime's PVC ('' for none; default {trainjob.DEFAULT_CLAIM})")
-    t.add_argument("--runtime-name", default=trainjob.DEFAULT_RUNTIME)
+    _job_flags(t, f"the runtime's PVC ('' for none; default {kubeflow_trainer.DEFAULT_CLAIM})")
+    t.add_argument("--runtime-name", default=kubeflow_trainer.DEFAULT_RUNTIME)
     t.add_argument("--pod-restarts", type=int, default=6, help="the Job's backoffLimit (preemptions not counted)")
     t.add_argument("--jobset-restarts", type=int, default=3, help="whole-job restarts (failurePolicy.maxRestarts)")
 
@@ -135,20 +135,20 @@ def _emit(docs: list[dict[str, Any]], notes: list[str], validate: bool) -> int:
 
 def _env(path: Path) -> int:
     docs = from_yaml(path.read_text())
-    runtimes = {d["metadata"]["name"]: d for d in docs if d.get("kind") == trainjob.RUNTIME_KIND}
+    runtimes = {d["metadata"]["name"]: d for d in docs if d.get("kind") == kubeflow_trainer.RUNTIME_KIND}
     for doc in docs:
         if doc.get("kind") == spec.KIND:
             for k, val in spec.kubeflow_pet_env(doc).items():
                 print(f"{k}={val}")
-        elif doc.get("kind") == trainjob.TRAINJOB_KIND:
+        elif doc.get("kind") == kubeflow_trainer.TRAINJOB_KIND:
             ref = doc["spec"]["runtimeRef"]["name"]
             if ref not in runtimes:
                 raise LaunchSpecError(f"{path}: TrainJob refers to runtime {ref!r}, which is not in this file")
-            nodes = int(trainjob.trainer_pet_env(doc, runtimes[ref], 0)["PET_NNODES"])
-            for index in range(nodes):
-                env = trainjob.trainer_pet_env(doc, runtimes[ref], index)
-                print(f"# pod {index}: " + " ".join(f"{k}={val}" for k, val in env.items()))
-                print(f"#   elastrain-run {' '.join(trainjob.container_argv(doc, runtimes[ref], index))}")
+            env = kubeflow_trainer.trainer_pet_env(doc, runtimes[ref], 0)
+            print(f"# {doc['metadata']['name']}: pod i of {env['PET_NNODES']} has PET_NODE_RANK=i; the rest alike")
+            for k, val in env.items():
+                print(f"{k}={val}")
+            print(f"# runs: elastrain-run {' '.join(kubeflow_trainer.container_argv(doc, runtimes[ref], 0))}")
     return 0
 
 
@@ -182,13 +182,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             p = spec.PyTorchJobParams(**_params(a))
             return _emit(spec.manifests(p), spec.warnings(p), a.validate)
         if a.command == "trainjob":
-            t = trainjob.TrainJobParams(
+            t = kubeflow_trainer.TrainJobParams(
                 **_params(a),
                 runtime_name=a.runtime_name,
                 pod_restarts=a.pod_restarts,
                 jobset_restarts=a.jobset_restarts,
             )
-            return _emit(trainjob.manifests(t), trainjob.warnings(t), a.validate)
+            return _emit(kubeflow_trainer.manifests(t), kubeflow_trainer.warnings(t), a.validate)
         if a.command == "etcd":
             docs = spec.etcd_manifests(a.name, a.namespace, node_selector=_pairs(a.node_selector, "--node-selector"))
             sys.stdout.write(to_yaml(docs))

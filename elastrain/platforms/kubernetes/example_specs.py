@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from elastrain.platforms.kubernetes import trainjob
+from elastrain.platforms.kubernetes import kubeflow_trainer
 from elastrain.platforms.kubernetes.spec import PyTorchJobParams, etcd_manifests, manifests, warnings
 from elastrain.platforms.render import to_yaml, warnings_block
 
@@ -40,8 +40,8 @@ ETCD_V3 = PyTorchJobParams(
 )
 
 # Kubeflow Trainer v2: the same two jobs as a TrainJob and its ClusterTrainingRuntime.
-TRAINJOB_C10D = trainjob.TrainJobParams(**{**C10D.__dict__, "rdzv_endpoint": None})
-TRAINJOB_ETCD_V3 = trainjob.TrainJobParams(**ETCD_V3.__dict__, runtime_name="elastrain-torch-gpu")
+TRAINJOB_C10D = kubeflow_trainer.TrainJobParams(**{**C10D.__dict__, "rdzv_endpoint": None})
+TRAINJOB_ETCD_V3 = kubeflow_trainer.TrainJobParams(**ETCD_V3.__dict__, runtime_name="elastrain-torch-gpu")
 
 
 def rendered() -> dict[str, str]:
@@ -55,7 +55,9 @@ def rendered() -> dict[str, str]:
             "Kubeflow Trainer v2 (trainer.kubeflow.org/v1alpha1): the runtime, the checkpoint claim and the TrainJob.\n"
             "Rendered by `python -m elastrain.platforms.kubernetes examples --write`; do not edit by hand."
         )
-        out[fname] = to_yaml(trainjob.manifests(t), header=header + warnings_block(trainjob.warnings(t)))
+        out[fname] = to_yaml(
+            kubeflow_trainer.manifests(t), header=header + warnings_block(kubeflow_trainer.warnings(t))
+        )
     etcd_header = (
         "A one-member etcd for --rdzv-backend etcd-v3, on on-demand nodes (not the spot pool).\n"
         "Rendered by `python -m elastrain.platforms.kubernetes examples --write`; do not edit by hand."
