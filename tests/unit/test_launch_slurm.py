@@ -100,8 +100,8 @@ def test_the_step_runs_one_entrypoint_per_node() -> None:
     step = next(line for line in joined.splitlines() if line.startswith("srun "))
     argv = shlex.split(step.rstrip("&"))
     assert argv == srun_argv(BASE)
-    assert argv[:3] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0"]
-    assert argv[3:6] == ["python", "-m", "elastrain.platforms.slurm.entrypoint"]
+    assert argv[:4] == ["srun", "--ntasks-per-node=1", "--no-kill", "--kill-on-bad-exit=0"]
+    assert argv[4:7] == ["python", "-m", "elastrain.platforms.slurm.entrypoint"]
     assert argv[argv.index("--checkpoint-dir") + 1] == "/shared/ckpt/t5"
     assert argv[argv.index("--") :] == ["--", "--save-timeout", "110", "train.py", "--lr", "0.1"]
     # The script itself reads only SLURM_JOB_ID; the entrypoint reads the rest on each node.

@@ -2,8 +2,8 @@
 
 - ``#SBATCH --nodes=MIN-MAX``: Slurm may start the job on as few as MIN nodes; ``--ntasks-per-node=1``
   and ``srun --ntasks-per-node=1`` run one elastrain-run agent per node, which starts the workers.
-- ``--no-kill`` and ``srun --kill-on-bad-exit=0``: a failed node does not end the job, the other agents
-  re-form without it (elastrain's shrink in place).
+- ``--no-kill`` (on the job and on the step) and ``srun --kill-on-bad-exit=0``: a failed node, or an agent
+  that exits, ends neither the job nor the step; the other agents re-form without it (shrink in place).
 - ``--requeue`` and ``--signal=B:TERM@GRACE``: GRACE seconds before the time limit the batch shell gets
   SIGTERM; its trap forwards it to the step (srun relays it to every agent, which checkpoints and
   leaves) and requeues the job. A preempting partition (``PreemptMode=REQUEUE``) sends SIGTERM to the
@@ -125,7 +125,7 @@ def srun_lines(p: SlurmJobParams) -> list[list[str]]:
     """The step's command, one group of arguments per script line: srun, then the entrypoint on every node."""
     rdzv = ["--rdzv-endpoint", p.rdzv_endpoint] if p.rdzv_endpoint else ["--rdzv-port", str(p.rdzv_port)]
     return [
-        ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0"],
+        ["srun", "--ntasks-per-node=1", "--no-kill", "--kill-on-bad-exit=0"],
         [p.python, "-m", ENTRYPOINT],
         [
             "--min-nodes",
