@@ -47,7 +47,6 @@ ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
 ANCESTOR_TRAINER = "trainer"
 FRAMEWORK_LABEL = "trainer.kubeflow.org/framework"
 TRAINER_PORT = 29500
-COMPLETION_INDEX_PATH = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 DEFAULT_RUNTIME = "elastrain-torch"
 DEFAULT_CLAIM = "elastrain-checkpoints"
 BACKENDS = ("c10d", "etcd-v3")
