@@ -24,6 +24,7 @@ from elastrain.platforms.slurm.entrypoint import _parser, elastrain_argv, read_s
 from elastrain.platforms.slurm.entrypoint import main as entry_main
 from elastrain.platforms.slurm.hostlist import expand_hostlist, first_host
 from elastrain.platforms.slurm.spec import SlurmJobParams, sbatch_directives, sbatch_script, srun_argv, warnings
+from tests.support import kill_tree
 
 BASE = SlurmJobParams(name="t5", script=("train.py", "--lr", "0.1"), checkpoint_dir="/shared/ckpt/t5", max_nodes=4)
 SLURM_ENV = {
@@ -133,17 +134,20 @@ def test_sigterm_checkpoints_the_step_then_requeues(tmp_path: Path) -> None:
     # The step answers SIGTERM like srun relaying it to the agents: it leaves after a moment.
     proc, log = _run_script(
         tmp_path,
-        f"sleep 30 & s=$!\ntrap 'echo step-got-TERM >> {tmp_path}/calls.log; kill $s; exit 143' TERM\nwait\n",
+        f"sleep 30 & s=$!\ntrap 'echo step-got-TERM >> {tmp_path}/calls.log; kill $s; exit 143' TERM\n"
+        f"touch {tmp_path}/step-ready\nwait\n",
     )
     try:
         deadline = time.monotonic() + 20
-        while not (log.exists() and "srun" in log.read_text()):
-            assert time.monotonic() < deadline, "srun was not started"
+        # Both traps are set once the step says it is ready (the script's own is set before srun starts).
+        while not (tmp_path / "step-ready").exists():
+            assert time.monotonic() < deadline, "the step did not start"
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=20)
     finally:
-        proc.kill()
+        kill_tree(proc.pid)  # the script and the fake step, by PID, if they are still there
+        proc.wait(timeout=10)
     lines = log.read_text().splitlines()
     assert lines[0].startswith("srun --ntasks-per-node=1")
     assert lines[1:] == ["step-got-TERM", "scontrol requeue 4242"]
@@ -152,7 +156,11 @@ def test_sigterm_checkpoints_the_step_then_requeues(tmp_path: Path) -> None:
 
 def test_the_script_exits_with_the_step_status(tmp_path: Path) -> None:
     proc, log = _run_script(tmp_path, "exit 3\n")
-    proc.communicate(timeout=20)
+    try:
+        proc.communicate(timeout=20)
+    finally:
+        kill_tree(proc.pid)
+        proc.wait(timeout=10)
     assert proc.returncode == 3
     assert "scontrol" not in log.read_text()
 
