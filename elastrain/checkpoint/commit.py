@@ -210,7 +210,6 @@ class Commit:
         if verdict == "stale":
             raise StaleGenerationError(value)
         if verdict == "error":
-            self._log("checkpoint_save_failed", logging.ERROR, step=step, path=path, error=value)
             raise save_error(path, step, value)
         if self.rank == 0:
             self.purge()

@@ -71,8 +71,8 @@ def test_zero2_resume_at_1_and_3_and_survive_kills_in_save_and_conversion(tmp_pa
     out = launch(2, ckpt, l2, ext, "--stage=2", "--steps=6", "--save-at", "3", "--kill-save-at=5", restarts=1)
     assert [int(e["step"]) for e in events(out, "checkpoint_committed")] == [3]
     assert (ckpt / "step-0000000005").is_dir() and not (ckpt / "step-0000000005" / "elastrain-commit.json").exists()
-    skipped = events(out, "checkpoint_skipped")
-    assert skipped and skipped[0]["path"].endswith("step-0000000005")
+    skipped = events(out, "checkpoint_fallback")
+    assert skipped and skipped[0]["bad"].endswith("step-0000000005") and "no commit marker" in skipped[0]["reason"]
     first, resumed = losses(l2, attempt=0), losses(l2, attempt=1)
     assert sorted(first) == [1, 2, 3, 4, 5] and sorted(resumed) == [4, 5, 6]
     assert_close(resumed, first, [4, 5])  # same world size: exact
