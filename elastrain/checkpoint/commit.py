@@ -112,7 +112,10 @@ class Commit:
         naming: Naming = layout.STEPS,
         keep_last: int = 3,
         log: Callable[..., None] | None = None,
+        fence: Callable[[str, int | None, Storage], None] | None = None,
     ) -> None:
+        """``fence(root, generation, storage)`` is called right before the marker is written
+        (default :func:`check_fence`)."""
         self.root = root
         self.storage = storage
         self.group = group
@@ -122,6 +125,7 @@ class Commit:
         self.keep_last = keep_last
         self._log = log or (lambda *a, **k: None)
         self.bad_steps: set[int] = set()
+        self._fence = fence or check_fence
 
     @property
     def rank(self) -> int:
@@ -239,7 +243,7 @@ class Commit:
             generation=self.generation,
         )
         try:
-            check_fence(self.root, self.generation, self.storage)
+            self._fence(self.root, self.generation, self.storage)
             layout.write_commit_marker(path, marker, self.storage)
         except StaleGenerationError as e:
             return "stale", str(e)
