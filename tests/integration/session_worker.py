@@ -17,6 +17,7 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=1)
     p.add_argument("--on-save-error", choices=("raise", "warn"), default="raise")
     p.add_argument("--sleep", type=float, default=0.05)
+    p.add_argument("--metrics-dir", default=None, help="metrics.jsonl and events.jsonl (default: the checkpoint dir)")
     a = p.parse_args()
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
@@ -30,6 +31,7 @@ def main() -> None:
         max_steps=a.max_steps,
         save_every_steps=a.save_every,
         on_save_error=a.on_save_error,
+        metrics_dir=a.metrics_dir,
     )
     with session:
         for step in session:

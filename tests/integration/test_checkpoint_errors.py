@@ -63,7 +63,8 @@ def test_an_unwritable_root_stops_the_run_naming_the_path_and_cause(tmp_path: Pa
 def test_with_on_save_error_warn_the_session_goes_on_and_logs_every_failure(tmp_path: Path) -> None:
     ckpt, log = tmp_path / "ckpt", tmp_path / "run.log"
     cmd = elastrain_cmd("--nproc-per-node=2", f"--checkpoint-dir={ckpt}", SESSION_WORKER, "--on-save-error=warn")
-    agent = spawn([*cmd, "--max-steps=80", "--save-every=2"], log)
+    # Metrics and events live elsewhere here: only the checkpoints break.
+    agent = spawn([*cmd, "--max-steps=80", "--save-every=2", f"--metrics-dir={tmp_path / 'metrics'}"], log)
     with reaped(agent):
         wait_for(lambda: len(events(log.read_text(), "checkpoint_committed")) >= 2, timeout=180, what="2 commits")
         broken_at = max(steps(log.read_text()), default=0)
