@@ -165,7 +165,7 @@ def async_section(
 ) -> dict[str, Any]:
     """elastrain's writer thread against dcp.async_save with the process checkpointer and the default stager."""
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.staging import DefaultStager
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse, async_save
 
     def steps_while(done: Callable[[], bool]) -> tuple[float, int]:
@@ -180,71 +180,88 @@ def async_section(
             n += 1
         return (time.perf_counter() - t0) / max(n, 1), n
 
-    out: dict[str, Any] = {}
-    t0 = time.perf_counter()
-    for _ in range(args.every):
-        train_step(model, opt, args.hidden)
-    out["step_s"] = (time.perf_counter() - t0) / args.every
+    def plain_step_s() -> float:
+        t0 = time.perf_counter()
+        for _ in range(args.every):
+            train_step(model, opt, args.hidden)
+        return (time.perf_counter() - t0) / args.every
 
+    Start = Callable[[int], tuple[float, Callable[[], bool], Callable[[], float]]]
+
+    def measure(start: Start) -> list[dict[str, float]]:
+        """The first save and --repeats more: stall, step time while writing (vs a plain block just before), memory.
+
+        ``start(i)`` saves and returns (seconds training waited, whether the write is done, finish); ``finish()``
+        waits for the write and returns how long a training step waited for it meanwhile.
+        """
+        rows = []
+        for i in range(1 + args.repeats):
+            plain = plain_step_s()
+            dist.barrier()
+            with PeakMemory() as mem:
+                stall, done, finish = start(i)
+                during, n = steps_while(done)
+                stall += finish()
+            rows.append(
+                {
+                    "stall": stall,
+                    "slowdown": during / plain - 1 if n else math.nan,
+                    "steps": n,
+                    "peak_mb": (mem.peak - mem.baseline) / 1e6,
+                }
+            )
+        return rows
+
+    out: dict[str, Any] = {"stager_error": None}
     # elastrain: save() returns after staging what the next step can change; optimizer.step() waits for the rest.
     with Checkpointer(root / "el-async", keep_last=1, interval_seconds=math.inf) as ck:
         ck.register(model=model, optimizer=opt)
-        for i in range(2):
-            dist.barrier()
-            with PeakMemory() as mem:
-                t0 = time.perf_counter()
-                ck.save(i + 1)
-                call = time.perf_counter() - t0
-                waited0 = ck._stager.waited_s
-                during, n = steps_while(lambda: ck._inflight is None or ck._inflight.done())
+
+        def elastrain_start(i: int) -> tuple[float, Callable[[], bool], Callable[[], float]]:
+            waited0, t0 = ck._stager.waited_s, time.perf_counter()
+            ck.save(i + 1)
+            stall = time.perf_counter() - t0
+
+            def finish() -> float:
                 ck.wait()
-            out[f"el_{i}"] = {
-                "call": call,
-                "stall": call + ck._stager.waited_s - waited0,
-                "during": during,
-                "steps": n,
-                "peak_mb": (mem.peak - mem.baseline) / 1e6,
-            }
+                return ck._stager.waited_s - waited0  # the next optimizer.step() waiting for the overlapped copy
+
+            return stall, lambda: ck._inflight is None or ck._inflight.done(), finish
+
+        out["step_s"] = plain_step_s()
+        out["elastrain"] = measure(elastrain_start)
 
     # torch: dcp.async_save, process-based checkpointer, default stager (pinned/shared memory, async staging).
-    stager_error = None
-    for i in range(2):
+    def torch_start(i: int) -> tuple[float, Callable[[], bool], Callable[[], float]]:
         msd, osd = get_state_dict(model, [opt])
         state = {"model": msd, "optimizer": osd}
         try:
             stager = DefaultStager()
         except (RuntimeError, AssertionError) as e:  # no accelerator: fall back to the CPU-only options
-            from torch.distributed.checkpoint.staging import StagingOptions
-
-            stager_error = f"{type(e).__name__}: {e}"
+            out["stager_error"] = f"{type(e).__name__}: {e}"
             stager = DefaultStager(StagingOptions(False, True, True, False))
-        dist.barrier()
-        with PeakMemory() as mem:
-            t0 = time.perf_counter()
-            resp = async_save(
-                state,
-                storage_writer=FileSystemWriter(str(root / "torch-async" / f"step-{i}")),
-                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                async_stager=stager,
-            )
-            call = time.perf_counter() - t0
-            if isinstance(resp, AsyncSaveResponse):
-                resp.staging_completion.result()  # training may change the state only after this
-                upload = resp.upload_completion
-            else:
-                upload = resp
-            stall = time.perf_counter() - t0
-            during, n = steps_while(upload.done)
+        t0 = time.perf_counter()
+        resp = async_save(
+            state,
+            storage_writer=FileSystemWriter(str(root / "torch-async" / f"step-{i}")),
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            async_stager=stager,
+        )
+        if isinstance(resp, AsyncSaveResponse):
+            resp.staging_completion.result()  # training may change the state only after this
+            upload = resp.upload_completion
+        else:
+            upload = resp
+        stall = time.perf_counter() - t0
+
+        def finish() -> float:
             upload.result()
-        stager.close()
-        out[f"torch_{i}"] = {
-            "call": call,
-            "stall": stall,
-            "during": during,
-            "steps": n,
-            "peak_mb": (mem.peak - mem.baseline) / 1e6,
-        }
-    out["stager_error"] = stager_error
+            stager.close()
+            return 0.0
+
+        return stall, upload.done, finish
+
+    out["torch"] = measure(torch_start)
     return out
 
 
@@ -325,7 +342,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict
     comparison = async_section(root, model, opt, args) if args.torch_async else {}
     if rank == 0:
         out.update(byte_counts)
-        out["async"] = comparison
+        out["async_compare"] = comparison
         out.update({k: statistics.median(v) for k, v in res.items()})
         out.update(nbytes=nbytes, agree=agree, step_wait=step_wait)
         out.update(step_s=statistics.median(p for p, _ in pairs) / args.every)
@@ -395,27 +412,23 @@ def main() -> None:
         ("per restore", r["restore_old"], r["restore_new"]),
     ):
         print(f"  {name:<12} {old / 1e6:13.1f} MB {new / 1e6:17.1f} MB")
-    a = r.get("async") or {}
+    a = r.get("async_compare") or {}
     if a:
         print(
             "\nasync save, elastrain's writer thread vs dcp.async_save(PROCESS, default stager); "
-            f"plain step {a['step_s']:.3f} s"
+            f"plain step {a['step_s']:.3f} s; first save, then the median of {args.repeats}"
         )
         if a.get("stager_error"):
             print(f"  (default stager failed here: {a['stager_error']}; used pinned=False, shared=True, async=True)")
-        print(f"  {'':<28} {'call':>8} {'stall':>8} {'step during write':>18} {'peak memory':>12}")
-        for key, label in (
-            ("el_0", "elastrain thread, 1st"),
-            ("el_1", "elastrain thread, 2nd"),
-            ("torch_0", "torch process, 1st"),
-            ("torch_1", "torch process, 2nd"),
-        ):
-            m = a[key]
-            slow = 100 * (m["during"] / a["step_s"] - 1) if m["steps"] else float("nan")
-            print(
-                f"  {label:<28} {m['call']:7.3f}s {m['stall']:7.3f}s "
-                f"{m['during']:8.3f}s ({slow:+4.0f}%) {m['peak_mb']:9.0f} MB"
-            )
+        print(f"  {'':<26} {'stall':>8} {'step during write':>18} {'peak memory':>12}")
+        for key, label in (("elastrain", "elastrain thread"), ("torch", "torch process")):
+            rows = a[key]
+            for name, picked in (("1st", [rows[0]]), ("then", rows[1:] or rows)):
+                m = {k: statistics.median(x[k] for x in picked) for k in ("stall", "slowdown", "steps", "peak_mb")}
+                print(
+                    f"  {label + ', ' + name:<26} {m['stall']:7.3f}s {100 * m['slowdown']:+8.0f}% "
+                    f"({m['steps']:.0f} steps) {m['peak_mb']:9.0f} MB"
+                )
 
 
 if __name__ == "__main__":
