@@ -15,10 +15,9 @@ users such as the DeepSpeed integration call these functions on their own checkp
 from __future__ import annotations
 
 import json
-import logging
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -292,19 +291,3 @@ def purge(root: str, keep_last: int, bad_steps: Iterable[int] = (), storage: Sto
     for d in victims:
         remove_step_dir(d.path, st)
     return victims
-
-
-def purge_and_log(
-    root: str, keep_last: int, bad_steps: Iterable[int], storage: Storage | None, log: Callable[..., None]
-) -> None:
-    """:func:`purge` off the training path: failures are logged, never raised (retention is best effort).
-
-    ``log(event, level, **fields)`` is the caller's lifecycle logger.
-    """
-    try:
-        removed = purge(root, keep_last, bad_steps, storage)
-    except OSError as e:
-        log("checkpoint_purge_failed", logging.WARNING, error=str(e))
-        return
-    for d in removed:
-        log("checkpoint_purged", logging.INFO, removed=d.path, why="retention" if d.committed else "incomplete")
