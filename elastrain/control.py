@@ -132,6 +132,10 @@ class ControlChannel:
         if mtime == self._last_mtime:
             return None
         req = self.current_request()
+        if req is not None and req.requested_at > self._answered_at:
+            ack = self.latest_ack()  # answered already, perhaps by the workers this process replaced
+            if ack is not None and ack.answers(req):
+                self.answered(ack.current_at)
         if req is None or req.request_id <= self._handled or req.requested_at <= self._answered_at:
             self._last_mtime = mtime
             return None

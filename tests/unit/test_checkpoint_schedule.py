@@ -128,3 +128,15 @@ def test_a_request_during_the_hold_is_answered_by_the_held_checkpoint(tmp_path: 
     ack = agent.ack_for(later)
     assert ack is not None and ack.step == 3
     assert trigger.check(4) is None  # answered: no second save for it
+
+
+def test_restarted_workers_do_not_save_again_for_a_request_already_answered(tmp_path: Path) -> None:
+    agent = ControlChannel(tmp_path)
+    agent.request_save("scale-up")
+    before = SaveTrigger(SaveSchedule(), ControlChannel(tmp_path), None)
+    assert before.claim() is not None
+    before.committed(5, "/ckpt/step-5", time.time())
+    after = ControlChannel(tmp_path)  # a worker of the next round: the request file is still there
+    assert after.pending() is None
+    agent.request_save("leave")
+    assert after.pending() is not None
