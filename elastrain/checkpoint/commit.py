@@ -31,7 +31,7 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
-from elastrain.checkpoint import layout
+from elastrain.checkpoint import fence, layout
 from elastrain.checkpoint.group import Group
 from elastrain.checkpoint.layout import CommitMarker, FileEntry, Naming, StepDir
 from elastrain.checkpoint.storage import Storage
@@ -337,8 +337,4 @@ class Commit:
 
 def check_fence(root: str, generation: int | None, storage: Storage) -> None:
     """:func:`elastrain.checkpoint.fence.check`: :class:`StaleGenerationError` if a newer world claimed ``root``."""
-    if generation is None:
-        return
-    from elastrain.checkpoint import fence  # type: ignore[attr-defined,unused-ignore]
-
     fence.check(root, generation, storage)

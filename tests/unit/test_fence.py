@@ -1,0 +1,79 @@
+"""The fencing generation in the checkpoint root: exclusive claims, superseded worlds, refused commits."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+
+from elastrain.checkpoint import fence
+from elastrain.errors import StaleGenerationError
+
+
+def test_first_fresh_claim_is_generation_zero_and_check_passes(tmp_path: Path) -> None:
+    c = fence.claim_fresh(str(tmp_path), "job", 0, "10.0.0.1:29400", ("a",))
+    assert c.generation == 0
+    assert fence.newest(str(tmp_path)) == c
+    fence.check(str(tmp_path), 0)
+    fence.check(str(tmp_path), None)
+
+
+def test_two_worlds_descending_from_one_generation_get_it_once(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    fence.claim_fresh(root, "job", 0, "s0", ())
+    left = fence.claim_after(root, "job", 5, "left:1", ("a", "b"), parent=0)
+    right = fence.claim_after(root, "job", 5, "right:1", ("c", "d"), parent=0)
+    assert left is not None and right is None
+    assert fence.newest(root).store == "left:1"  # type: ignore[union-attr]
+
+
+def test_a_superseded_world_may_not_commit(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    fence.claim_fresh(root, "job", 0, "s0", ())
+    fence.claim_after(root, "job", 1, "s1", (), parent=0)
+    with pytest.raises(StaleGenerationError, match="superseded by generation 1"):
+        fence.check(root, 0)
+
+
+def test_fresh_claims_follow_the_newest(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    for _ in range(3):
+        fence.claim_fresh(root, "job", 0, "s", ())
+    assert fence.generations(root) == [0, 1, 2]
+
+
+def test_old_claims_are_pruned(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    for g in range(fence.KEEP_CLAIMS + 5):
+        assert fence.claim(root, fence.Claim(g, "job", g, "s"))
+    gens = fence.generations(root)
+    assert len(gens) == fence.KEEP_CLAIMS and gens[-1] == fence.KEEP_CLAIMS + 4
+
+
+def test_a_torn_claim_still_holds_its_number(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    d = tmp_path / fence.FENCE_DIR
+    d.mkdir()
+    (d / "gen-000000000003.json").write_text("{not json")
+    c = fence.newest(root)
+    assert c is not None and c.generation == 3 and c.store == ""
+    assert fence.claim_after(root, "job", 1, "s", (), parent=2) is None
+
+
+def _race(root: str, i: int, q: mp.Queue) -> None:  # type: ignore[type-arg]
+    q.put((i, fence.claim_after(root, "job", 1, f"w{i}", (), parent=0) is not None))
+
+
+def test_racing_processes_one_winner(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    fence.claim_fresh(root, "job", 0, "s0", ())
+    ctx = mp.get_context("fork")
+    q: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    procs = [ctx.Process(target=_race, args=(root, i, q)) for i in range(8)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=30) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    assert sum(won for _, won in results) == 1
