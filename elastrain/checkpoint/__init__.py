@@ -1,8 +1,10 @@
 """Sharded, asynchronous, atomic checkpoints on torch.distributed.checkpoint, resharded on load.
 
-:class:`Checkpointer` is what training scripts use. :mod:`elastrain.checkpoint.layout` is the
-format-independent part (step directories, commit markers, verification, retention) that other
-checkpoint formats, such as DeepSpeed's, reuse.
+:class:`Checkpointer` is what training scripts use. :mod:`elastrain.checkpoint.commit` is the one
+commit protocol (prepare, report, commit, verify, agree) and :mod:`elastrain.checkpoint.schedule` the
+one save schedule that every format uses (DCP here, DeepSpeed's and the Trainer's folders in
+:mod:`elastrain.integrations`); :mod:`elastrain.checkpoint.layout` is the on-disk format (step
+directories, commit markers, retention).
 """
 
 from elastrain.checkpoint.checkpointer import Checkpointer, RestoreInfo, SaveResult
@@ -20,6 +22,7 @@ from elastrain.checkpoint.layout import (
     verify_step,
     write_commit_marker,
 )
+from elastrain.checkpoint.schedule import SaveSchedule
 
 __all__ = [
     "Checkpointer",
@@ -27,6 +30,7 @@ __all__ = [
     "FileEntry",
     "RestoreInfo",
     "SaveResult",
+    "SaveSchedule",
     "StepDir",
     "list_step_dirs",
     "manifest",
