@@ -24,14 +24,14 @@ is logged. A :class:`StaleGenerationError` (a newer world took over the checkpoi
 whatever ``on_save_error`` says.
 
 The background writer is elastrain's own thread, not ``dcp.async_save``. ``bench/checkpoint.py``
-measures both on the same FSDP2 state (2 ranks, 101 MB with AdamW, CPU, this 2-core machine):
-torch's process-based checkpointer (``AsyncCheckpointerType.PROCESS``) with its default stager
-(on a CPU-only host: pinned memory and non-blocking copies off) stalled training 0.40 s on its
-first save, which starts a writer process with its own gloo group (about 400 MB more resident
-memory, paid again after every restart), and 0.22 s on later ones, where it stages a full copy
-before training may go on; the writer thread stalled 0.03 s (it copies on the training thread only
-what the next step could change, and overlaps the rest with forward and backward) with no second
-process. Step times while either write runs were within this machine's noise of each other. And
+measures both on the same FSDP2 state (2 ranks, 403 MB with AdamW, CPU, this 2-core machine):
+torch's process-based checkpointer (``AsyncCheckpointerType.PROCESS``) with its default stager (on a
+CPU-only host: pinned memory and non-blocking copies off) stalled training 0.36 s on its first
+save, which starts a writer process with its own gloo group (peak memory +691 MB, paid again after
+every restart), and 0.44 s on later ones, where it stages a full copy before training may go on;
+the writer thread stalled 0.006-0.03 s (it copies on the training thread only what the next step
+could change, and overlaps the rest with forward and backward; peak +65-286 MB) with no second
+process. Step times while either write ran were within this machine's noise of each other. And
 the CRC-32s that :mod:`elastrain.checkpoint.dcp_io` computes while writing stay in this process,
 where the commit needs them; from a writer process they would have to be read back. So the thread
 stays the default.
