@@ -147,6 +147,9 @@ class Checkpointer:
     A save that answers the launcher's request (an announced membership change is coming) is
     synchronous, and afterwards the training thread holds for up to ``hold_after_request_s`` for the
     restart the launcher is about to do, so that no step runs past the checkpoint only to be redone.
+
+    ``on_save_error="raise"`` (the default) makes a failed save raise :class:`CheckpointSaveError` from
+    the next call; ``"warn"`` logs ``checkpoint_save_failed`` and lets training go on.
     """
 
     def __init__(
