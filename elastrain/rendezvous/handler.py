@@ -680,9 +680,9 @@ class ElastrainRendezvousHandler(RendezvousHandler):
 
     def _read_cached(self) -> st.RendezvousState:
         """The state, read again only when its version counter moved (or after a store switch)."""
-        self._ensure_keys()
         for _ in range(10):
             try:
+                self._ensure_keys()  # again after a store switch: the new store starts without them
                 version = self._version()
                 self._version_at = time.monotonic()
                 break

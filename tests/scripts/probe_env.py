@@ -35,6 +35,24 @@ KEYS = (
 )
 
 
+def _wait_for_peers(out: str, world_size: int, restart: str | None, timeout_s: float = 60.0) -> None:
+    import glob
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        seen = 0
+        for path in glob.glob(os.path.join(out, "start-*.json")):
+            try:
+                with open(path) as fh:
+                    seen += json.load(fh)["env"]["TORCHELASTIC_RESTART_COUNT"] == restart
+            except (OSError, ValueError):
+                continue  # being written
+        if seen >= world_size:
+            return
+        time.sleep(0.05)
+
+
 @record
 def main() -> None:
     import torch
@@ -53,7 +71,10 @@ def main() -> None:
             json.dump(record_, fh)
     if os.environ.get("PROBE_FAIL_RANK") == str(rank):
         # Before any collective: torchrun's own restarts race in gloo's connectFullMesh when a rank
-        # fails after one, and that race is torchrun's, not what this test compares.
+        # fails after one, and that race is torchrun's, not what this test compares. But only once every
+        # rank of this start has recorded it: a loaded machine may not have started the others yet.
+        if out:
+            _wait_for_peers(out, int(os.environ["WORLD_SIZE"]), os.environ.get("TORCHELASTIC_RESTART_COUNT"))
         raise RuntimeError(f"probe failure on purpose at rank {rank}")
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     t = torch.tensor([rank + 1.0])

@@ -218,11 +218,27 @@ def test_a_world_that_loses_the_generation_claim_joins_the_winner(tmp_path: Path
     try:
         rendezvous_all([a])
         assert a.generation == 0 and fence.newest(root).generation == 0  # type: ignore[union-attr]
-        fence.claim_after(root, "other", 3, "10.9.9.9:1", ("x",), parent=0)  # another world took over
+        fence.claim_after(root, "unit", 3, "10.9.9.9:1", ("x",), parent=0)  # another world of this job took over
         eventually(lambda: a.membership_change() is not None)
         assert a.membership_change().kind is st.ChangeKind.FENCED  # type: ignore[union-attr]
         with pytest.raises(Exception, match=r"10\.9\.9\.9:1"):
             a.next_rendezvous()  # no c10d stores here: the redirect names the winner's store
+    finally:
+        a.shutdown()
+
+
+def test_another_job_taking_over_the_checkpoint_dir_stops_this_one_with_one_line(tmp_path: Path) -> None:
+    from elastrain.checkpoint import fence
+    from elastrain.errors import RendezvousError
+
+    root = str(tmp_path)
+    (a,) = make_nodes(1, checkpoint_root=root)
+    try:
+        rendezvous_all([a])
+        fence.claim_after(root, "another-job", 0, "10.9.9.9:1", ("x",), parent=0)
+        eventually(lambda: a.membership_change() is not None)
+        with pytest.raises(RendezvousError, match="one checkpoint directory serves one job"):
+            a.next_rendezvous()
     finally:
         a.shutdown()
 
