@@ -103,8 +103,14 @@ class Trace:
             raise TraceError(f"max_nodes must be between 1 and nodes={self.nodes}, got {self.max_nodes}")
         if not self.start:
             object.__setattr__(self, "start", tuple(range(self.launcher_max)))
-        # A stable sort: events at the same time (or waiting on steps) keep the file's order.
-        object.__setattr__(self, "events", tuple(sorted(self.events, key=lambda e: e.at)))
+        # A stable sort: events at the same time keep the file's order, and one timed only by a gap or
+        # a step (no 'at') stays right after the event before it.
+        keys, last = [], 0.0
+        for e in self.events:
+            last = last if e.at == 0 and (e.gap_s or e.after_step is not None) else e.at
+            keys.append(last)
+        order = sorted(range(len(self.events)), key=keys.__getitem__)
+        object.__setattr__(self, "events", tuple(self.events[i] for i in order))
         validate(self)
 
     @property

@@ -129,3 +129,60 @@ def test_cli_runs_a_script_as_local_elastrain_nodes(tmp_path):
     timeline = json.loads((out / "timeline.json").read_text())
     assert [e["action"] for e in timeline["events"]][:3] == ["start", "host_ready", "start"]
     assert timeline["result"] == {**timeline["result"], "succeeded": True, "leftover_pids": []}
+
+
+CHURN_NODE = r"""
+import os, subprocess, sys, time
+node, until, pid_dir = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+if node == 2:
+    # Starts a process and exits at once, before the harness can see its child: only the tag sweep finds it.
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    sys.exit(3)
+while time.time() < until:
+    with open(os.path.join(pid_dir, f"{node}-{os.getpid()}"), "a") as f:
+        f.write(f"{time.time()}\n")
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.slow
+def test_stop_cont_kill_all_restart_all_gap_and_escapees(tmp_path):
+    script = tmp_path / "churn_node.py"
+    script.write_text(CHURN_NODE)
+    pid_dir = tmp_path / "beats"
+    pid_dir.mkdir()
+    trace = trace_from_dict(
+        {
+            "nodes": 3,
+            "max_nodes": 2,
+            "events": [
+                {"at": 0.5, "action": "stop", "node": 1},
+                {"gap": 1.0, "action": "cont", "node": 1},
+                {"gap": 0.5, "action": "start", "node": 2},
+                {"gap": 0.5, "action": "kill_all"},
+                {"gap": 1.0, "action": "restart_all", "nodes": [0, 1]},
+            ],
+        }
+    )
+    until = time.time() + 6.0
+
+    def node_command(i: int) -> list[str]:
+        return [sys.executable, str(script), str(i), str(until), str(pid_dir)]
+
+    result = ChaosHarness(trace, node_command, tmp_path / "out", poll_s=0.05, drain_s=10).run(timeout_s=60)
+
+    t = {e["action"]: e["t"] for e in result.timeline if e["action"] in ("stop", "cont", "kill_all", "restart_all")}
+    assert t["stop"] >= 0.5 and t["cont"] - t["stop"] >= 1.0 and t["restart_all"] - t["kill_all"] >= 1.0
+    # Node 1 wrote no heartbeat while it was stopped, and again after the cont.
+    beats = sorted(float(x) for p in pid_dir.glob("1-*") for x in p.read_text().split())
+    wall0 = json.loads((tmp_path / "out" / "timeline.json").read_text())["started_at"]
+    frozen = [b - wall0 for b in beats if t["stop"] + 0.2 < b - wall0 < t["cont"] - 0.05]
+    assert not frozen, frozen
+    assert any(t["cont"] < b - wall0 < t["kill_all"] for b in beats)
+    starts = [e["node"] for e in result.timeline if e["action"] == "start"]
+    assert starts == [0, 1, 2, 0, 1]
+    assert result.succeeded is False  # node 2 exited 3 on its own
+    assert [e["cmdline"] for e in result.escaped] and "sleep(600)" in result.escaped[0]["cmdline"]
+    assert not psutil.pid_exists(result.escaped[0]["pid"]) or (
+        psutil.Process(result.escaped[0]["pid"]).status() == psutil.STATUS_ZOMBIE
+    )

@@ -203,3 +203,18 @@ def test_churn_config_is_checked():
         ChurnConfig(max_nodes=1, spares=0)
     with pytest.raises(TraceError, match="first_step"):
         ChurnConfig(first_step=10, last_step=5)
+
+
+def test_events_timed_by_a_gap_or_a_step_stay_after_the_one_before():
+    t = trace_from_dict(
+        {
+            "nodes": 2,
+            "events": [
+                {"at": 5, "action": "stop", "node": 1},
+                {"gap": 2, "action": "cont", "node": 1},
+                {"at": 1, "action": "kill", "node": 0},
+                {"after_step": 9, "action": "start", "node": 0},
+            ],
+        }
+    )
+    assert [e.action for e in t.events] == [Action.KILL, Action.START, Action.STOP, Action.CONT]
