@@ -214,8 +214,9 @@ class ChaosHarness:
         node.stopped = False
         self._record("cont", node.index, pids=node.tree.signal(signal.SIGCONT))
 
-    def _fire(self, event: TraceEvent) -> None:
+    def _fire(self, event: TraceEvent, index: int) -> None:
         self._last_fired = self._now()
+        self._record("fired", event.node if event.node >= 0 else None, index=index, event=event.action.value)
         if event.action is Action.KILL_ALL:
             self._record("kill_all", nodes=[n.index for n in self._running()])
             for node in self._running():
@@ -317,7 +318,7 @@ class ChaosHarness:
                         self._record("job_finished", skipped_events=len(pending))
                     pending = []
                 while pending and self._due(pending[0]):
-                    self._fire(pending.pop(0))
+                    self._fire(pending.pop(0), len(self.trace.events) - len(pending) - 1)
                 if not self._running() and not pending:
                     break
                 if finished_at is not None and self._now() - finished_at > self.drain_s:

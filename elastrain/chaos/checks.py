@@ -1,0 +1,401 @@
+"""Checks of a finished chaos run, Jepsen-style: read what the run left behind, report every violation.
+
+Pure functions over files (no processes, no torch except to read a checkpoint's DCP metadata):
+
+- :func:`check_final_state`: the job ended at ``max_steps`` with the exact ``samples_seen``, once.
+- :func:`check_exactly_once`: the sample ledger uses every sample id exactly once per epoch.
+- :func:`check_one_world`: training segments in the events, metrics and ledger files never overlap in time.
+- :func:`check_checkpoints`: every committed checkpoint verifies and holds the step its folder names.
+- :func:`check_processes`: no process outlived its node (from the harness's ``timeline.json``).
+- :func:`check_trace_ran`: the job finished, every trace event fired, no node failed on its own.
+
+A *segment* is one start of the workers: the records that carry one ``segment`` token (rank 0's
+``start`` event, its metrics points, every rank's ledger rows). Its span runs from its ``start``
+event (or its first record) to its last record of any kind. Only one world may train at a time, so
+two spans may touch but never overlap: a world that starts while another still writes is a second
+job. The ledger is read like the metrics: when a later segment restored step ``R``, an earlier
+segment's rows after ``R`` were re-run and are superseded; every step must then be kept from exactly
+one segment.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastrain.data.cursor import EpochEnd, Position, step_range
+from elastrain.metrics.events import read_events, read_json_lines
+
+MAX_LISTED = 20
+"""Violations listed per check; the rest are counted."""
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What an uninterrupted run ends with: the soak's job settings."""
+
+    max_steps: int
+    samples: int
+    """Dataset size (samples per epoch)."""
+    global_batch: int
+
+    def step_sizes(self) -> list[tuple[int, int]]:
+        """``(epoch, samples)`` of steps 1..max_steps (``epoch_end='partial'``: an epoch's tail is a short step)."""
+        out, pos = [], Position(0, 0)
+        for _ in range(self.max_steps):
+            r = step_range(pos, self.samples, self.global_batch, 1, EpochEnd.PARTIAL)
+            out.append((r.start.epoch, sum(s.stop - s.start for s in r.segments)))
+            pos = r.end
+        return out
+
+    def samples_after(self, step: int) -> int:
+        return sum(n for _, n in self.step_sizes()[:step])
+
+
+@dataclass
+class Check:
+    name: str
+    violations: list[str] = field(default_factory=list)
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+@dataclass
+class Segment:
+    token: str
+    start: float
+    end: float
+    world_size: int | None = None
+    pid: int | None = None
+    restart_count: int | None = None
+    round: int | None = None
+    restored_step: int | None = None
+    last_step: int | None = None
+
+    def describe(self) -> str:
+        tags = [f"ws={self.world_size}", f"pid={self.pid}", f"restart={self.restart_count}"]
+        if self.round is not None:
+            tags.append(f"round={self.round}")
+        tags.append(f"restored={self.restored_step}")
+        return f"{self.token} ({', '.join(tags)}, steps to {self.last_step})"
+
+
+@dataclass(frozen=True)
+class LedgerRow:
+    segment: str
+    step: int
+    epoch: int
+    ids: tuple[int, ...]
+    time: float | None = None
+
+
+# -- reading ---------------------------------------------------------------------------------------
+def read_ledger(paths: Iterable[str | os.PathLike[str]]) -> list[LedgerRow]:
+    """Ledger rows from either format: a metrics-style file of ``point`` records whose values hold
+    ``epoch`` and ``ids`` (tests/e2e/ledger_job.py), or plain rows ``{segment, step, epoch, ids}``
+    (the T5 example's ``--ledger``)."""
+    rows = []
+    for path in paths:
+        for r in read_json_lines(path):
+            v = r.get("values") if r.get("kind") == "point" else r
+            if not isinstance(v, dict) or "ids" not in v or "segment" not in r or "step" not in r:
+                continue
+            t = r.get("time")
+            rows.append(
+                LedgerRow(
+                    str(r["segment"]),
+                    int(r["step"]),
+                    int(v["epoch"]),
+                    tuple(int(i) for i in v["ids"]),
+                    None if t is None else float(t),
+                )
+            )
+    return rows
+
+
+def segment_order(metrics_file: str | os.PathLike[str]) -> tuple[list[str], dict[str, int]]:
+    """Segments in the order rank 0 opened them, and the step each restored (from the metrics file's headers)."""
+    order: list[str] = []
+    restored: dict[str, int] = {}
+    for r in read_json_lines(metrics_file):
+        if r.get("kind") != "segment":
+            continue
+        seg = str(r.get("segment", ""))
+        if seg not in restored:
+            order.append(seg)
+        restored[seg] = int(r.get("restored_step", 0))
+    return order, restored
+
+
+def segments(
+    events_file: str | os.PathLike[str],
+    metrics_file: str | os.PathLike[str] | None = None,
+    ledger: Sequence[LedgerRow] = (),
+) -> list[Segment]:
+    """Every segment with its span, from the start of its first record to its last, sorted by start."""
+    spans: dict[str, Segment] = {}
+
+    def touch(token: str, t: float | None, step: int | None = None) -> None:
+        if t is None:
+            return
+        seg = spans.get(token)
+        if seg is None:
+            spans[token] = seg = Segment(token, t, t)
+        seg.start, seg.end = min(seg.start, t), max(seg.end, t)
+        if step is not None:
+            seg.last_step = max(seg.last_step or 0, step)
+
+    for e in read_events(events_file):
+        if "segment" not in e or "time" not in e:
+            continue  # an agent's event, not a world's
+        token = str(e["segment"])
+        touch(token, float(e["time"]), e.get("step") if isinstance(e.get("step"), int) else None)
+        if e["event"] == "start":
+            seg = spans[token]
+            seg.world_size, seg.pid = e.get("world_size"), e.get("pid")
+            seg.restart_count, seg.round = e.get("restart_count"), e.get("round")
+            seg.restored_step = e.get("restored_step")
+    if metrics_file is not None:
+        for r in read_json_lines(metrics_file):
+            if "segment" in r and "time" in r:
+                touch(str(r["segment"]), float(r["time"]), r.get("step") if r.get("kind") == "point" else None)
+    for row in ledger:
+        touch(row.segment, row.time, row.step)
+    return sorted(spans.values(), key=lambda s: (s.start, s.end))
+
+
+# -- checks ----------------------------------------------------------------------------------------
+def _listed(violations: list[str]) -> list[str]:
+    if len(violations) <= MAX_LISTED:
+        return violations
+    return [*violations[:MAX_LISTED], f"... and {len(violations) - MAX_LISTED} more"]
+
+
+def check_final_state(events_file: str | os.PathLike[str], expect: Expectation) -> Check:
+    """One ``finish`` record, at ``max_steps`` with the samples an uninterrupted run sees."""
+    check = Check("final step and samples_seen")
+    want = expect.samples_after(expect.max_steps)
+    finishes = read_events(events_file, "finish")
+    if not finishes:
+        check.violations.append("no 'finish' record: the job never ended its training loop")
+        return check
+    for f in finishes:
+        step, seen = f.get("step"), f.get("samples_seen")
+        if step != expect.max_steps or seen != want:
+            check.violations.append(
+                f"finish by segment {f.get('segment')} (pid {f.get('pid')}): step {step} (want {expect.max_steps}), "
+                f"samples_seen {seen} (want {want})"
+            )
+    if len(finishes) > 1:
+        segs = ", ".join(str(f.get("segment")) for f in finishes)
+        check.violations.append(f"{len(finishes)} 'finish' records (segments {segs}): more than one world finished")
+    last = finishes[-1]
+    check.detail = f"step {last.get('step')}/{expect.max_steps}, samples_seen {last.get('samples_seen')}/{want}"
+    return check
+
+
+def kept_rows(rows: Sequence[LedgerRow], order: Sequence[str], restored: Mapping[str, int]) -> list[LedgerRow]:
+    """The rows no later segment re-ran: those at or below every later segment's restored step."""
+    limit: dict[str, float] = {}
+    lowest = float("inf")
+    for seg in reversed(order):
+        limit[seg] = lowest
+        lowest = min(lowest, restored.get(seg, 0))
+    return [r for r in rows if r.step <= limit.get(r.segment, float("inf"))]
+
+
+def check_exactly_once(
+    rows: Sequence[LedgerRow], order: Sequence[str], restored: Mapping[str, int], expect: Expectation
+) -> Check:
+    """Every step 1..max_steps kept from one segment with the full step's ids; per epoch, each sample
+    id once, and every id of each finished epoch."""
+    check = Check("every sample once per epoch")
+    v = check.violations
+    known = set(order)
+    unknown = sorted({r.segment for r in rows} - known)
+    if unknown:
+        v.append(f"ledger rows of segments no metrics header opened: {', '.join(unknown)}")
+    kept = kept_rows([r for r in rows if r.segment in known], order, restored)
+    by_step: dict[int, list[LedgerRow]] = defaultdict(list)
+    for r in kept:
+        by_step[r.step].append(r)
+    sizes = expect.step_sizes()
+    by_epoch: dict[int, Counter[int]] = defaultdict(Counter)
+    where: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for step in range(1, expect.max_steps + 1):
+        epoch, size = sizes[step - 1]
+        got = by_step.pop(step, [])
+        if not got:
+            v.append(f"step {step}: no ledger row kept (no segment's record of it survived)")
+            continue
+        segs = sorted({r.segment for r in got}, key=order.index)
+        if len(segs) > 1:
+            v.append(f"step {step}: kept from {len(segs)} segments ({', '.join(segs)}): two worlds ran it")
+        ids = [i for r in got for i in r.ids]
+        if len(ids) != size:
+            v.append(f"step {step}: {len(ids)} sample ids in the ledger, the step has {size}")
+        if {r.epoch for r in got} != {epoch}:
+            v.append(f"step {step}: epoch {sorted({r.epoch for r in got})}, want {epoch}")
+        for r in got:
+            by_epoch[r.epoch].update(r.ids)
+            for i in r.ids:
+                where[(r.epoch, i)].append(step)
+    for step in sorted(by_step):
+        v.append(f"step {step}: trained past max_steps={expect.max_steps}")
+    last_epoch = sizes[-1][0] if sizes else 0
+    for epoch in sorted(by_epoch):
+        counts = by_epoch[epoch]
+        for i in sorted(i for i, c in counts.items() if c > 1):
+            v.append(f"epoch {epoch}: sample {i} used {counts[i]} times (steps {where[(epoch, i)]})")
+        if epoch < last_epoch:
+            missing = sorted(set(range(expect.samples)) - set(counts))
+            if missing:
+                v.append(f"epoch {epoch}: {len(missing)} samples never used: {missing[:10]}")
+    check.violations = _listed(v)
+    superseded = len({(r.segment, r.step) for r in rows}) - len({(r.segment, r.step) for r in kept})
+    check.detail = (
+        f"{sum(sum(c.values()) for c in by_epoch.values())} ids in {len(by_epoch)} epochs; "
+        f"{superseded} re-run steps superseded"
+    )
+    return check
+
+
+def check_one_world(spans: Sequence[Segment]) -> Check:
+    """No two segments' spans overlap (they may touch)."""
+    check = Check("one world at a time")
+    for i, a in enumerate(spans):
+        for b in spans[i + 1 :]:
+            if b.start >= a.end:
+                break  # sorted by start: no later segment overlaps a either
+            overlap = min(a.end, b.end) - b.start
+            check.violations.append(
+                f"segments overlap for {overlap:.3f}s: {a.describe()} spans {a.start:.3f}-{a.end:.3f}, "
+                f"{b.describe()} spans {b.start:.3f}-{b.end:.3f}"
+            )
+    check.violations = _listed(check.violations)
+    check.detail = f"{len(spans)} segments"
+    return check
+
+
+def check_checkpoints(root: str, expect: Expectation | None = None) -> Check:
+    """Every committed step directory verifies against its marker (lengths, CRC-32), its DCP metadata
+    names only files that exist, every rank's sidecar is there, and the train state inside is the
+    step the folder names (with that step's ``samples_seen``)."""
+    from elastrain.checkpoint import layout
+    from elastrain.checkpoint.dcp_io import metadata_problems, read_metadata
+    from elastrain.checkpoint.storage import storage_for
+    from elastrain.errors import CheckpointCorruptError
+
+    check = Check("committed checkpoints load")
+    st = storage_for(root)
+    dirs = layout.list_step_dirs(root, st) if os.path.isdir(root) else []
+    committed = [d for d in dirs if d.committed]
+    for d in committed:
+        try:
+            marker = layout.verify_step(d.path, checksum=True, storage=st)
+            problems = metadata_problems(d.path, read_metadata(d.path, st), st)
+            if problems:
+                check.violations.append(f"{d.path}: " + "; ".join(problems))
+                continue
+            sidecars = [
+                json.loads(Path(d.path, f"elastrain-rank-{r:05d}.json").read_text()) for r in range(marker.world_size)
+            ]
+        except (CheckpointCorruptError, OSError, ValueError) as e:
+            check.violations.append(f"{d.path}: {type(e).__name__}: {e}")
+            continue
+        state = sidecars[0].get("state", {}).get("train_state", {})
+        if marker.step != d.step or state.get("step") != d.step:
+            check.violations.append(f"{d.path}: marker step {marker.step}, train state step {state.get('step')}")
+        if expect is not None and state.get("samples_seen") != expect.samples_after(d.step):
+            check.violations.append(
+                f"{d.path}: samples_seen {state.get('samples_seen')}, want {expect.samples_after(d.step)}"
+            )
+    check.detail = f"{len(committed)} committed, {len(dirs) - len(committed)} uncommitted (in flight when killed)"
+    if not committed:
+        check.violations.append(f"no committed checkpoint in {root}")
+    return check
+
+
+def check_processes(timeline: Mapping[str, Any]) -> Check:
+    """No worker outlived its agent, no node hung past the end, nothing escaped the process trees."""
+    check = Check("no orphan processes")
+    for e in timeline.get("events", []):
+        if e["action"] == "reap_workers":
+            check.violations.append(f"node {e.get('node')}: its agent exited, leaving PIDs {e.get('pids')} alive")
+        elif e["action"] == "cleanup":
+            check.violations.append(f"node {e.get('node')}: PIDs {e.get('pids')} still running at the end")
+    for p in (timeline.get("result") or {}).get("escaped", []):
+        check.violations.append(f"PID {p['pid']} escaped every node's process tree: {p['cmdline']}")
+    starts = sum(1 for e in timeline.get("events", []) if e["action"] == "start")
+    check.detail = f"{starts} node starts tracked"
+    return check
+
+
+def check_trace_ran(timeline: Mapping[str, Any], planned: int) -> Check:
+    """The job finished in time, after every planned event fired, and no node exited badly unasked."""
+    check = Check("job finished, trace ran")
+    result = timeline.get("result") or {}
+    events = timeline.get("events", [])
+    if result.get("timed_out"):
+        check.violations.append(f"timed out after {result.get('elapsed_s')}s")
+    if not any(e["action"] == "exit" and e.get("returncode") == 0 and not e.get("expected") for e in events):
+        check.violations.append("no node finished the job (exit 0 without being signalled)")
+    fired = fired_events(timeline)
+    if fired < planned:
+        check.violations.append(f"only {fired} of {planned} trace events fired before the end")
+    for e in events:
+        if e["action"] == "exit" and e.get("returncode") != 0 and not e.get("expected"):
+            check.violations.append(f"node {e.get('node')} exited {e.get('returncode')} at t={e['t']}s unasked")
+        if e["action"] == "skip":
+            check.violations.append(f"node {e.get('node')}: {e.get('reason')} (event at t={e['t']}s skipped)")
+    check.detail = f"{fired}/{planned} events fired in {result.get('elapsed_s')}s"
+    return check
+
+
+# -- figures ---------------------------------------------------------------------------------------
+def fired_events(timeline: Mapping[str, Any]) -> int:
+    """Trace events the harness fired (its ``fired`` records; a kill_all or restart_all counts once)."""
+    return sum(1 for e in timeline.get("events", []) if e["action"] == "fired")
+
+
+def max_stall(metrics_file: str | os.PathLike[str]) -> tuple[float, int | None]:
+    """The longest time between two consecutive step records (any segment), and the step after it."""
+    points = sorted(
+        (float(r["time"]), int(r["step"])) for r in read_json_lines(metrics_file) if r.get("kind") == "point"
+    )
+    worst, at = 0.0, None
+    for (t0, _), (t1, step) in itertools.pairwise(points):
+        if t1 - t0 > worst:
+            worst, at = t1 - t0, step
+    return worst, at
+
+
+def rendezvous_rounds(logs: Iterable[str | os.PathLike[str]]) -> int:
+    """Distinct rendezvous rounds that completed, from the nodes' ``event=rendezvous_done round=N`` lines."""
+    rounds = set()
+    for path in logs:
+        for line in Path(path).read_text(errors="replace").splitlines():
+            if "event=rendezvous_done" in line:
+                for part in line.split():
+                    if part.startswith("round="):
+                        rounds.add(part[len("round=") :])
+    return len(rounds)
+
+
+def format_table(checks: Sequence[Check]) -> str:
+    """``check  PASS|FAIL  detail`` lines, each violation indented under its check."""
+    width = max(len(c.name) for c in checks)
+    lines = []
+    for c in checks:
+        lines.append(f"{c.name:<{width}}  {'PASS' if c.ok else 'FAIL'}  {c.detail}")
+        lines.extend(f"{'':<{width}}    - {v}" for v in c.violations)
+    return "\n".join(lines)

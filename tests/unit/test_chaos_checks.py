@@ -1,0 +1,254 @@
+"""The soak's checks on synthetic run output: each violation is found and named, a clean run passes."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from torch.distributed.checkpoint.metadata import Metadata
+
+from elastrain.chaos.checks import (
+    Check,
+    Expectation,
+    LedgerRow,
+    Segment,
+    check_checkpoints,
+    check_exactly_once,
+    check_final_state,
+    check_one_world,
+    check_processes,
+    check_trace_ran,
+    format_table,
+    max_stall,
+    read_ledger,
+    rendezvous_rounds,
+    segment_order,
+    segments,
+)
+from elastrain.checkpoint import layout
+from elastrain.metrics.events import append_json_line
+
+# 10 samples, batch 4: each epoch is steps of 4, 4 and a tail of 2.
+EXPECT = Expectation(max_steps=6, samples=10, global_batch=4)
+
+
+def ids_of(step: int) -> list[int]:
+    k = (step - 1) % 3
+    return list(range(4 * k, min(4 * k + 4, 10)))
+
+
+def test_expected_step_sizes_follow_the_epochs():
+    assert EXPECT.step_sizes() == [(0, 4), (0, 4), (0, 2), (1, 4), (1, 4), (1, 2)]
+    assert [EXPECT.samples_after(s) for s in range(7)] == [0, 4, 8, 10, 14, 18, 20]
+
+
+@dataclass
+class Seg:
+    token: str
+    restored: int
+    steps: range
+    t0: float
+    world_size: int = 2
+    finish: bool = False
+    ids: dict[int, list[int]] | None = None
+
+
+def write_run(d: Path, segs: list[Seg], ledger_format: str = "points") -> tuple[Path, Path, list[Path]]:
+    """events.jsonl, metrics.jsonl and ledger files as the session and the ledger jobs write them."""
+    events, metrics = d / "events.jsonl", d / "metrics.jsonl"
+    ledgers = [d / "ledger.jsonl"] if ledger_format == "points" else [d / f"ledger-rank{r}.jsonl" for r in range(2)]
+    for s in segs:
+        t = s.t0
+        append_json_line(events, {"time": t, "event": "start", "pid": 100, "segment": s.token,
+                                  "world_size": s.world_size, "restart_count": 0,
+                                  "restored_step": s.restored or None})  # fmt: skip
+        append_json_line(metrics, {"kind": "segment", "segment": s.token, "restored_step": s.restored, "time": t})
+        for step in s.steps:
+            t += 1.0
+            ids = (s.ids or {}).get(step, ids_of(step))
+            epoch = (step - 1) // 3
+            halves = [ids[: len(ids) // 2], ids[len(ids) // 2 :]]
+            for rank, part in enumerate(halves):
+                if ledger_format == "points":
+                    row = {"kind": "point", "segment": s.token, "step": step, "time": t,
+                           "values": {"rank": rank, "epoch": epoch, "ids": part}}  # fmt: skip
+                    append_json_line(ledgers[0], row)
+                else:
+                    append_json_line(ledgers[rank], {"segment": s.token, "step": step, "epoch": epoch, "ids": part})
+            append_json_line(metrics, {"kind": "point", "segment": s.token, "step": step, "time": t, "values": {}})
+        if s.finish:
+            samples = EXPECT.samples_after(s.steps[-1])
+            append_json_line(events, {"time": t + 0.5, "event": "finish", "pid": 100, "segment": s.token,
+                                      "step": s.steps[-1], "samples_seen": samples})  # fmt: skip
+    return events, metrics, ledgers
+
+
+def run_checks(d: Path, segs: list[Seg], ledger_format: str = "points") -> dict[str, Check]:
+    events, metrics, ledgers = write_run(d, segs, ledger_format)
+    order, restored = segment_order(metrics)
+    rows = read_ledger(ledgers)
+    return {
+        "final": check_final_state(events, EXPECT),
+        "once": check_exactly_once(rows, order, restored, EXPECT),
+        "world": check_one_world(segments(events, metrics, rows)),
+    }
+
+
+CLEAN = [Seg("a", 0, range(1, 5), 0.0), Seg("b", 2, range(3, 7), 10.0, finish=True)]
+
+
+@pytest.mark.parametrize("ledger_format", ["points", "rows"])
+def test_a_clean_restarted_run_passes(tmp_path, ledger_format):
+    checks = run_checks(tmp_path, CLEAN, ledger_format)
+    assert all(c.ok for c in checks.values()), {k: c.violations for k, c in checks.items()}
+    assert checks["final"].detail == "step 6/6, samples_seen 20/20"
+    assert "2 re-run steps superseded" in checks["once"].detail  # a's steps 3 and 4
+
+
+@pytest.mark.parametrize(
+    ("segs", "check", "violation"),
+    [
+        # b restored step 2 but ran step 3 on step 2's samples: samples 4..7 twice, 8..9 never.
+        (
+            [CLEAN[0], Seg("b", 2, range(3, 7), 10.0, finish=True, ids={3: ids_of(2)})],
+            "once",
+            "epoch 0: sample 4 used 2 times (steps [2, 3])",
+        ),
+        ([CLEAN[0], Seg("b", 2, range(3, 7), 10.0, finish=True, ids={3: ids_of(2)})], "once", "2 samples never used"),
+        ([CLEAN[0], Seg("b", 2, range(3, 7), 10.0, finish=True, ids={4: [0, 1]})], "once", "step 4: 2 sample ids"),
+        # b restored step 5, which a never reached: step 5 is lost.
+        ([Seg("a", 0, range(1, 5), 0.0), Seg("b", 5, range(6, 7), 10.0, finish=True)], "once", "step 5: no ledger row"),
+        ([Seg("a", 0, range(1, 8), 0.0, finish=True)], "once", "step 7: trained past max_steps=6"),
+        ([Seg("a", 0, range(1, 6), 0.0, finish=True)], "final", "step 5 (want 6), samples_seen 18 (want 20)"),
+        ([Seg("a", 0, range(1, 6), 0.0)], "final", "no 'finish' record"),
+        # Two worlds: b starts while a still trains, both finish.
+        (
+            [Seg("a", 0, range(1, 7), 0.0, finish=True), Seg("b", 2, range(3, 7), 3.0, finish=True)],
+            "world",
+            "segments overlap for 3.500s: a (ws=2, pid=100, restart=0, restored=None, steps to 6) spans 0.000-6.500",
+        ),
+        (
+            [Seg("a", 0, range(1, 7), 0.0, finish=True), Seg("b", 2, range(3, 7), 3.0, finish=True)],
+            "final",
+            "2 'finish' records (segments a, b)",
+        ),
+    ],
+)
+def test_violations_are_found_and_named(tmp_path, segs, check, violation):
+    checks = run_checks(tmp_path, segs)
+    assert not checks[check].ok
+    assert any(violation in v for v in checks[check].violations), checks[check].violations
+
+
+def test_step_kept_from_two_segments_and_unknown_segments(tmp_path):
+    rows = [LedgerRow("a", 1, 0, (0, 1, 2, 3)), LedgerRow("b", 1, 0, (0, 1, 2, 3)), LedgerRow("x", 2, 0, (4,))]
+    expect = Expectation(max_steps=1, samples=10, global_batch=4)
+    # b restored step 1 (so a's step 1 stays kept) yet ran step 1 again.
+    check = check_exactly_once(rows, ["a", "b"], {"a": 0, "b": 1}, expect)
+    assert any("step 1: kept from 2 segments (a, b)" in v for v in check.violations), check.violations
+    assert any("segments no metrics header opened: x" in v for v in check.violations)
+
+
+def test_segments_that_touch_do_not_overlap():
+    a, b = Segment("a", 0.0, 5.0), Segment("b", 5.0, 9.0)
+    assert check_one_world([a, b]).ok
+    assert not check_one_world([a, Segment("b", 4.999, 9.0)]).ok
+
+
+def test_agent_events_without_a_segment_are_not_worlds(tmp_path):
+    events = tmp_path / "events.jsonl"
+    append_json_line(events, {"time": 1.0, "event": "membership_change", "pid": 5})
+    append_json_line(events, {"time": 2.0, "event": "start", "pid": 6, "segment": "s", "world_size": 1, "round": 4})
+    (seg,) = segments(events)
+    assert (seg.token, seg.start, seg.end, seg.round) == ("s", 2.0, 2.0, 4)
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+def make_step(root: Path, step: int, world_size: int = 2, state_step: int | None = None, commit: bool = True) -> Path:
+    path = root / layout.step_dir_name(step)
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={}, storage_data={})))
+    (path / "__0_0.distcp").write_bytes(b"x" * 64)
+    for r in range(world_size):
+        train_state = {"step": step if state_step is None else state_step, "samples_seen": EXPECT.samples_after(step)}
+        (path / f"elastrain-rank-{r:05d}.json").write_text(
+            json.dumps({"step": step, "state": {"train_state": train_state}})
+        )
+    if commit:
+        files = layout.manifest(str(path))
+        layout.write_commit_marker(str(path), layout.CommitMarker(step=step, world_size=world_size, files=files))
+    return path
+
+
+def test_committed_checkpoints_verify(tmp_path):
+    make_step(tmp_path, 2)
+    make_step(tmp_path, 4)
+    make_step(tmp_path, 6, commit=False)  # in flight when the job was killed: not a violation
+    check = check_checkpoints(str(tmp_path), EXPECT)
+    assert check.ok, check.violations
+    assert check.detail == "2 committed, 1 uncommitted (in flight when killed)"
+
+
+@pytest.mark.parametrize(
+    ("damage", "violation"),
+    [
+        (lambda p: (p / "__0_0.distcp").write_bytes(b"x" * 10), "has 10 bytes, the marker says 64"),
+        (lambda p: (p / "__0_0.distcp").write_bytes(b"y" * 64), "fails its CRC-32"),
+        (lambda p: (p / "elastrain-rank-00001.json").unlink(), "elastrain-rank-00001.json is missing"),
+    ],
+)
+def test_damaged_checkpoints_are_named(tmp_path, damage, violation):
+    damage(make_step(tmp_path, 4))
+    check = check_checkpoints(str(tmp_path), EXPECT)
+    assert any(violation in v for v in check.violations), check.violations
+
+
+def test_checkpoint_with_the_wrong_train_state(tmp_path):
+    make_step(tmp_path, 4, state_step=3)
+    check = check_checkpoints(str(tmp_path), EXPECT)
+    assert any("marker step 4, train state step 3" in v for v in check.violations), check.violations
+    assert not check_checkpoints(str(tmp_path / "none"), EXPECT).ok
+
+
+# -- processes, trace, figures -------------------------------------------------------------------------
+def test_processes_and_trace_from_the_timeline():
+    timeline = {
+        "events": [
+            {"t": 0.0, "action": "start", "node": 0},
+            {"t": 1.0, "action": "fired", "index": 0},
+            {"t": 1.0, "action": "kill", "node": 1},
+            {"t": 2.0, "action": "exit", "node": 2, "returncode": 1, "expected": False},
+            {"t": 3.0, "action": "reap_workers", "node": 2, "pids": [77]},
+            {"t": 4.0, "action": "exit", "node": 0, "returncode": 0, "expected": False},
+            {"t": 9.0, "action": "cleanup", "node": 1, "pids": [88]},
+        ],
+        "result": {"timed_out": False, "elapsed_s": 9.0, "escaped": [{"pid": 99, "cmdline": "python train.py"}]},
+    }
+    procs = check_processes(timeline)
+    assert procs.violations == [
+        "node 2: its agent exited, leaving PIDs [77] alive",
+        "node 1: PIDs [88] still running at the end",
+        "PID 99 escaped every node's process tree: python train.py",
+    ]
+    ran = check_trace_ran(timeline, planned=2)
+    assert ran.violations == ["only 1 of 2 trace events fired before the end", "node 2 exited 1 at t=2.0s unasked"]
+    timeline["events"] = [e for e in timeline["events"] if e["action"] != "exit" or e["node"] != 0]
+    assert "no node finished the job" in check_trace_ran(timeline, planned=1).violations[0]
+
+
+def test_figures(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    for t, step in [(1.0, 1), (2.0, 2), (9.5, 2), (10.0, 3)]:
+        append_json_line(metrics, {"kind": "point", "segment": "s", "step": step, "time": t, "values": {}})
+    assert max_stall(metrics) == (7.5, 2)
+    log = tmp_path / "node-0.log"
+    log.write_text(
+        "x elastrain event=rendezvous_done round=1 nodes=2\nnoise\n"
+        "y elastrain event=rendezvous_done round=1 nodes=2\nz elastrain event=rendezvous_done round=2 nodes=1\n"
+    )
+    assert rendezvous_rounds([log]) == 2
+    table = format_table([Check("alpha", [], "ok"), Check("b", ["bad thing"], "1 problem")])
+    assert table.splitlines() == ["alpha  PASS  ok", "b      FAIL  1 problem", "         - bad thing"]
