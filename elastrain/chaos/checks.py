@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastrain.data.cursor import EpochEnd, Position, step_range
 from elastrain.metrics.events import read_events, read_json_lines
 
 MAX_LISTED = 20
@@ -46,13 +45,13 @@ class Expectation:
     global_batch: int
 
     def step_sizes(self) -> list[tuple[int, int]]:
-        """``(epoch, samples)`` of steps 1..max_steps (``epoch_end='partial'``: an epoch's tail is a short step)."""
-        out, pos = [], Position(0, 0)
-        for _ in range(self.max_steps):
-            r = step_range(pos, self.samples, self.global_batch, 1, EpochEnd.PARTIAL)
-            out.append((r.start.epoch, sum(s.stop - s.start for s in r.segments)))
-            pos = r.end
-        return out
+        """``(epoch, samples)`` of steps 1..max_steps: each epoch is full global batches and, with
+        ``epoch_end='partial'``, a short step for its tail. (The session skips a tail smaller than
+        the world size: give the soak a tail of 0 or at least MAX samples.)"""
+        epoch_steps = [self.global_batch] * (self.samples // self.global_batch)
+        if self.samples % self.global_batch:
+            epoch_steps.append(self.samples % self.global_batch)
+        return [(i // len(epoch_steps), epoch_steps[i % len(epoch_steps)]) for i in range(self.max_steps)]
 
     def samples_after(self, step: int) -> int:
         return sum(n for _, n in self.step_sizes()[:step])
@@ -181,7 +180,8 @@ def _listed(violations: list[str]) -> list[str]:
 
 
 def check_final_state(events_file: str | os.PathLike[str], expect: Expectation) -> Check:
-    """One ``finish`` record, at ``max_steps`` with the samples an uninterrupted run sees."""
+    """Every ``finish`` record at ``max_steps`` with the samples an uninterrupted run sees (a job started
+    again after its end finishes again at once; :func:`check_one_world` catches two finishing together)."""
     check = Check("final step and samples_seen")
     want = expect.samples_after(expect.max_steps)
     finishes = read_events(events_file, "finish")
@@ -195,11 +195,11 @@ def check_final_state(events_file: str | os.PathLike[str], expect: Expectation) 
                 f"finish by segment {f.get('segment')} (pid {f.get('pid')}): step {step} (want {expect.max_steps}), "
                 f"samples_seen {seen} (want {want})"
             )
-    if len(finishes) > 1:
-        segs = ", ".join(str(f.get("segment")) for f in finishes)
-        check.violations.append(f"{len(finishes)} 'finish' records (segments {segs}): more than one world finished")
     last = finishes[-1]
     check.detail = f"step {last.get('step')}/{expect.max_steps}, samples_seen {last.get('samples_seen')}/{want}"
+    if len(finishes) > 1:
+        # A whole-job restart after the end restores the final step and finishes again; two at once overlap.
+        check.detail += f" ({len(finishes)} finish records)"
     return check
 
 
@@ -355,6 +355,8 @@ def check_trace_ran(timeline: Mapping[str, Any], planned: int) -> Check:
     for e in events:
         if e["action"] == "exit" and e.get("returncode") != 0 and not e.get("expected"):
             check.violations.append(f"node {e.get('node')} exited {e.get('returncode')} at t={e['t']}s unasked")
+        if e["action"] == "drain_timeout":
+            check.violations.append(f"node {e.get('node')} still running long after the job finished (killed)")
         if e["action"] == "skip":
             check.violations.append(f"node {e.get('node')}: {e.get('reason')} (event at t={e['t']}s skipped)")
     check.detail = f"{fired}/{planned} events fired in {result.get('elapsed_s')}s"

@@ -216,7 +216,7 @@ class ChaosHarness:
 
     def _fire(self, event: TraceEvent, index: int) -> None:
         self._last_fired = self._now()
-        self._record("fired", event.node if event.node >= 0 else None, index=index, event=event.action.value)
+        self._record("fired", event.node if event.node >= 0 else None, index=index, what=event.action.value)
         if event.action is Action.KILL_ALL:
             self._record("kill_all", nodes=[n.index for n in self._running()])
             for node in self._running():

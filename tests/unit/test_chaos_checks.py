@@ -80,9 +80,9 @@ def write_run(d: Path, segs: list[Seg], ledger_format: str = "points") -> tuple[
                     append_json_line(ledgers[rank], {"segment": s.token, "step": step, "epoch": epoch, "ids": part})
             append_json_line(metrics, {"kind": "point", "segment": s.token, "step": step, "time": t, "values": {}})
         if s.finish:
-            samples = EXPECT.samples_after(s.steps[-1])
+            last = s.steps[-1] if s.steps else s.restored
             append_json_line(events, {"time": t + 0.5, "event": "finish", "pid": 100, "segment": s.token,
-                                      "step": s.steps[-1], "samples_seen": samples})  # fmt: skip
+                                      "step": last, "samples_seen": EXPECT.samples_after(last)})  # fmt: skip
     return events, metrics, ledgers
 
 
@@ -131,9 +131,9 @@ def test_a_clean_restarted_run_passes(tmp_path, ledger_format):
             "segments overlap for 3.500s: a (ws=2, pid=100, restart=0, restored=None, steps to 6) spans 0.000-6.500",
         ),
         (
-            [Seg("a", 0, range(1, 7), 0.0, finish=True), Seg("b", 2, range(3, 7), 3.0, finish=True)],
+            [Seg("a", 0, range(1, 7), 0.0, finish=True), Seg("b", 2, range(3, 6), 3.0, finish=True)],
             "final",
-            "2 'finish' records (segments a, b)",
+            "finish by segment b (pid 100): step 5 (want 6)",
         ),
     ],
 )
@@ -141,6 +141,13 @@ def test_violations_are_found_and_named(tmp_path, segs, check, violation):
     checks = run_checks(tmp_path, segs)
     assert not checks[check].ok
     assert any(violation in v for v in checks[check].violations), checks[check].violations
+
+
+def test_a_job_started_again_after_its_end_finishes_again(tmp_path):
+    segs = [Seg("a", 0, range(1, 7), 0.0, finish=True), Seg("b", 6, range(7, 7), 10.0, finish=True)]
+    checks = run_checks(tmp_path, segs)
+    assert all(c.ok for c in checks.values()), {k: c.violations for k, c in checks.items()}
+    assert checks["final"].detail == "step 6/6, samples_seen 20/20 (2 finish records)"
 
 
 def test_step_kept_from_two_segments_and_unknown_segments(tmp_path):
@@ -224,6 +231,7 @@ def test_processes_and_trace_from_the_timeline():
             {"t": 3.0, "action": "reap_workers", "node": 2, "pids": [77]},
             {"t": 4.0, "action": "exit", "node": 0, "returncode": 0, "expected": False},
             {"t": 9.0, "action": "cleanup", "node": 1, "pids": [88]},
+            {"t": 9.5, "action": "drain_timeout", "node": 3, "pids": [89]},
         ],
         "result": {"timed_out": False, "elapsed_s": 9.0, "escaped": [{"pid": 99, "cmdline": "python train.py"}]},
     }
@@ -234,7 +242,11 @@ def test_processes_and_trace_from_the_timeline():
         "PID 99 escaped every node's process tree: python train.py",
     ]
     ran = check_trace_ran(timeline, planned=2)
-    assert ran.violations == ["only 1 of 2 trace events fired before the end", "node 2 exited 1 at t=2.0s unasked"]
+    assert ran.violations == [
+        "only 1 of 2 trace events fired before the end",
+        "node 2 exited 1 at t=2.0s unasked",
+        "node 3 still running long after the job finished (killed)",
+    ]
     timeline["events"] = [e for e in timeline["events"] if e["action"] != "exit" or e["node"] != 0]
     assert "no node finished the job" in check_trace_ran(timeline, planned=1).violations[0]
 
