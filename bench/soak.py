@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -148,7 +149,7 @@ def run_soak(args: argparse.Namespace) -> int:
         trace, node_command, out / "chaos", env=env, progress=MetricsProgress(metrics_file), host_port=port
     )
     t0 = time.monotonic()
-    harness.run(timeout_s=timeout)
+    harness.run(timeout_s=timeout, stall_s=args.stall)
     wall = time.monotonic() - t0
 
     expect = Expectation(max_steps=max_steps, samples=job.samples, global_batch=job.global_batch)
@@ -201,6 +202,8 @@ def run_soak(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM ends the run like Ctrl-C: the harness kills every node, and the checks still run.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=1, help="trace seed (1)")
     p.add_argument("--events", type=int, default=50, help="trace events (50)")
@@ -209,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spares", type=int, default=2, help="node slots beyond MAX (2)")
     p.add_argument("--max-steps", type=int, default=None, help="job steps (default: past the trace's last milestone)")
     p.add_argument("--timeout", type=float, default=None, help="seconds before everything is killed (120 + 45/event)")
+    p.add_argument("--stall", type=float, default=180.0, help="end the run when no step is made for this long (180)")
     p.add_argument("--port", type=int, default=None, help="rendezvous port on 127.0.0.1 (a free one)")
     p.add_argument("--launcher-args", default="", help="extra elastrain-run options, one quoted string")
     p.add_argument("--output-dir", default=None, help="default: runs/soak-JOB-seedN-XXXXXX")

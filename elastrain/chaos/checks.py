@@ -345,8 +345,15 @@ def check_trace_ran(timeline: Mapping[str, Any], planned: int) -> Check:
     check = Check("job finished, trace ran")
     result = timeline.get("result") or {}
     events = timeline.get("events", [])
-    if result.get("timed_out"):
-        check.violations.append(f"timed out after {result.get('elapsed_s')}s")
+    for e in events:
+        if e["action"] == "stalled":
+            check.violations.append(
+                f"stalled: no step past {e.get('at_step')} for {e.get('stalled_s')}s (ended at t={e['t']}s)"
+            )
+        elif e["action"] == "timeout":
+            check.violations.append(f"timed out after {e.get('timeout_s')}s at step {e.get('step')}")
+        elif e["action"] == "interrupted":
+            check.violations.append(f"interrupted at t={e['t']}s")
     if not any(e["action"] == "exit" and e.get("returncode") == 0 and not e.get("expected") for e in events):
         check.violations.append("no node finished the job (exit 0 without being signalled)")
     fired = fired_events(timeline)

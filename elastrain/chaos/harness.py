@@ -298,11 +298,15 @@ class ChaosHarness:
         return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
 
     # -- the loop ---------------------------------------------------------------------------------
-    def run(self, timeout_s: float = 600.0) -> ChaosResult:
+    def run(self, timeout_s: float = 600.0, stall_s: float | None = None) -> ChaosResult:
+        """Follow the trace until the job finished and every node exited, or ``timeout_s`` passed,
+        or (with ``stall_s`` and a progress source) the job's step did not advance for ``stall_s``
+        while trace events were still waiting. Ctrl-C ends it the same way, with a result."""
         self._t0, self._wall0 = time.monotonic(), time.time()
         pending = list(self.trace.events)
         finished_at: float | None = None
         timed_out = False
+        progress, progressed_at = -1, 0.0
         try:
             first, *others = self.trace.start
             self._start(self.nodes[first])
@@ -328,6 +332,17 @@ class ChaosHarness:
                     timed_out = True
                     self._record("timeout", timeout_s=timeout_s)
                     break
+                if stall_s is not None and self.progress is not None and finished_at is None:
+                    step = self.progress()
+                    if step > progress:
+                        progress, progressed_at = step, self._now()
+                    elif self._now() - progressed_at > stall_s:
+                        timed_out = True
+                        self._record("stalled", stalled_s=round(self._now() - progressed_at, 1), at_step=step)
+                        break
+        except KeyboardInterrupt:
+            timed_out = True
+            self._record("interrupted")
         finally:
             leftover = self._cleanup()
             escaped = self._sweep()

@@ -186,3 +186,14 @@ def test_stop_cont_kill_all_restart_all_gap_and_escapees(tmp_path):
     assert not psutil.pid_exists(result.escaped[0]["pid"]) or (
         psutil.Process(result.escaped[0]["pid"]).status() == psutil.STATUS_ZOMBIE
     )
+
+
+def test_a_job_that_makes_no_progress_is_ended_as_stalled(tmp_path):
+    trace = trace_from_dict({"nodes": 1, "events": [{"after_step": 5, "action": "kill", "node": 0}]})
+    node = [sys.executable, "-c", "import time; time.sleep(60)"]
+    harness = ChaosHarness(trace, lambda _: node, tmp_path / "out", poll_s=0.05, progress=lambda: 2)
+    result = harness.run(timeout_s=30, stall_s=1.0)
+    assert result.timed_out and not result.succeeded and result.elapsed_s < 10
+    (stalled,) = [e for e in result.timeline if e["action"] == "stalled"]
+    assert stalled["at_step"] == 2 and stalled["stalled_s"] >= 1.0
+    assert result.leftover_pids, "the node still running at the end was killed"

@@ -264,3 +264,21 @@ def test_figures(tmp_path):
     assert rendezvous_rounds([log]) == 2
     table = format_table([Check("alpha", [], "ok"), Check("b", ["bad thing"], "1 problem")])
     assert table.splitlines() == ["alpha  PASS  ok", "b      FAIL  1 problem", "         - bad thing"]
+
+
+def test_stalled_timed_out_and_interrupted_runs_are_violations():
+    timeline = {
+        "events": [
+            {"t": 0.0, "action": "fired", "index": 0},
+            {"t": 5.0, "action": "exit", "node": 0, "returncode": 0, "expected": False},
+            {"t": 200.0, "action": "stalled", "stalled_s": 180.0, "at_step": 21},
+            {"t": 300.0, "action": "timeout", "timeout_s": 300, "step": 21},
+            {"t": 301.0, "action": "interrupted"},
+        ],
+        "result": {"timed_out": True, "elapsed_s": 301.0},
+    }
+    assert check_trace_ran(timeline, planned=1).violations == [
+        "stalled: no step past 21 for 180.0s (ended at t=200.0s)",
+        "timed out after 300s at step 21",
+        "interrupted at t=301.0s",
+    ]
