@@ -145,8 +145,9 @@ def run_soak(args: argparse.Namespace) -> int:
         flush=True,
     )
     (out / "trace.json").write_text(json.dumps(trace.to_dict(), indent=1))
+    readers = [MetricsProgress(metrics_file), MetricsProgress(job.metrics_dir(out) / "events.jsonl")]
     harness = ChaosHarness(
-        trace, node_command, out / "chaos", env=env, progress=MetricsProgress(metrics_file), host_port=port
+        trace, node_command, out / "chaos", env=env, progress=lambda: max(r() for r in readers), host_port=port
     )
     t0 = time.monotonic()
     harness.run(timeout_s=timeout, stall_s=args.stall)
@@ -167,7 +168,9 @@ def run_soak(args: argparse.Namespace) -> int:
         check_processes(timeline),
     ]
     history = read_metrics(metrics_file)
-    stall, stall_step = max_stall(metrics_file)
+    finished = any(e["action"] == "exit" and e["returncode"] == 0 and not e["expected"] for e in timeline["events"])
+    unfinished = None if finished else timeline["started_at"] + (timeline.get("result") or {}).get("elapsed_s", wall)
+    stall, stall_step = max_stall(metrics_file, until=unfinished)
     cov = coverage(trace)
     figures = {
         "job": job.name,
@@ -193,7 +196,8 @@ def run_soak(args: argparse.Namespace) -> int:
         f"({', '.join(f'{k} {v}' for k, v in figures['trace'].items())}); "
         f"{figures['rendezvous_rounds']} rendezvous rounds, {figures['worlds']} worlds; "
         f"{figures['steps_trained']} steps trained for {max_steps} ({figures['steps_rerun']} re-run); "
-        f"wall {figures['wall_s']}s, max stall {figures['max_stall_s']}s (before step {stall_step})"
+        f"wall {figures['wall_s']}s, max stall {figures['max_stall_s']}s "
+        f"({f'before step {stall_step}' if stall_step is not None else 'until the end'})"
     )
     print(f"soak: {'PASS' if ok else 'FAIL'}; details in {out}/soak.json", flush=True)
     result = {"ok": ok, "figures": figures, "checks": [{**asdict(c), "ok": c.ok} for c in checks]}

@@ -231,11 +231,12 @@ def check_exactly_once(
     sizes = expect.step_sizes()
     by_epoch: dict[int, Counter[int]] = defaultdict(Counter)
     where: dict[tuple[int, int], list[int]] = defaultdict(list)
+    lost: list[int] = []
     for step in range(1, expect.max_steps + 1):
         epoch, size = sizes[step - 1]
         got = by_step.pop(step, [])
         if not got:
-            v.append(f"step {step}: no ledger row kept (no segment's record of it survived)")
+            lost.append(step)
             continue
         segs = sorted({r.segment for r in got}, key=order.index)
         if len(segs) > 1:
@@ -249,6 +250,7 @@ def check_exactly_once(
             by_epoch[r.epoch].update(r.ids)
             for i in r.ids:
                 where[(r.epoch, i)].append(step)
+    v.extend(f"{_steps(r)}: no ledger row kept (never trained, or no segment's record survived)" for r in _runs(lost))
     for step in sorted(by_step):
         v.append(f"step {step}: trained past max_steps={expect.max_steps}")
     last_epoch = sizes[-1][0] if sizes else 0
@@ -267,6 +269,21 @@ def check_exactly_once(
         f"{superseded} re-run steps superseded"
     )
     return check
+
+
+def _runs(steps: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted steps as ``(first, last)`` runs of consecutive numbers."""
+    out: list[tuple[int, int]] = []
+    for s in steps:
+        if out and s == out[-1][1] + 1:
+            out[-1] = (out[-1][0], s)
+        else:
+            out.append((s, s))
+    return out
+
+
+def _steps(run: tuple[int, int]) -> str:
+    return f"step {run[0]}" if run[0] == run[1] else f"steps {run[0]}-{run[1]}"
 
 
 def check_one_world(spans: Sequence[Segment]) -> Check:
@@ -326,12 +343,14 @@ def check_checkpoints(root: str, expect: Expectation | None = None) -> Check:
 
 
 def check_processes(timeline: Mapping[str, Any]) -> Check:
-    """No worker outlived its agent, no node hung past the end, nothing escaped the process trees."""
+    """No worker outlived its agent, nothing ran on after a finished run, nothing escaped the process trees."""
     check = Check("no orphan processes")
+    # A run cut short (timeout, stall, Ctrl-C) kills nodes that were still working: not orphans.
+    cut_short = (timeline.get("result") or {}).get("timed_out", False)
     for e in timeline.get("events", []):
         if e["action"] == "reap_workers":
             check.violations.append(f"node {e.get('node')}: its agent exited, leaving PIDs {e.get('pids')} alive")
-        elif e["action"] == "cleanup":
+        elif e["action"] == "cleanup" and not cut_short:
             check.violations.append(f"node {e.get('node')}: PIDs {e.get('pids')} still running at the end")
     for p in (timeline.get("result") or {}).get("escaped", []):
         check.violations.append(f"PID {p['pid']} escaped every node's process tree: {p['cmdline']}")
@@ -376,8 +395,9 @@ def fired_events(timeline: Mapping[str, Any]) -> int:
     return sum(1 for e in timeline.get("events", []) if e["action"] == "fired")
 
 
-def max_stall(metrics_file: str | os.PathLike[str]) -> tuple[float, int | None]:
-    """The longest time between two consecutive step records (any segment), and the step after it."""
+def max_stall(metrics_file: str | os.PathLike[str], until: float | None = None) -> tuple[float, int | None]:
+    """The longest time between two consecutive step records (any segment), and the step after it
+    (``None``: the stall lasted until ``until``, the end of a run that never finished)."""
     points = sorted(
         (float(r["time"]), int(r["step"])) for r in read_json_lines(metrics_file) if r.get("kind") == "point"
     )
@@ -385,6 +405,8 @@ def max_stall(metrics_file: str | os.PathLike[str]) -> tuple[float, int | None]:
     for (t0, _), (t1, step) in itertools.pairwise(points):
         if t1 - t0 > worst:
             worst, at = t1 - t0, step
+    if until is not None and points and until - points[-1][0] > worst:
+        worst, at = until - points[-1][0], None
     return worst, at
 
 

@@ -121,6 +121,7 @@ def test_a_clean_restarted_run_passes(tmp_path, ledger_format):
         ([CLEAN[0], Seg("b", 2, range(3, 7), 10.0, finish=True, ids={4: [0, 1]})], "once", "step 4: 2 sample ids"),
         # b restored step 5, which a never reached: step 5 is lost.
         ([Seg("a", 0, range(1, 5), 0.0), Seg("b", 5, range(6, 7), 10.0, finish=True)], "once", "step 5: no ledger row"),
+        ([Seg("a", 0, range(1, 3), 0.0)], "once", "steps 3-6: no ledger row kept"),
         ([Seg("a", 0, range(1, 8), 0.0, finish=True)], "once", "step 7: trained past max_steps=6"),
         ([Seg("a", 0, range(1, 6), 0.0, finish=True)], "final", "step 5 (want 6), samples_seen 18 (want 20)"),
         ([Seg("a", 0, range(1, 6), 0.0)], "final", "no 'finish' record"),
@@ -241,6 +242,8 @@ def test_processes_and_trace_from_the_timeline():
         "node 1: PIDs [88] still running at the end",
         "PID 99 escaped every node's process tree: python train.py",
     ]
+    timeline["result"]["timed_out"] = True  # a run cut short: nodes killed at the end were working, not orphans
+    assert "node 1: PIDs [88] still running at the end" not in check_processes(timeline).violations
     ran = check_trace_ran(timeline, planned=2)
     assert ran.violations == [
         "only 1 of 2 trace events fired before the end",
@@ -256,6 +259,7 @@ def test_figures(tmp_path):
     for t, step in [(1.0, 1), (2.0, 2), (9.5, 2), (10.0, 3)]:
         append_json_line(metrics, {"kind": "point", "segment": "s", "step": step, "time": t, "values": {}})
     assert max_stall(metrics) == (7.5, 2)
+    assert max_stall(metrics, until=30.0) == (20.0, None)
     log = tmp_path / "node-0.log"
     log.write_text(
         "x elastrain event=rendezvous_done round=1 nodes=2\nnoise\n"
@@ -282,3 +286,17 @@ def test_stalled_timed_out_and_interrupted_runs_are_violations():
         "timed out after 300s at step 21",
         "interrupted at t=301.0s",
     ]
+
+
+def test_progress_counts_checkpoints_and_restores_as_well_as_points(tmp_path):
+    from elastrain.chaos.progress import MetricsProgress
+
+    events = tmp_path / "events.jsonl"
+    progress = MetricsProgress(events)
+    assert progress() == 0
+    append_json_line(events, {"event": "start", "segment": "a", "restored_step": 7})
+    assert progress() == 7
+    append_json_line(events, {"event": "checkpoint", "segment": "a", "step": 9})
+    append_json_line(events, {"kind": "point", "segment": "a", "step": 8})
+    append_json_line(events, {"event": "finish", "segment": "a", "step": 99})  # not a step's own record
+    assert progress() == 9
