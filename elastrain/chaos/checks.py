@@ -411,14 +411,14 @@ def max_stall(metrics_file: str | os.PathLike[str], until: float | None = None) 
 
 
 def rendezvous_rounds(logs: Iterable[str | os.PathLike[str]]) -> int:
-    """Distinct rendezvous rounds that completed, from the nodes' ``event=rendezvous_done round=N`` lines."""
+    """Rendezvous rounds that completed, from the nodes' ``event=rendezvous_done round=N ... master=ADDR``
+    lines: every node of a round logs the same round and master, and a restarted job counts from 0 again."""
     rounds = set()
     for path in logs:
         for line in Path(path).read_text(errors="replace").splitlines():
             if "event=rendezvous_done" in line:
-                for part in line.split():
-                    if part.startswith("round="):
-                        rounds.add(part[len("round=") :])
+                fields = dict(p.split("=", 1) for p in line.split() if "=" in p)
+                rounds.add((fields.get("round"), fields.get("master")))
     return len(rounds)
 
 

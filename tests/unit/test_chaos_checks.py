@@ -262,10 +262,12 @@ def test_figures(tmp_path):
     assert max_stall(metrics, until=30.0) == (20.0, None)
     log = tmp_path / "node-0.log"
     log.write_text(
-        "x elastrain event=rendezvous_done round=1 nodes=2\nnoise\n"
-        "y elastrain event=rendezvous_done round=1 nodes=2\nz elastrain event=rendezvous_done round=2 nodes=1\n"
+        "x elastrain event=rendezvous_done round=1 nodes=2 master=h:1\nnoise\n"
+        "y elastrain event=rendezvous_done round=1 nodes=2 master=h:1\n"
+        "z elastrain event=rendezvous_done round=2 nodes=1 master=h:2\n"
+        "w elastrain event=rendezvous_done round=1 nodes=1 master=h:3\n"  # the job started again
     )
-    assert rendezvous_rounds([log]) == 2
+    assert rendezvous_rounds([log]) == 3
     table = format_table([Check("alpha", [], "ok"), Check("b", ["bad thing"], "1 problem")])
     assert table.splitlines() == ["alpha  PASS  ok", "b      FAIL  1 problem", "         - bad thing"]
 
