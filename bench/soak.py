@@ -50,6 +50,7 @@ from elastrain.chaos.checks import (  # noqa: E402
     rendezvous_rounds,
     segment_order,
     segments,
+    workers_started,
 )
 from elastrain.chaos.churn import ChurnConfig, churn_trace, coverage  # noqa: E402
 from elastrain.metrics import read_metrics  # noqa: E402
@@ -158,7 +159,8 @@ def run_soak(args: argparse.Namespace) -> int:
     events_file = job.metrics_dir(out) / "events.jsonl"
     order, restored = segment_order(metrics_file)
     rows = read_ledger(job.ledgers(out))
-    spans = segments(events_file, metrics_file, rows)
+    logs = sorted((out / "chaos").glob("node-*.log"))
+    spans = segments(events_file, metrics_file, rows, workers_started(logs))
     checks: list[Check] = [
         check_trace_ran(timeline, len(trace.events)),
         check_final_state(events_file, expect),
@@ -178,7 +180,7 @@ def run_soak(args: argparse.Namespace) -> int:
         "events_planned": len(trace.events),
         "events_fired": fired_events(timeline),
         "trace": dict(sorted(cov.items())),
-        "rendezvous_rounds": rendezvous_rounds(sorted((out / "chaos").glob("node-*.log"))),
+        "rendezvous_rounds": rendezvous_rounds(logs),
         "worlds": len(spans),
         "max_steps": max_steps,
         "steps_trained": len(history.active) + len(history.superseded),

@@ -79,9 +79,12 @@ class Segment:
     round: int | None = None
     restored_step: int | None = None
     last_step: int | None = None
+    start_reason: str | None = None
+    first_record: float | None = None
+    """The time of its first own record; ``start`` may be earlier: when its agent started the workers."""
 
     def describe(self) -> str:
-        tags = [f"ws={self.world_size}", f"pid={self.pid}", f"restart={self.restart_count}"]
+        tags = [f"ws={self.world_size}", f"pid={self.pid}", f"{self.start_reason}", f"restart={self.restart_count}"]
         if self.round is not None:
             tags.append(f"round={self.round}")
         tags.append(f"restored={self.restored_step}")
@@ -135,12 +138,32 @@ def segment_order(metrics_file: str | os.PathLike[str]) -> tuple[list[str], dict
     return order, restored
 
 
+def workers_started(logs: Iterable[str | os.PathLike[str]]) -> dict[int, float]:
+    """Worker PID -> when its agent started it, from the nodes' ``event=workers_started pids=A,B t=T`` lines."""
+    out: dict[int, float] = {}
+    for path in logs:
+        for line in Path(path).read_text(errors="replace").splitlines():
+            if "event=workers_started" not in line:
+                continue
+            fields = dict(p.split("=", 1) for p in line[line.index("event=") :].split() if "=" in p)
+            try:
+                t = float(fields["t"])
+                for pid in fields.get("pids", "").split(","):
+                    out[int(pid)] = t
+            except (KeyError, ValueError):
+                continue
+    return out
+
+
 def segments(
     events_file: str | os.PathLike[str],
     metrics_file: str | os.PathLike[str] | None = None,
     ledger: Sequence[LedgerRow] = (),
+    started: Mapping[int, float] | None = None,
 ) -> list[Segment]:
-    """Every segment with its span, from the start of its first record to its last, sorted by start."""
+    """Every segment with its span, from the start of its first record (or, with ``started`` from
+    :func:`workers_started`, from when its agent started its rank-0 worker: the world exists from
+    then on) to its last record, sorted by start."""
     spans: dict[str, Segment] = {}
 
     def touch(token: str, t: float | None, step: int | None = None) -> None:
@@ -162,13 +185,17 @@ def segments(
             seg = spans[token]
             seg.world_size, seg.pid = e.get("world_size"), e.get("pid")
             seg.restart_count, seg.round = e.get("restart_count"), e.get("round")
-            seg.restored_step = e.get("restored_step")
+            seg.restored_step, seg.start_reason = e.get("restored_step"), e.get("start_reason")
     if metrics_file is not None:
         for r in read_json_lines(metrics_file):
             if "segment" in r and "time" in r:
                 touch(str(r["segment"]), float(r["time"]), r.get("step") if r.get("kind") == "point" else None)
     for row in ledger:
         touch(row.segment, row.time, row.step)
+    for seg in spans.values():
+        seg.first_record = seg.start
+        if started and seg.pid in started:
+            seg.start = min(seg.start, started[seg.pid])
     return sorted(spans.values(), key=lambda s: (s.start, s.end))
 
 
@@ -342,14 +369,26 @@ def check_checkpoints(root: str, expect: Expectation | None = None) -> Check:
     return check
 
 
+_SIGKILLS = ("kill", "notice_expired", "drain_timeout")
+
+
 def check_processes(timeline: Mapping[str, Any]) -> Check:
     """No worker outlived its agent, nothing ran on after a finished run, nothing escaped the process trees."""
     check = Check("no orphan processes")
     # A run cut short (timeout, stall, Ctrl-C) kills nodes that were still working: not orphans.
     cut_short = (timeline.get("result") or {}).get("timed_out", False)
+    last: dict[Any, str] = {}
     for e in timeline.get("events", []):
-        if e["action"] == "reap_workers":
-            check.violations.append(f"node {e.get('node')}: its agent exited, leaving PIDs {e.get('pids')} alive")
+        if e["action"] in ("start", "term", *_SIGKILLS):
+            last[e.get("node")] = e["action"]
+        elif e["action"] == "exit" and last.get(e.get("node")) not in _SIGKILLS:
+            last[e.get("node")] = f"exit {e.get('returncode')}"
+        if e["action"] == "reap_workers" and last.get(e.get("node")) not in _SIGKILLS:
+            # After a SIGKILL of the whole tree a worker may take a moment to die; otherwise the agent left it.
+            how = last.get(e.get("node"), "?")
+            check.violations.append(
+                f"node {e.get('node')}: its agent exited ({how}), leaving PIDs {e.get('pids')} alive"
+            )
         elif e["action"] == "cleanup" and not cut_short:
             check.violations.append(f"node {e.get('node')}: PIDs {e.get('pids')} still running at the end")
     for p in (timeline.get("result") or {}).get("escaped", []):

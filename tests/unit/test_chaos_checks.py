@@ -27,6 +27,7 @@ from elastrain.chaos.checks import (
     rendezvous_rounds,
     segment_order,
     segments,
+    workers_started,
 )
 from elastrain.checkpoint import layout
 from elastrain.metrics.events import append_json_line
@@ -63,7 +64,7 @@ def write_run(d: Path, segs: list[Seg], ledger_format: str = "points") -> tuple[
     for s in segs:
         t = s.t0
         append_json_line(events, {"time": t, "event": "start", "pid": 100, "segment": s.token,
-                                  "world_size": s.world_size, "restart_count": 0,
+                                  "world_size": s.world_size, "restart_count": 0, "start_reason": "first_start",
                                   "restored_step": s.restored or None})  # fmt: skip
         append_json_line(metrics, {"kind": "segment", "segment": s.token, "restored_step": s.restored, "time": t})
         for step in s.steps:
@@ -129,7 +130,8 @@ def test_a_clean_restarted_run_passes(tmp_path, ledger_format):
         (
             [Seg("a", 0, range(1, 7), 0.0, finish=True), Seg("b", 2, range(3, 7), 3.0, finish=True)],
             "world",
-            "segments overlap for 3.500s: a (ws=2, pid=100, restart=0, restored=None, steps to 6) spans 0.000-6.500",
+            "segments overlap for 3.500s: a (ws=2, pid=100, first_start, restart=0, restored=None, steps to 6) "
+            "spans 0.000-6.500",
         ),
         (
             [Seg("a", 0, range(1, 7), 0.0, finish=True), Seg("b", 2, range(3, 6), 3.0, finish=True)],
@@ -238,7 +240,7 @@ def test_processes_and_trace_from_the_timeline():
     }
     procs = check_processes(timeline)
     assert procs.violations == [
-        "node 2: its agent exited, leaving PIDs [77] alive",
+        "node 2: its agent exited (exit 1), leaving PIDs [77] alive",
         "node 1: PIDs [88] still running at the end",
         "PID 99 escaped every node's process tree: python train.py",
     ]
@@ -270,6 +272,37 @@ def test_figures(tmp_path):
     assert rendezvous_rounds([log]) == 3
     table = format_table([Check("alpha", [], "ok"), Check("b", ["bad thing"], "1 problem")])
     assert table.splitlines() == ["alpha  PASS  ok", "b      FAIL  1 problem", "         - bad thing"]
+
+
+def test_workers_dying_after_the_harness_sigkill_are_not_orphans():
+    timeline = {
+        "events": [
+            {"t": 1.0, "action": "kill", "node": 0, "pids": [10, 11]},
+            {"t": 1.2, "action": "exit", "node": 0, "returncode": -9, "expected": True},
+            {"t": 1.2, "action": "reap_workers", "node": 0, "pids": [11]},
+            {"t": 2.0, "action": "start", "node": 0},
+            {"t": 3.0, "action": "term", "node": 0},
+            {"t": 4.0, "action": "exit", "node": 0, "returncode": 0, "expected": True},
+            {"t": 4.0, "action": "reap_workers", "node": 0, "pids": [12]},
+        ]
+    }
+    assert check_processes(timeline).violations == ["node 0: its agent exited (exit 0), leaving PIDs [12] alive"]
+
+
+def test_a_world_exists_from_when_its_agent_started_its_workers(tmp_path):
+    """A second world whose workers are still importing when the first one trains is caught too."""
+    log = tmp_path / "node-2.log"
+    log.write_text("x elastrain event=workers_started round=0 reason=first_start pids=300,301 t=5.5 pid=299\n")
+    events = tmp_path / "events.jsonl"
+    append_json_line(events, {"time": 1.0, "event": "start", "pid": 200, "segment": "a", "world_size": 1})
+    append_json_line(events, {"time": 7.0, "event": "finish", "pid": 200, "segment": "a", "step": 9})
+    append_json_line(events, {"time": 9.0, "event": "start", "pid": 300, "segment": "b", "world_size": 1})
+    started = workers_started([log])
+    assert started == {300: 5.5, 301: 5.5}
+    assert check_one_world(segments(events)).ok
+    spans = segments(events, started=started)
+    assert (spans[1].start, spans[1].first_record) == (5.5, 9.0)
+    assert "segments overlap for 1.500s" in check_one_world(spans).violations[0]
 
 
 def test_stalled_timed_out_and_interrupted_runs_are_violations():
