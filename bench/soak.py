@@ -165,7 +165,7 @@ def run_soak(args: argparse.Namespace) -> int:
         check_trace_ran(timeline, len(trace.events)),
         check_final_state(events_file, expect),
         check_exactly_once(rows, order, restored, expect),
-        check_one_world(spans),
+        check_one_world(spans, t0=timeline["started_at"]),
         check_checkpoints(str(job.checkpoint_dir(out)), expect),
         check_processes(timeline),
     ]

@@ -194,7 +194,7 @@ def segments(
         touch(row.segment, row.time, row.step)
     for seg in spans.values():
         seg.first_record = seg.start
-        if started and seg.pid in started:
+        if started and seg.pid is not None and seg.pid in started:
             seg.start = min(seg.start, started[seg.pid])
     return sorted(spans.values(), key=lambda s: (s.start, s.end))
 
@@ -313,17 +313,19 @@ def _steps(run: tuple[int, int]) -> str:
     return f"step {run[0]}" if run[0] == run[1] else f"steps {run[0]}-{run[1]}"
 
 
-def check_one_world(spans: Sequence[Segment]) -> Check:
-    """No two segments' spans overlap (they may touch)."""
+def check_one_world(spans: Sequence[Segment], t0: float | None = None) -> Check:
+    """No two segments' spans overlap (they may touch). Times print in seconds after ``t0`` (default:
+    the first segment's start)."""
     check = Check("one world at a time")
+    base = t0 if t0 is not None else (spans[0].start if spans else 0.0)
     for i, a in enumerate(spans):
         for b in spans[i + 1 :]:
             if b.start >= a.end:
                 break  # sorted by start: no later segment overlaps a either
             overlap = min(a.end, b.end) - b.start
             check.violations.append(
-                f"segments overlap for {overlap:.3f}s: {a.describe()} spans {a.start:.3f}-{a.end:.3f}, "
-                f"{b.describe()} spans {b.start:.3f}-{b.end:.3f}"
+                f"segments overlap for {overlap:.3f}s: {a.describe()} spans {a.start - base:.3f}-{a.end - base:.3f}, "
+                f"{b.describe()} spans {b.start - base:.3f}-{b.end - base:.3f}"
             )
     check.violations = _listed(check.violations)
     check.detail = f"{len(spans)} segments"
