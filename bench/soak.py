@@ -45,6 +45,7 @@ from elastrain.chaos.checks import (  # noqa: E402
     check_trace_ran,
     fired_events,
     format_table,
+    kept_rows,
     max_stall,
     read_ledger,
     rendezvous_rounds,
@@ -53,7 +54,6 @@ from elastrain.chaos.checks import (  # noqa: E402
     workers_started,
 )
 from elastrain.chaos.churn import ChurnConfig, churn_trace, coverage  # noqa: E402
-from elastrain.metrics import read_metrics  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def run_soak(args: argparse.Namespace) -> int:
         check_checkpoints(str(job.checkpoint_dir(out)), expect),
         check_processes(timeline),
     ]
-    history = read_metrics(metrics_file)
+    kept = kept_rows(rows, order, restored)
     finished = any(e["action"] == "exit" and e["returncode"] == 0 and not e["expected"] for e in timeline["events"])
     unfinished = None if finished else timeline["started_at"] + (timeline.get("result") or {}).get("elapsed_s", wall)
     stall, stall_step = max_stall(metrics_file, until=unfinished)
@@ -183,8 +183,9 @@ def run_soak(args: argparse.Namespace) -> int:
         "rendezvous_rounds": rendezvous_rounds(logs),
         "worlds": len(spans),
         "max_steps": max_steps,
-        "steps_trained": len(history.active) + len(history.superseded),
-        "steps_rerun": len(history.superseded),
+        # From the ledger: a step saved on request right before a restart can lack a metrics point.
+        "steps_trained": len({(r.segment, r.step) for r in rows}),
+        "steps_rerun": len({(r.segment, r.step) for r in rows}) - len({(r.segment, r.step) for r in kept}),
         "wall_s": round(wall, 1),
         "max_stall_s": round(stall, 1),
         "max_stall_before_step": stall_step,
