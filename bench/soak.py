@@ -37,6 +37,7 @@ from elastrain.chaos import ChaosHarness, MetricsProgress, elastrain_node_comman
 from elastrain.chaos.checks import (  # noqa: E402
     Check,
     Expectation,
+    check_bounded_rounds,
     check_checkpoints,
     check_exactly_once,
     check_final_state,
@@ -48,7 +49,7 @@ from elastrain.chaos.checks import (  # noqa: E402
     kept_rows,
     max_stall,
     read_ledger,
-    rendezvous_rounds,
+    round_times,
     segment_order,
     segments,
     workers_started,
@@ -161,6 +162,7 @@ def run_soak(args: argparse.Namespace) -> int:
     rows = read_ledger(job.ledgers(out))
     logs = sorted((out / "chaos").glob("node-*.log"))
     spans = segments(events_file, metrics_file, rows, workers_started(logs))
+    rounds = round_times(logs)
     checks: list[Check] = [
         check_trace_ran(timeline, len(trace.events)),
         check_final_state(events_file, expect),
@@ -168,6 +170,7 @@ def run_soak(args: argparse.Namespace) -> int:
         check_one_world(spans, t0=timeline["started_at"]),
         check_checkpoints(str(job.checkpoint_dir(out)), expect),
         check_processes(timeline),
+        check_bounded_rounds(timeline, rounds),
     ]
     kept = kept_rows(rows, order, restored)
     finished = any(e["action"] == "exit" and e["returncode"] == 0 and not e["expected"] for e in timeline["events"])
@@ -180,7 +183,7 @@ def run_soak(args: argparse.Namespace) -> int:
         "events_planned": len(trace.events),
         "events_fired": fired_events(timeline),
         "trace": dict(sorted(cov.items())),
-        "rendezvous_rounds": rendezvous_rounds(logs),
+        "rendezvous_rounds": len(rounds),
         "worlds": len(spans),
         "max_steps": max_steps,
         # From the ledger: a step saved on request right before a restart can lack a metrics point.

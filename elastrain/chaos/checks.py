@@ -8,6 +8,7 @@ Pure functions over files (no processes, no torch except to read a checkpoint's 
 - :func:`check_checkpoints`: every committed checkpoint verifies and holds the step its folder names.
 - :func:`check_processes`: no process outlived its node (from the harness's ``timeline.json``).
 - :func:`check_trace_ran`: the job finished, every trace event fired, no node failed on its own.
+- :func:`check_bounded_rounds`: at most one rendezvous round per membership event (no restart storm).
 
 A *segment* is one start of the workers: the records that carry one ``segment`` token (rank 0's
 ``start`` event, its metrics points, every rank's ledger rows). Its span runs from its ``start``
@@ -451,16 +452,70 @@ def max_stall(metrics_file: str | os.PathLike[str], until: float | None = None) 
     return worst, at
 
 
-def rendezvous_rounds(logs: Iterable[str | os.PathLike[str]]) -> int:
-    """Rendezvous rounds that completed, from the nodes' ``event=rendezvous_done round=N ... master=ADDR``
-    lines: every node of a round logs the same round and master, and a restarted job counts from 0 again."""
-    rounds = set()
+def round_times(logs: Iterable[str | os.PathLike[str]]) -> list[tuple[float, str]]:
+    """Each rendezvous round that completed, as ``(wall time, "round N at MASTER")`` sorted by time,
+    from the nodes' ``event=rendezvous_done round=N ... master=ADDR t=T`` lines: every node of a round
+    logs the same round and master (the earliest line counts), and a restarted job counts from 0 again."""
+    first: dict[tuple[str, str], float] = {}
     for path in logs:
         for line in Path(path).read_text(errors="replace").splitlines():
-            if "event=rendezvous_done" in line:
-                fields = dict(p.split("=", 1) for p in line.split() if "=" in p)
-                rounds.add((fields.get("round"), fields.get("master")))
-    return len(rounds)
+            if "event=rendezvous_done" not in line:
+                continue
+            fields = dict(p.split("=", 1) for p in line[line.index("event=") :].split() if "=" in p)
+            key = (fields.get("round", "?"), fields.get("master", "?"))
+            try:
+                t = float(fields["t"])
+            except (KeyError, ValueError):
+                continue
+            first[key] = min(t, first.get(key, t))
+    return sorted((t, f"round {r} at {m}") for (r, m), t in first.items())
+
+
+def rendezvous_rounds(logs: Iterable[str | os.PathLike[str]]) -> int:
+    return len(round_times(logs))
+
+
+def check_bounded_rounds(timeline: Mapping[str, Any], rounds: Sequence[tuple[float, str]]) -> Check:
+    """At most one rendezvous round per membership event: at every round, the rounds so far are at most
+    the nodes started at the beginning, plus one per trace event fired so far (``len(nodes)`` for a
+    ``restart_all``, whose nodes may arrive apart). Cumulative, so a round that completes after the next
+    event fired is not blamed on it; only surplus rounds (a restart storm) are."""
+    check = Check("bounded rounds")
+    t0 = float(timeline.get("started_at", 0.0))
+    events = timeline.get("events", [])
+    allowance: list[tuple[float, int, str]] = []
+    initial = 0
+    for e in events:
+        if e["action"] == "fired":
+            break
+        initial += e["action"] == "start"
+    total = initial
+    for e in events:
+        if e["action"] == "fired":
+            total += 1
+        elif e["action"] == "restart_all":
+            total += max(0, len(e.get("nodes", [])) - 1)
+        else:
+            continue
+        allowance.append((t0 + float(e["t"]), total, f"{e.get('what', e['action'])} at t={e['t']}s"))
+    worst = None
+    for k, (t, name) in enumerate(rounds, start=1):
+        allowed, last_event = initial, "the first start"
+        for at, n, what in allowance:
+            if at > t:
+                break
+            allowed, last_event = n, what
+        if k > allowed and (worst is None or k - allowed > worst[0]):
+            worst = (k - allowed, k, allowed, t - t0, name, last_event)
+    if worst is not None:
+        surplus, k, allowed, t, name, last_event = worst
+        check.violations.append(
+            f"{k} rounds by t={t:.1f}s ({name}), at most {allowed} for the events so far: {surplus} surplus "
+            f"(restart storm) since the last event, {last_event}"
+        )
+    fired = sum(1 for e in events if e["action"] == "fired")
+    check.detail = f"{len(rounds)} rounds for {fired} events and {initial} starting nodes"
+    return check
 
 
 def format_table(checks: Sequence[Check]) -> str:

@@ -15,6 +15,7 @@ from elastrain.chaos.checks import (
     Expectation,
     LedgerRow,
     Segment,
+    check_bounded_rounds,
     check_checkpoints,
     check_exactly_once,
     check_final_state,
@@ -25,6 +26,7 @@ from elastrain.chaos.checks import (
     max_stall,
     read_ledger,
     rendezvous_rounds,
+    round_times,
     segment_order,
     segments,
     workers_started,
@@ -264,10 +266,10 @@ def test_figures(tmp_path):
     assert max_stall(metrics, until=30.0) == (20.0, None)
     log = tmp_path / "node-0.log"
     log.write_text(
-        "x elastrain event=rendezvous_done round=1 nodes=2 master=h:1\nnoise\n"
-        "y elastrain event=rendezvous_done round=1 nodes=2 master=h:1\n"
-        "z elastrain event=rendezvous_done round=2 nodes=1 master=h:2\n"
-        "w elastrain event=rendezvous_done round=1 nodes=1 master=h:3\n"  # the job started again
+        "x elastrain event=rendezvous_done round=1 nodes=2 master=h:1 t=1.0\nnoise\n"
+        "y elastrain event=rendezvous_done round=1 nodes=2 master=h:1 t=1.1\n"
+        "z elastrain event=rendezvous_done round=2 nodes=1 master=h:2 t=5.0\n"
+        "w elastrain event=rendezvous_done round=1 nodes=1 master=h:3 t=9.0\n"  # the job started again
     )
     assert rendezvous_rounds([log]) == 3
     table = format_table([Check("alpha", [], "ok"), Check("b", ["bad thing"], "1 problem")])
@@ -335,3 +337,44 @@ def test_progress_counts_checkpoints_and_restores_as_well_as_points(tmp_path):
     append_json_line(events, {"kind": "point", "segment": "a", "step": 8})
     append_json_line(events, {"event": "finish", "segment": "a", "step": 99})  # not a step's own record
     assert progress() == 9
+
+
+def _round_log(path: Path, rounds: list[tuple[int, str, float]]) -> None:
+    path.write_text(
+        "".join(f"x elastrain event=rendezvous_done round={r} master={m} t={t} pid=1\n" for r, m, t in rounds)
+    )
+
+
+STORM_TIMELINE = {
+    "started_at": 100.0,
+    "events": [
+        {"t": 0.0, "action": "start", "node": 0},
+        {"t": 1.0, "action": "start", "node": 1},
+        {"t": 10.0, "action": "fired", "what": "start", "node": 2},  # a spare
+        {"t": 10.0, "action": "start", "node": 2},
+        {"t": 30.0, "action": "fired", "what": "kill_all"},
+        {"t": 32.0, "action": "fired", "what": "restart_all"},
+        {"t": 32.0, "action": "restart_all", "nodes": [0, 1]},
+    ],
+}
+
+
+def test_rounds_within_one_per_event_pass(tmp_path):
+    log = tmp_path / "node-0.log"
+    # Both first nodes in one round, the spare joins nobody, the restarted job's two nodes arrive apart.
+    _round_log(log, [(0, "h:1", 102.0), (0, "h:1", 102.1), (0, "h:9", 133.0), (1, "h:10", 135.0)])
+    rounds = round_times([log])
+    assert [name for _, name in rounds] == ["round 0 at h:1", "round 0 at h:9", "round 1 at h:10"]
+    check = check_bounded_rounds(STORM_TIMELINE, rounds)
+    assert check.ok, check.violations
+    assert check.detail == "3 rounds for 3 events and 2 starting nodes"
+
+
+def test_a_restart_storm_is_a_violation(tmp_path):
+    log = tmp_path / "node-0.log"
+    _round_log(log, [(0, "h:1", 102.0), *[(k, f"h:{k + 1}", 111.0 + k) for k in range(1, 6)]])
+    check = check_bounded_rounds(STORM_TIMELINE, round_times([log]))
+    assert check.violations == [
+        "6 rounds by t=16.0s (round 5 at h:6), at most 3 for the events so far: 3 surplus (restart storm) "
+        "since the last event, start at t=10.0s"
+    ]
