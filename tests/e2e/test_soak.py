@@ -5,7 +5,7 @@ SIGTERM with a notice, SIGSTOP then SIGCONT, node 0 (the first store host) down,
 restart with the same command, nodes returning at the original endpoint, spares beyond MAX. The
 soak passes only if the job ends at its last step with the exact samples, every sample id is used
 exactly once per epoch, no two worlds train at the same time, every committed checkpoint verifies,
-and no process outlives its node. ``python bench/soak.py --seed N --events 50`` is the long version.
+no process outlives its node, and no membership event leads to more than one rendezvous round. ``python bench/soak.py --seed N --events 50`` is the long version.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def test_short_seeded_soak_passes_every_check(tmp_path):
         "one world at a time",
         "committed checkpoints load",
         "no orphan processes",
+        "bounded rounds",
     ]
     assert report["figures"]["events_fired"] == EVENTS, table
     assert res.returncode == 0 and report["ok"], table + res.stderr[-3000:]
