@@ -5,7 +5,8 @@ SIGTERM with a notice, SIGSTOP then SIGCONT, node 0 (the first store host) down,
 restart with the same command, nodes returning at the original endpoint, spares beyond MAX. The
 soak passes only if the job ends at its last step with the exact samples, every sample id is used
 exactly once per epoch, no two worlds train at the same time, every committed checkpoint verifies,
-no process outlives its node, and no membership event leads to more than one rendezvous round. ``python bench/soak.py --seed N --events 50`` is the long version.
+no process outlives its node, and no membership event leads to more than one rendezvous round.
+``python bench/soak.py --seed N --events 50`` is the long version.
 """
 
 from __future__ import annotations
