@@ -81,6 +81,8 @@ class Segment:
     restored_step: int | None = None
     last_step: int | None = None
     start_reason: str | None = None
+    generation: int | None = None
+    """The fencing generation the world claimed, where its ``start`` record carries one."""
     first_record: float | None = None
     """The time of its first own record; ``start`` may be earlier: when its agent started the workers."""
 
@@ -88,6 +90,8 @@ class Segment:
         tags = [f"ws={self.world_size}", f"pid={self.pid}", f"{self.start_reason}", f"restart={self.restart_count}"]
         if self.round is not None:
             tags.append(f"round={self.round}")
+        if self.generation is not None:
+            tags.append(f"generation={self.generation}")
         tags.append(f"restored={self.restored_step}")
         return f"{self.token} ({', '.join(tags)}, steps to {self.last_step})"
 
@@ -187,6 +191,7 @@ def segments(
             seg.world_size, seg.pid = e.get("world_size"), e.get("pid")
             seg.restart_count, seg.round = e.get("restart_count"), e.get("round")
             seg.restored_step, seg.start_reason = e.get("restored_step"), e.get("start_reason")
+            seg.generation = e.get("generation")
     if metrics_file is not None:
         for r in read_json_lines(metrics_file):
             if "segment" in r and "time" in r:
@@ -315,7 +320,8 @@ def _steps(run: tuple[int, int]) -> str:
 
 
 def check_one_world(spans: Sequence[Segment], t0: float | None = None) -> Check:
-    """No two segments' spans overlap (they may touch). Times print in seconds after ``t0`` (default:
+    """No two segments' spans overlap (they may touch), and where ``start`` records carry a fencing
+    ``generation``, each world's is above the one before. Times print in seconds after ``t0`` (default:
     the first segment's start)."""
     check = Check("one world at a time")
     base = t0 if t0 is not None else (spans[0].start if spans else 0.0)
@@ -328,6 +334,12 @@ def check_one_world(spans: Sequence[Segment], t0: float | None = None) -> Check:
                 f"segments overlap for {overlap:.3f}s: {a.describe()} spans {a.start - base:.3f}-{a.end - base:.3f}, "
                 f"{b.describe()} spans {b.start - base:.3f}-{b.end - base:.3f}"
             )
+    fenced = [seg for seg in spans if seg.generation is not None]
+    for a, b in itertools.pairwise(fenced):
+        if b.generation is not None and a.generation is not None and b.generation <= a.generation:
+            check.violations.append(
+                f"generation did not grow: {b.describe()} started after {a.describe()} (stale or split world)"
+            )
     check.violations = _listed(check.violations)
     check.detail = f"{len(spans)} segments"
     return check
@@ -336,7 +348,8 @@ def check_one_world(spans: Sequence[Segment], t0: float | None = None) -> Check:
 def check_checkpoints(root: str, expect: Expectation | None = None) -> Check:
     """Every committed step directory verifies against its marker (lengths, CRC-32), its DCP metadata
     names only files that exist, every rank's sidecar is there, and the train state inside is the
-    step the folder names (with that step's ``samples_seen``)."""
+    step the folder names (with that step's ``samples_seen``). Where markers carry a fencing
+    ``generation`` (in ``extra``), a later step never has an older one."""
     from elastrain.checkpoint import layout
     from elastrain.checkpoint.dcp_io import metadata_problems, read_metadata
     from elastrain.checkpoint.storage import storage_for
@@ -346,6 +359,7 @@ def check_checkpoints(root: str, expect: Expectation | None = None) -> Check:
     st = storage_for(root)
     dirs = layout.list_step_dirs(root, st) if os.path.isdir(root) else []
     committed = [d for d in dirs if d.committed]
+    markers = []
     for d in committed:
         try:
             marker = layout.verify_step(d.path, checksum=True, storage=st)
@@ -359,6 +373,7 @@ def check_checkpoints(root: str, expect: Expectation | None = None) -> Check:
         except (CheckpointCorruptError, OSError, ValueError) as e:
             check.violations.append(f"{d.path}: {type(e).__name__}: {e}")
             continue
+        markers.append(marker)
         state = sidecars[0].get("state", {}).get("train_state", {})
         if marker.step != d.step or state.get("step") != d.step:
             check.violations.append(f"{d.path}: marker step {marker.step}, train state step {state.get('step')}")
@@ -366,6 +381,10 @@ def check_checkpoints(root: str, expect: Expectation | None = None) -> Check:
             check.violations.append(
                 f"{d.path}: samples_seen {state.get('samples_seen')}, want {expect.samples_after(d.step)}"
             )
+    fenced = [(m.step, m.extra["generation"]) for m in markers if isinstance(m.extra.get("generation"), int)]
+    for (s0, g0), (s1, g1) in itertools.pairwise(fenced):
+        if g1 < g0:
+            check.violations.append(f"step {s1} was committed by generation {g1}, after step {s0} by generation {g0}")
     check.detail = f"{len(committed)} committed, {len(dirs) - len(committed)} uncommitted (in flight when killed)"
     if not committed:
         check.violations.append(f"no committed checkpoint in {root}")

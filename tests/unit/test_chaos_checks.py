@@ -179,7 +179,9 @@ def test_agent_events_without_a_segment_are_not_worlds(tmp_path):
 
 
 # -- checkpoints -------------------------------------------------------------------------------------
-def make_step(root: Path, step: int, world_size: int = 2, state_step: int | None = None, commit: bool = True) -> Path:
+def make_step(
+    root: Path, step: int, world_size: int = 2, state_step: int | None = None, commit: bool = True, generation=None
+) -> Path:
     path = root / layout.step_dir_name(step)
     path.mkdir(parents=True)
     (path / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={}, storage_data={})))
@@ -191,7 +193,9 @@ def make_step(root: Path, step: int, world_size: int = 2, state_step: int | None
         )
     if commit:
         files = layout.manifest(str(path))
-        layout.write_commit_marker(str(path), layout.CommitMarker(step=step, world_size=world_size, files=files))
+        extra = {} if generation is None else {"generation": generation}
+        marker = layout.CommitMarker(step=step, world_size=world_size, files=files, extra=extra)
+        layout.write_commit_marker(str(path), marker)
     return path
 
 
@@ -223,6 +227,21 @@ def test_checkpoint_with_the_wrong_train_state(tmp_path):
     check = check_checkpoints(str(tmp_path), EXPECT)
     assert any("marker step 4, train state step 3" in v for v in check.violations), check.violations
     assert not check_checkpoints(str(tmp_path / "none"), EXPECT).ok
+
+
+def test_a_checkpoint_committed_by_an_older_generation(tmp_path):
+    make_step(tmp_path, 2, generation=3)
+    make_step(tmp_path, 4, generation=2)  # a stale world committed after a newer one
+    make_step(tmp_path, 6, generation=4)
+    check = check_checkpoints(str(tmp_path), EXPECT)
+    assert check.violations == ["step 4 was committed by generation 2, after step 2 by generation 3"]
+
+
+def test_world_generations_must_grow():
+    a, b = Segment("a", 0.0, 5.0, generation=2), Segment("b", 6.0, 9.0, generation=2)
+    (v,) = check_one_world([a, b]).violations
+    assert v.startswith("generation did not grow: b (") and "generation=2" in v
+    assert check_one_world([a, Segment("b", 6.0, 9.0, generation=3)]).ok
 
 
 # -- processes, trace, figures -------------------------------------------------------------------------
