@@ -10,7 +10,8 @@ endpoint, run id and checkpoint directory. The trace (elastrain/chaos/churn.py) 
 kills the whole job and starts it again, and starts spares while the job is full; each event waits
 for the job's next step milestone. At the end it checks what the run left behind
 (elastrain/chaos/checks.py) and prints a PASS/FAIL table with every violation, then the figures;
-it exits 1 on any violation. Everything stays in ``--output-dir`` (``soak.json``: checks and figures).
+it exits 1 on any violation. Everything stays in ``--output-dir`` (``soak.json``: checks and figures);
+``--check DIR`` checks a finished soak's directory again.
 
 The jobs: the T5 example with ``--ledger`` (each rank records the sample ids of every step), or
 tests/e2e/ledger_job.py, a tiny linear regression that records the same and starts in ~2 s.
@@ -25,7 +26,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,6 +55,9 @@ from elastrain.chaos.checks import (  # noqa: E402
     workers_started,
 )
 from elastrain.chaos.churn import ChurnConfig, churn_trace, coverage  # noqa: E402
+from elastrain.chaos.trace import trace_from_dict  # noqa: E402
+
+SETTINGS = "soak-settings.json"
 
 
 @dataclass(frozen=True)
@@ -139,25 +142,31 @@ def run_soak(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
-    metrics_file = job.metrics_dir(out) / "metrics.jsonl"
     timeout = args.timeout or 120.0 + 45.0 * args.events
     print(
         f"soak: job {job.name}, seed {args.seed}, {args.events} events, nodes 1:{trace.launcher_max} + "
         f"{args.spares} spares, max steps {max_steps}, timeout {timeout:.0f}s, output {out}",
         flush=True,
     )
-    (out / "trace.json").write_text(json.dumps(trace.to_dict(), indent=1))
-    readers = [MetricsProgress(metrics_file), MetricsProgress(job.metrics_dir(out) / "events.jsonl")]
+    settings = {"job": job.name, "seed": args.seed, "max_steps": max_steps, "trace": trace.to_dict()}
+    (out / SETTINGS).write_text(json.dumps(settings, indent=1))
+    metrics_dir = job.metrics_dir(out)
+    readers = [MetricsProgress(metrics_dir / "metrics.jsonl"), MetricsProgress(metrics_dir / "events.jsonl")]
     harness = ChaosHarness(
         trace, node_command, out / "chaos", env=env, progress=lambda: max(r() for r in readers), host_port=port
     )
-    t0 = time.monotonic()
     harness.run(timeout_s=timeout, stall_s=args.stall)
-    wall = time.monotonic() - t0
+    return judge(out)
 
+
+def judge(out: Path) -> int:
+    """Check a soak's output directory, print the table and the figures, write ``soak.json``; 1 on any violation."""
+    settings = json.loads((out / SETTINGS).read_text())
+    job, max_steps = JOBS[settings["job"]], int(settings["max_steps"])
+    trace = trace_from_dict(settings["trace"])
     expect = Expectation(max_steps=max_steps, samples=job.samples, global_batch=job.global_batch)
     timeline = json.loads((out / "chaos" / "timeline.json").read_text())
-    events_file = job.metrics_dir(out) / "events.jsonl"
+    metrics_file, events_file = job.metrics_dir(out) / "metrics.jsonl", job.metrics_dir(out) / "events.jsonl"
     order, restored = segment_order(metrics_file)
     rows = read_ledger(job.ledgers(out))
     logs = sorted((out / "chaos").glob("node-*.log"))
@@ -173,23 +182,28 @@ def run_soak(args: argparse.Namespace) -> int:
         check_bounded_rounds(timeline, rounds),
     ]
     kept = kept_rows(rows, order, restored)
-    finished = any(e["action"] == "exit" and e["returncode"] == 0 and not e["expected"] for e in timeline["events"])
-    unfinished = None if finished else timeline["started_at"] + (timeline.get("result") or {}).get("elapsed_s", wall)
-    stall, stall_step = max_stall(metrics_file, until=unfinished)
-    cov = coverage(trace)
+    events = timeline["events"]
+    elapsed = float((timeline.get("result") or {}).get("elapsed_s") or events[-1]["t"])
+    finished = any(e["action"] == "exit" and e["returncode"] == 0 and not e["expected"] for e in events)
+    # Ledger rows count as step records too: a step saved on request right before a restart can lack a metrics point.
+    stall, stall_step = max_stall(
+        metrics_file,
+        until=None if finished else timeline["started_at"] + elapsed,
+        more=[(r.time, r.step) for r in rows if r.time is not None],
+    )
+    trained = {(r.segment, r.step) for r in rows}
     figures = {
         "job": job.name,
-        "seed": args.seed,
+        "seed": settings["seed"],
         "events_planned": len(trace.events),
         "events_fired": fired_events(timeline),
-        "trace": dict(sorted(cov.items())),
+        "trace": dict(sorted(coverage(trace).items())),
         "rendezvous_rounds": len(rounds),
         "worlds": len(spans),
         "max_steps": max_steps,
-        # From the ledger: a step saved on request right before a restart can lack a metrics point.
-        "steps_trained": len({(r.segment, r.step) for r in rows}),
-        "steps_rerun": len({(r.segment, r.step) for r in rows}) - len({(r.segment, r.step) for r in kept}),
-        "wall_s": round(wall, 1),
+        "steps_trained": len(trained),
+        "steps_rerun": len(trained) - len({(r.segment, r.step) for r in kept}),
+        "wall_s": round(elapsed, 1),
         "max_stall_s": round(stall, 1),
         "max_stall_before_step": stall_step,
     }
@@ -227,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--launcher-args", default="", help="extra elastrain-run options, one quoted string")
     p.add_argument("--output-dir", default=None, help="default: runs/soak-JOB-seedN-XXXXXX")
     p.add_argument("--data-dir", default=None, help="T5 pairs and tokenizer, built once (runs/soak-t5-data)")
-    return run_soak(p.parse_args(argv))
+    p.add_argument("--check", metavar="DIR", default=None, help="only check a finished soak's output directory")
+    args = p.parse_args(argv)
+    return judge(Path(args.check).resolve()) if args.check else run_soak(args)
 
 
 if __name__ == "__main__":

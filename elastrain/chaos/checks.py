@@ -456,11 +456,15 @@ def fired_events(timeline: Mapping[str, Any]) -> int:
     return sum(1 for e in timeline.get("events", []) if e["action"] == "fired")
 
 
-def max_stall(metrics_file: str | os.PathLike[str], until: float | None = None) -> tuple[float, int | None]:
-    """The longest time between two consecutive step records (any segment), and the step after it
-    (``None``: the stall lasted until ``until``, the end of a run that never finished)."""
+def max_stall(
+    metrics_file: str | os.PathLike[str], until: float | None = None, more: Iterable[tuple[float, int]] = ()
+) -> tuple[float, int | None]:
+    """The longest time between two consecutive step records (metrics points of any segment, and
+    ``more`` ``(time, step)`` records such as ledger rows), and the step after it (``None``: the stall
+    lasted until ``until``, the end of a run that never finished)."""
     points = sorted(
-        (float(r["time"]), int(r["step"])) for r in read_json_lines(metrics_file) if r.get("kind") == "point"
+        [(float(r["time"]), int(r["step"])) for r in read_json_lines(metrics_file) if r.get("kind") == "point"]
+        + list(more)
     )
     worst, at = 0.0, None
     for (t0, _), (t1, step) in itertools.pairwise(points):
