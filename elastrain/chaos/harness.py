@@ -263,8 +263,17 @@ class ChaosHarness:
                     return
             time.sleep(self.poll_s)
 
+    def _leaving(self, index: int) -> bool:
+        """The node was signalled (SIGTERM, notice running; or a kill not yet finished) and still runs."""
+        node = self.nodes[index]
+        return node.signalled and node.proc is not None and node.proc.poll() is None
+
     def _due(self, event: TraceEvent) -> bool:
         if event.at > self._now() or self._now() - self._last_fired < event.gap_s:
+            return False
+        # A node comes back only once it has gone: a start waits out the notice of a node still leaving.
+        starting = event.nodes if event.action is Action.RESTART_ALL else (event.node,)
+        if event.action in (Action.START, Action.RESTART_ALL) and any(self._leaving(i) for i in starting):
             return False
         if event.after_step is None:
             return True

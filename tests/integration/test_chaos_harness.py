@@ -208,3 +208,23 @@ def test_a_job_that_makes_no_progress_is_ended_as_stalled(tmp_path):
     (stalled,) = [e for e in result.timeline if e["action"] == "stalled"]
     assert stalled["at_step"] == 2 and stalled["stalled_s"] >= 1.0
     assert result.leftover_pids, "the node still running at the end was killed"
+
+
+def test_a_start_waits_for_a_node_still_in_its_notice_window(tmp_path):
+    trace = trace_from_dict(
+        {
+            "nodes": 2,
+            "events": [
+                {"at": 0.5, "action": "term", "node": 1, "notice": 1.5},
+                {"gap": 0.2, "action": "start", "node": 1},
+            ],
+        }
+    )
+    ignore_term = "import signal, time; signal.signal(signal.SIGTERM, lambda *_: None); time.sleep(4)"
+    harness = ChaosHarness(trace, lambda _: [sys.executable, "-c", ignore_term], tmp_path / "out", poll_s=0.05)
+    result = harness.run(timeout_s=30)
+    actions = [(e["action"], e.get("node")) for e in result.timeline]
+    assert ("skip", 1) not in actions
+    t = {(e["action"], e.get("node")): e["t"] for e in result.timeline}
+    restart = [e["t"] for e in result.timeline if e["action"] == "start" and e["node"] == 1][1]
+    assert t[("notice_expired", 1)] <= restart, "the start waited until the termed node was gone"
