@@ -49,6 +49,7 @@ from elastrain.chaos.checks import (  # noqa: E402
     kept_rows,
     max_stall,
     read_ledger,
+    refounded,
     round_times,
     segment_order,
     segments,
@@ -206,6 +207,7 @@ def judge(out: Path) -> int:
         "wall_s": round(elapsed, 1),
         "max_stall_s": round(stall, 1),
         "max_stall_before_step": stall_step,
+        "refounded": refounded(spans, timeline),
     }
     ok = all(c.ok for c in checks)
     print()
@@ -219,6 +221,8 @@ def judge(out: Path) -> int:
         f"wall {figures['wall_s']}s, max stall {figures['max_stall_s']}s "
         f"({f'before step {stall_step}' if stall_step is not None else 'until the end'})"
     )
+    for note in figures["refounded"]:
+        print(f"note: {note}")
     print(f"soak: {'PASS' if ok else 'FAIL'}; details in {out}/soak.json", flush=True)
     result = {"ok": ok, "figures": figures, "checks": [{**asdict(c), "ok": c.ok} for c in checks]}
     (out / "soak.json").write_text(json.dumps(result, indent=1))

@@ -345,6 +345,29 @@ def check_one_world(spans: Sequence[Segment], t0: float | None = None) -> Check:
     return check
 
 
+def refounded(spans: Sequence[Segment], timeline: Mapping[str, Any]) -> list[str]:
+    """Worlds that founded the job anew (``start_reason=first_start``) other than the first and the
+    first after each whole-job kill: a node that did not find the running job (at the original
+    endpoint, after the store host died) started its own. Not a violation by itself: when every
+    member of the job had died, the waiting node restarting it from its checkpoint is what a whole-job
+    restart does; two worlds of one run id training at once are :func:`check_one_world`'s violation."""
+    t0 = float(timeline.get("started_at", 0.0))
+    kills = [t0 + float(e["t"]) for e in timeline.get("events", []) if e.get("what") == "kill_all"]
+    ordered = sorted(spans, key=lambda s: s.first_record if s.first_record is not None else s.start)
+    out = []
+    for i, seg in enumerate(ordered):
+        if seg.start_reason != "first_start":
+            continue
+        since = max((k for k in kills if k <= seg.start), default=float("-inf"))
+        earlier = [o for o in ordered[:i] if o.start >= since]
+        if earlier:
+            out.append(
+                f"{seg.describe()} founded the job again at t={seg.start - t0:.1f}s; the last world before it, "
+                f"{earlier[-1].describe()}, ran at t={earlier[-1].start - t0:.1f}-{earlier[-1].end - t0:.1f}s"
+            )
+    return out
+
+
 def check_checkpoints(root: str, expect: Expectation | None = None) -> Check:
     """Every committed step directory verifies against its marker (lengths, CRC-32), its DCP metadata
     names only files that exist, every rank's sidecar is there, and the train state inside is the

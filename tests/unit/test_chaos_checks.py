@@ -25,6 +25,7 @@ from elastrain.chaos.checks import (
     format_table,
     max_stall,
     read_ledger,
+    refounded,
     rendezvous_rounds,
     round_times,
     segment_order,
@@ -324,6 +325,19 @@ def test_a_world_exists_from_when_its_agent_started_its_workers(tmp_path):
     spans = segments(events, started=started)
     assert (spans[1].start, spans[1].first_record) == (5.5, 9.0)
     assert "segments overlap for 1.500s" in check_one_world(spans).violations[0]
+
+
+def test_only_the_first_world_and_those_after_a_whole_job_kill_found_the_job():
+    def seg(token, start, reason):
+        return Segment(token, start, start + 5.0, start_reason=reason, first_record=start + 1.0)
+
+    timeline = {"started_at": 100.0, "events": [{"t": 30.0, "action": "fired", "what": "kill_all"}]}
+    spans = [seg("a", 101.0, "first_start"), seg("b", 110.0, "scale_down"), seg("c", 135.0, "first_start")]
+    assert refounded(spans, timeline) == []
+    spans.append(seg("d", 150.0, "first_start"))  # a node back at the original endpoint founded it again
+    (v,) = refounded(spans, timeline)
+    assert v.startswith("d (") and "founded the job again at t=50.0s; the last world before it, c (" in v
+    assert "ran at t=35.0-40.0s" in v
 
 
 def test_stalled_timed_out_and_interrupted_runs_are_violations():
