@@ -100,7 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("elastrain-chaos: error: give the training script after --", file=sys.stderr)
         return 2
     host = trace.start[0]
-    if any(e.node == host and e.action is not Action.START for e in trace.events) and "etcd" not in args.launcher_args:
+    stops_host = [e for e in trace.events if e.node == host and e.action is not Action.START]
+    preempted = bool(stops_host) or any(e.action is Action.KILL_ALL for e in trace.events)
+    if preempted and "etcd" not in args.launcher_args:
         print(
             f"elastrain-chaos: warning: the trace preempts node {host}, which hosts the c10d rendezvous store; "
             "nodes that return after it died may not find the job (use an etcd backend via --launcher-args)",
@@ -110,8 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     launcher_args = shlex.split(args.launcher_args)
 
     def node_command(_: int) -> list[str]:
+        # --nnodes 1:MAX with the trace's max_nodes: slots beyond it are spares.
         return elastrain_node_command(
-            script, trace.nodes, args.port, run_id, launcher_args, max_restarts=args.max_restarts
+            script, trace.launcher_max, args.port, run_id, launcher_args, max_restarts=args.max_restarts
         )
 
     progress = MetricsProgress(args.progress_file) if args.progress_file else None

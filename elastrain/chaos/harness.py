@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from elastrain.chaos.procs import ProcessTree
+import psutil
+
+from elastrain.chaos.procs import TAG_VARIABLE, ProcessTree, tagged_processes
 from elastrain.chaos.trace import Action, Trace, TraceEvent
 from elastrain.errors import TraceError
 from elastrain.log import lifecycle
@@ -69,6 +71,7 @@ class _Node:
     hard_kill_at: float | None = None
     log_fh: IO[bytes] | None = None
     exit_recorded: bool = False
+    stopped: bool = False
 
 
 @dataclass
@@ -79,6 +82,8 @@ class ChaosResult:
     timeline: list[dict[str, Any]] = field(default_factory=list)
     leftover_pids: list[int] = field(default_factory=list)
     """Processes still running when the harness ended and that it had to kill (orphans, hung nodes)."""
+    escaped: list[dict[str, Any]] = field(default_factory=list)
+    """Processes of this run (by their environment tag) alive after every tree was killed: ``pid``, ``cmdline``."""
 
 
 class ChaosHarness:
@@ -105,6 +110,8 @@ class ChaosHarness:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.env = dict(os.environ if env is None else env)
+        self.tag = uuid.uuid4().hex
+        self.env[TAG_VARIABLE] = self.tag
         self.poll_s = poll_s
         self.drain_s = drain_s
         self.progress = progress
@@ -115,6 +122,7 @@ class ChaosHarness:
         self.timeline: list[dict[str, Any]] = []
         self._t0 = 0.0
         self._wall0 = 0.0
+        self._last_fired = 0.0
 
     # -- recording --------------------------------------------------------------------------------
     def _now(self) -> float:
@@ -147,6 +155,7 @@ class ChaosHarness:
                 "timed_out": result.timed_out,
                 "elapsed_s": round(result.elapsed_s, 3),
                 "leftover_pids": result.leftover_pids,
+                "escaped": result.escaped,
             }
         tmp = self.output_dir / f".{TIMELINE_FILE}.tmp"
         tmp.write_text(json.dumps(data, indent=1))
@@ -173,6 +182,7 @@ class ChaosHarness:
         node.tree = ProcessTree(node.proc.pid)
         node.exit_recorded = False
         node.signalled = False
+        node.stopped = False
         node.hard_kill_at = None
         self._record("start", node.index, pid=node.proc.pid, incarnation=node.incarnation)
 
@@ -192,7 +202,34 @@ class ChaosHarness:
         node.hard_kill_at = self._now() + notice_s
         self._record("term", node.index, pids=pids, notice_s=notice_s)
 
-    def _fire(self, event: TraceEvent) -> None:
+    def _stop(self, node: _Node) -> None:
+        if node.tree is None:
+            return
+        node.stopped = True
+        self._record("stop", node.index, pids=node.tree.signal(signal.SIGSTOP))
+
+    def _cont(self, node: _Node) -> None:
+        if node.tree is None:
+            return
+        node.stopped = False
+        self._record("cont", node.index, pids=node.tree.signal(signal.SIGCONT))
+
+    def _fire(self, event: TraceEvent, index: int) -> None:
+        self._last_fired = self._now()
+        self._record("fired", event.node if event.node >= 0 else None, index=index, what=event.action.value)
+        if event.action is Action.KILL_ALL:
+            self._record("kill_all", nodes=[n.index for n in self._running()])
+            for node in self._running():
+                self._kill(node, "kill")
+            return
+        if event.action is Action.RESTART_ALL:
+            self._record("restart_all", nodes=list(event.nodes))
+            for i in event.nodes:
+                self._fire_one(TraceEvent(event.at, Action.START, i))
+            return
+        self._fire_one(event)
+
+    def _fire_one(self, event: TraceEvent) -> None:
         node = self.nodes[event.node]
         running = node.proc is not None and node.proc.poll() is None
         if running and node.signalled and node.hard_kill_at is None and node.proc is not None:
@@ -210,6 +247,10 @@ class ChaosHarness:
             self._record("skip", node.index, reason=f"{event.action.value} of a node that is down", at=event.at)
         elif event.action is Action.KILL:
             self._kill(node, "kill")
+        elif event.action is Action.STOP:
+            self._stop(node)
+        elif event.action is Action.CONT:
+            self._cont(node)
         else:
             self._term(node, event.notice_s)
 
@@ -222,8 +263,17 @@ class ChaosHarness:
                     return
             time.sleep(self.poll_s)
 
+    def _leaving(self, index: int) -> bool:
+        """The node was signalled (SIGTERM, notice running; or a kill not yet finished) and still runs."""
+        node = self.nodes[index]
+        return node.signalled and node.proc is not None and node.proc.poll() is None
+
     def _due(self, event: TraceEvent) -> bool:
-        if event.at > self._now():
+        if event.at > self._now() or self._now() - self._last_fired < event.gap_s:
+            return False
+        # A node comes back only once it has gone: a start waits out the notice of a node still leaving.
+        starting = event.nodes if event.action is Action.RESTART_ALL else (event.node,)
+        if event.action in (Action.START, Action.RESTART_ALL) and any(self._leaving(i) for i in starting):
             return False
         if event.after_step is None:
             return True
@@ -257,11 +307,15 @@ class ChaosHarness:
         return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
 
     # -- the loop ---------------------------------------------------------------------------------
-    def run(self, timeout_s: float = 600.0) -> ChaosResult:
+    def run(self, timeout_s: float = 600.0, stall_s: float | None = None) -> ChaosResult:
+        """Follow the trace until the job finished and every node exited, or ``timeout_s`` passed,
+        or (with ``stall_s`` and a progress source) the job's step did not advance for ``stall_s``
+        while trace events were still waiting. Ctrl-C ends it the same way, with a result."""
         self._t0, self._wall0 = time.monotonic(), time.time()
         pending = list(self.trace.events)
         finished_at: float | None = None
         timed_out = False
+        progress, progressed_at = -1, 0.0
         try:
             first, *others = self.trace.start
             self._start(self.nodes[first])
@@ -277,7 +331,7 @@ class ChaosHarness:
                         self._record("job_finished", skipped_events=len(pending))
                     pending = []
                 while pending and self._due(pending[0]):
-                    self._fire(pending.pop(0))
+                    self._fire(pending.pop(0), len(self.trace.events) - len(pending) - 1)
                 if not self._running() and not pending:
                     break
                 if finished_at is not None and self._now() - finished_at > self.drain_s:
@@ -287,14 +341,26 @@ class ChaosHarness:
                     timed_out = True
                     self._record("timeout", timeout_s=timeout_s)
                     break
+                if stall_s is not None and self.progress is not None and finished_at is None:
+                    step = self.progress()
+                    if step > progress:
+                        progress, progressed_at = step, self._now()
+                    elif self._now() - progressed_at > stall_s:
+                        timed_out = True
+                        self._record("stalled", stalled_s=round(self._now() - progressed_at, 1), at_step=step)
+                        break
+        except KeyboardInterrupt:
+            timed_out = True
+            self._record("interrupted")
         finally:
             leftover = self._cleanup()
+            escaped = self._sweep()
         ok = (
             not timed_out
             and finished_at is not None
             and not any(e["action"] == "exit" and e["returncode"] != 0 and not e["expected"] for e in self.timeline)
         )
-        result = ChaosResult(ok, timed_out, self._now(), self.timeline, leftover)
+        result = ChaosResult(ok, timed_out, self._now(), self.timeline, leftover, escaped)
         self._record("end", succeeded=ok, timed_out=timed_out, leftover=len(leftover))
         self._write_timeline(result)
         return result
@@ -316,6 +382,17 @@ class ChaosHarness:
                 node.log_fh.close()
                 node.log_fh = None
         return leftover
+
+    def _sweep(self) -> list[dict[str, Any]]:
+        """Find and SIGKILL whatever of this run escaped every node's tree (re-parented before it was seen)."""
+        escaped = []
+        for proc in tagged_processes(self.tag):
+            with contextlib.suppress(psutil.Error):
+                escaped.append({"pid": proc.pid, "cmdline": " ".join(proc.cmdline())[:300]})
+                proc.kill()
+        if escaped:
+            self._record("escaped", pids=[e["pid"] for e in escaped])
+        return escaped
 
 
 def new_run_id() -> str:

@@ -59,3 +59,19 @@ class ProcessTree:
     def kill(self) -> list[int]:
         """SIGKILL every live process of the tree."""
         return self.signal(signal.SIGKILL)
+
+
+TAG_VARIABLE = "ELASTRAIN_CHAOS_TAG"
+"""Set in every node's environment; workers inherit it, so a process that escaped every tree is still found."""
+
+
+def tagged_processes(tag: str) -> list[psutil.Process]:
+    """Live processes (not zombies, not this one) whose environment has ``ELASTRAIN_CHAOS_TAG=tag``."""
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(TAG_VARIABLE) == tag:
+                found.append(proc)
+    return found

@@ -8,7 +8,9 @@ from pathlib import Path
 
 
 class MetricsProgress:
-    """The highest global step in an elastrain ``metrics.jsonl``, read incrementally (cheap to poll)."""
+    """The highest global step in an elastrain ``metrics.jsonl`` or ``events.jsonl``, read incrementally
+    (cheap to poll): metrics points, ``checkpoint`` events and the step a ``start`` restored. (A step
+    whose requested save was followed at once by a restart is in a checkpoint but may have no point.)"""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -31,6 +33,14 @@ class MetricsProgress:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(record, dict) and record.get("kind") == "point" and isinstance(record.get("step"), int):
-                self.step = max(self.step, record["step"])
+            if not isinstance(record, dict):
+                continue
+            if record.get("kind") == "point" or record.get("event") == "checkpoint":
+                step = record.get("step")
+            elif record.get("event") == "start":
+                step = record.get("restored_step")
+            else:
+                continue
+            if isinstance(step, int):
+                self.step = max(self.step, step)
         return self.step

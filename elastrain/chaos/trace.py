@@ -8,8 +8,16 @@ A trace is a file (YAML or JSON)::
       - {at: 20, action: kill, node: 1}              # SIGKILL, no warning (AzureML low priority)
       - {at: 45, action: start, node: 1}             # the node comes back
       - {at: 60, action: term, node: 2, notice: 10}  # SIGTERM, then SIGKILL 10 s later (AWS/GCP notice)
+      - {at: 70, action: stop, node: 0}              # SIGSTOP of the whole node (a frozen VM) ...
+      - {at: 75, action: kill, node: 0}              # ... then SIGKILL (or `cont`: it wakes up)
+      - {at: 90, action: kill_all}                   # the whole job dies ...
+      - {at: 95, action: restart_all, nodes: [0, 1]} # ... and is started again with the same command
 
-Times are seconds after the harness started the first node. An event may also wait for training
+Times are seconds after the harness started the first node. ``gap: 5`` makes an event also wait
+5 s after the one before it fired (follow-ups such as the kill after a ``stop``). With
+``max_nodes: 3`` and ``nodes: 5`` the launcher's MAX is 3 and slots 3 and 4 are spares: they are
+down at the start (``start`` defaults to the first ``max_nodes`` slots) and ``start`` events bring
+them up beyond MAX. An event may also wait for training
 progress: ``{at: 0, after_step: 150, action: kill, node: 1}`` fires once the job has logged step 150
 (and ``at`` has passed), which makes a trace mean the same on fast and slow machines. Events fire
 in order: one that waits holds back those after it. :func:`random_trace` draws a seeded
@@ -36,6 +44,19 @@ class Action(str, enum.Enum):
     KILL = "kill"
     TERM = "term"
     START = "start"
+    STOP = "stop"
+    """SIGSTOP of every process of the node: frozen until a ``cont`` or a ``kill``."""
+    CONT = "cont"
+    """SIGCONT of a stopped node: it wakes up where it was."""
+    KILL_ALL = "kill_all"
+    """SIGKILL of every node that is up or stopped: the whole job is gone."""
+    RESTART_ALL = "restart_all"
+    """Start the listed ``nodes`` (all down) at once, with the same command: the whole job again."""
+
+
+GROUP_ACTIONS = frozenset({Action.KILL_ALL, Action.RESTART_ALL})
+ALL_NODES = -1
+"""``TraceEvent.node`` of the group actions, which name no single node."""
 
 
 @dataclass(frozen=True)
@@ -47,13 +68,23 @@ class TraceEvent:
     """For ``term``: seconds between SIGTERM and the SIGKILL of whatever is left."""
     after_step: int | None = None
     """Also wait until the job's progress (its highest logged step) reaches this step."""
+    gap_s: float = 0.0
+    """Also wait this long after the previous event fired."""
+    nodes: tuple[int, ...] = ()
+    """For ``restart_all``: the nodes to start."""
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"at": self.at, "action": self.action.value, "node": self.node}
+        out: dict[str, Any] = {"at": self.at, "action": self.action.value}
+        if self.action not in GROUP_ACTIONS:
+            out["node"] = self.node
+        if self.action is Action.RESTART_ALL:
+            out["nodes"] = list(self.nodes)
         if self.action is Action.TERM:
             out["notice"] = self.notice_s
         if self.after_step is not None:
             out["after_step"] = self.after_step
+        if self.gap_s:
+            out["gap"] = self.gap_s
         return out
 
 
@@ -62,79 +93,146 @@ class Trace:
     nodes: int
     events: tuple[TraceEvent, ...] = ()
     start: tuple[int, ...] = field(default=())
+    max_nodes: int | None = None
+    """The launcher's MAX (``--nnodes MIN:MAX``); slots beyond it are spares. ``None``: ``nodes``."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise TraceError(f"nodes must be at least 1, got {self.nodes}")
+        if self.max_nodes is not None and not 1 <= self.max_nodes <= self.nodes:
+            raise TraceError(f"max_nodes must be between 1 and nodes={self.nodes}, got {self.max_nodes}")
         if not self.start:
-            object.__setattr__(self, "start", tuple(range(self.nodes)))
-        # A stable sort: events at the same time (or waiting on steps) keep the file's order.
-        object.__setattr__(self, "events", tuple(sorted(self.events, key=lambda e: e.at)))
+            object.__setattr__(self, "start", tuple(range(self.launcher_max)))
+        # A stable sort: events at the same time keep the file's order, and one timed only by a gap or
+        # a step (no 'at') stays right after the event before it.
+        keys, last = [], 0.0
+        for e in self.events:
+            last = last if e.at == 0 and (e.gap_s or e.after_step is not None) else e.at
+            keys.append(last)
+        order = sorted(range(len(self.events)), key=keys.__getitem__)
+        object.__setattr__(self, "events", tuple(self.events[i] for i in order))
         validate(self)
+
+    @property
+    def launcher_max(self) -> int:
+        """The MAX of every node's ``--nnodes 1:MAX``."""
+        return self.max_nodes or self.nodes
 
     @property
     def duration_s(self) -> float:
         return self.events[-1].at if self.events else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"nodes": self.nodes, "start": list(self.start), "events": [e.to_dict() for e in self.events]}
+        out: dict[str, Any] = {"nodes": self.nodes}
+        if self.max_nodes is not None:
+            out["max_nodes"] = self.max_nodes
+        out.update(start=list(self.start), events=[e.to_dict() for e in self.events])
+        return out
 
     def min_alive(self) -> int:
-        """The fewest nodes up at any moment of the trace (notice windows count as up)."""
+        """The fewest nodes up at any moment of the trace (notice windows count as up, stopped nodes do not)."""
         up = set(self.start)
         lowest = len(up)
-        for e in self.events:
-            if e.action is Action.START:
-                up.add(e.node)
-            else:
-                up.discard(e.node)
-            lowest = min(lowest, len(up))
+        for state in _states(self):
+            lowest = min(lowest, sum(1 for s in state.values() if s == "up"))
         return lowest
 
 
+def _states(trace: Trace) -> list[dict[int, str]]:
+    """Each node's state (``up``, ``stopped`` or ``down``) after each event; raises TraceError on an impossible one."""
+    state = {n: "up" if n in trace.start else "down" for n in range(trace.nodes)}
+    out = []
+    for i, e in enumerate(trace.events):
+        where = f"events[{i}] (at {e.at}s)"
+        _check_event(trace, e, where)
+        if e.action is Action.KILL_ALL:
+            if all(s == "down" for s in state.values()):
+                raise TraceError(f"{where}: kill_all, but every node is down already")
+            state = dict.fromkeys(state, "down")
+        elif e.action is Action.RESTART_ALL:
+            for n in e.nodes:
+                if state[n] != "down":
+                    raise TraceError(f"{where}: restart_all lists node {n}, which is {state[n]}")
+                state[n] = "up"
+        else:
+            now = state[e.node]
+            if now not in _ALLOWED_FROM[e.action]:
+                allowed = " or ".join(sorted(_ALLOWED_FROM[e.action], reverse=True))
+                raise TraceError(f"{where}: node {e.node} is {now}, not {allowed}: {_FIX[e.action]}")
+            state[e.node] = _NEXT[e.action]
+        out.append(dict(state))
+    return out
+
+
+_ALLOWED_FROM = {
+    Action.START: {"down"},
+    Action.KILL: {"up", "stopped"},
+    Action.TERM: {"up"},
+    Action.STOP: {"up"},
+    Action.CONT: {"stopped"},
+}
+_NEXT = {Action.START: "up", Action.KILL: "down", Action.TERM: "down", Action.STOP: "stopped", Action.CONT: "up"}
+_FIX = {
+    Action.START: "it is already up: kill or term it before starting it again",
+    Action.KILL: "only a node that is up or stopped can be killed",
+    Action.TERM: "only a node that is up can be termed (kill a stopped node, or cont it first)",
+    Action.STOP: "only a node that is up can be stopped",
+    Action.CONT: "only a stopped node can be continued",
+}
+
+
+def _check_event(trace: Trace, e: TraceEvent, where: str) -> None:
+    if e.at < 0:
+        raise TraceError(f"{where}: 'at' must be >= 0 seconds")
+    if e.action in GROUP_ACTIONS:
+        if e.action is Action.RESTART_ALL and not e.nodes:
+            raise TraceError(f"{where}: restart_all needs 'nodes', the list of nodes to start")
+        bad = [n for n in e.nodes if not 0 <= n < trace.nodes]
+        if bad:
+            raise TraceError(f"{where}: nodes {bad} are outside 0..{trace.nodes - 1}")
+        if len(set(e.nodes)) != len(e.nodes):
+            raise TraceError(f"{where}: 'nodes' lists a node twice")
+    elif not 0 <= e.node < trace.nodes:
+        raise TraceError(f"{where}: node {e.node} is outside 0..{trace.nodes - 1}; raise 'nodes' or fix 'node'")
+    if e.notice_s < 0:
+        raise TraceError(f"{where}: 'notice' must be >= 0 seconds")
+    if e.gap_s < 0:
+        raise TraceError(f"{where}: 'gap' must be >= 0 seconds")
+    if e.after_step is not None and e.after_step < 0:
+        raise TraceError(f"{where}: 'after_step' must be >= 0")
+
+
 def validate(trace: Trace) -> None:
-    """Every node index in range, no kill of a node that is down, no start of a node that is up."""
+    """Every node index in range, and every event possible in the state the ones before left
+    (no kill of a node that is down, no start of a node that is up, no cont of a running one)."""
     for n in trace.start:
         if not 0 <= n < trace.nodes:
             raise TraceError(f"start: node {n} is outside 0..{trace.nodes - 1}")
-    up = set(trace.start)
-    for i, e in enumerate(trace.events):
-        where = f"events[{i}] (at {e.at}s)"
-        if e.at < 0:
-            raise TraceError(f"{where}: 'at' must be >= 0 seconds")
-        if not 0 <= e.node < trace.nodes:
-            raise TraceError(f"{where}: node {e.node} is outside 0..{trace.nodes - 1}; raise 'nodes' or fix 'node'")
-        if e.notice_s < 0:
-            raise TraceError(f"{where}: 'notice' must be >= 0 seconds")
-        if e.after_step is not None and e.after_step < 0:
-            raise TraceError(f"{where}: 'after_step' must be >= 0")
-        if e.action is Action.START:
-            if e.node in up:
-                raise TraceError(f"{where}: node {e.node} is already up; kill or term it before starting it again")
-            up.add(e.node)
-        else:
-            if e.node not in up:
-                raise TraceError(f"{where}: node {e.node} is not up; it cannot be {e.action.value}ed")
-            up.discard(e.node)
+    _states(trace)
 
 
 def _event(raw: Mapping[str, Any], index: int) -> TraceEvent:
     try:
         action = Action(str(raw["action"]).lower())
         after = raw.get("after_step")
+        gap = float(raw.get("gap", 0.0))
+        timed_otherwise = after is not None or gap > 0
         return TraceEvent(
-            at=float(raw["at"] if after is None else raw.get("at", 0.0)),
+            at=float(raw.get("at", 0.0) if timed_otherwise else raw["at"]),
             action=action,
-            node=int(raw["node"]),
+            node=ALL_NODES if action in GROUP_ACTIONS else int(raw["node"]),
             notice_s=float(raw.get("notice", 0.0)),
             after_step=None if after is None else int(after),
+            gap_s=gap,
+            nodes=tuple(int(n) for n in raw.get("nodes") or ()),
         )
     except KeyError as exc:
         raise TraceError(
-            f"events[{index}]: missing key {exc.args[0]!r} (each event needs action, node, and at or after_step)"
+            f"events[{index}]: missing key {exc.args[0]!r} (each event needs action, node, and at, gap or after_step)"
         ) from None
-    except ValueError as exc:
-        raise TraceError(f"events[{index}]: {exc} (action is one of kill, term, start)") from None
+    except (ValueError, TypeError) as exc:
+        choices = ", ".join(a.value for a in Action)
+        raise TraceError(f"events[{index}]: {exc} (action is one of {choices})") from None
 
 
 def trace_from_dict(data: Mapping[str, Any]) -> Trace:
@@ -143,10 +241,12 @@ def trace_from_dict(data: Mapping[str, Any]) -> Trace:
     events = data.get("events") or []
     if not isinstance(events, list):
         raise TraceError("'events' must be a list of {at, action, node} mappings")
+    max_nodes = data.get("max_nodes")
     return Trace(
         nodes=int(data["nodes"]),
         events=tuple(_event(e, i) for i, e in enumerate(events)),
         start=tuple(int(n) for n in data.get("start") or ()),
+        max_nodes=None if max_nodes is None else int(max_nodes),
     )
 
 

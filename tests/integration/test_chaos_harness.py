@@ -7,7 +7,10 @@ it with real elastrain-run agents.
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import subprocess
 import sys
 import time
 
@@ -16,6 +19,7 @@ import pytest
 from support import PYTHON, REPO, free_port, run
 
 from elastrain.chaos.harness import ChaosHarness
+from elastrain.chaos.procs import TAG_VARIABLE
 from elastrain.chaos.trace import trace_from_dict
 
 FAKE_NODE = r"""
@@ -129,3 +133,98 @@ def test_cli_runs_a_script_as_local_elastrain_nodes(tmp_path):
     timeline = json.loads((out / "timeline.json").read_text())
     assert [e["action"] for e in timeline["events"]][:3] == ["start", "host_ready", "start"]
     assert timeline["result"] == {**timeline["result"], "succeeded": True, "leftover_pids": []}
+
+
+CHURN_NODE = r"""
+import os, sys, time
+node, until, pid_dir = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+if node == 2:
+    sys.exit(3)
+while time.time() < until:
+    with open(os.path.join(pid_dir, f"{node}-{os.getpid()}"), "a") as f:
+        f.write(f"{time.time()}\n")
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.slow
+def test_stop_cont_kill_all_restart_all_gap_and_escapees(tmp_path):
+    script = tmp_path / "churn_node.py"
+    script.write_text(CHURN_NODE)
+    pid_dir = tmp_path / "beats"
+    pid_dir.mkdir()
+    trace = trace_from_dict(
+        {
+            "nodes": 3,
+            "max_nodes": 2,
+            "events": [
+                {"at": 0.5, "action": "stop", "node": 1},
+                {"gap": 1.0, "action": "cont", "node": 1},
+                {"gap": 0.5, "action": "start", "node": 2},
+                {"gap": 0.5, "action": "kill_all"},
+                {"gap": 1.0, "action": "restart_all", "nodes": [0, 1]},
+            ],
+        }
+    )
+    until = time.time() + 6.0
+
+    def node_command(i: int) -> list[str]:
+        return [sys.executable, str(script), str(i), str(until), str(pid_dir)]
+
+    harness = ChaosHarness(trace, node_command, tmp_path / "out", poll_s=0.05, drain_s=10)
+    # A process of this run that no node's tree ever saw (re-parented before it was): only the tag finds it.
+    stray = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"], env={**os.environ, TAG_VARIABLE: harness.tag}
+    )
+    try:
+        result = harness.run(timeout_s=60)
+    finally:
+        stray.kill()
+        stray.wait(timeout=10)
+
+    fired = [e["t"] for e in result.timeline if e["action"] == "fired"]
+    gaps = [b - a for a, b in itertools.pairwise(fired)]
+    assert fired[0] >= 0.5 and all(g >= want for g, want in zip(gaps, [1.0, 0.5, 0.5, 1.0], strict=True)), fired
+    t = {e["action"]: e["t"] for e in result.timeline if e["action"] in ("stop", "cont", "kill_all", "restart_all")}
+    # Node 1 wrote no heartbeat while it was stopped, and again after the cont.
+    beats = sorted(float(x) for p in pid_dir.glob("1-*") for x in p.read_text().split())
+    wall0 = json.loads((tmp_path / "out" / "timeline.json").read_text())["started_at"]
+    frozen = [b - wall0 for b in beats if t["stop"] + 0.2 < b - wall0 < t["cont"] - 0.05]
+    assert not frozen, frozen
+    assert any(t["cont"] < b - wall0 < t["kill_all"] for b in beats)
+    starts = [e["node"] for e in result.timeline if e["action"] == "start"]
+    assert starts == [0, 1, 2, 0, 1]
+    assert result.succeeded is False  # node 2 exited 3 on its own
+    assert [e["pid"] for e in result.escaped] == [stray.pid] and "sleep(600)" in result.escaped[0]["cmdline"]
+    assert stray.returncode == -9, "the harness killed it"
+
+
+def test_a_job_that_makes_no_progress_is_ended_as_stalled(tmp_path):
+    trace = trace_from_dict({"nodes": 1, "events": [{"after_step": 5, "action": "kill", "node": 0}]})
+    node = [sys.executable, "-c", "import time; time.sleep(60)"]
+    harness = ChaosHarness(trace, lambda _: node, tmp_path / "out", poll_s=0.05, progress=lambda: 2)
+    result = harness.run(timeout_s=30, stall_s=1.0)
+    assert result.timed_out and not result.succeeded and result.elapsed_s < 10
+    (stalled,) = [e for e in result.timeline if e["action"] == "stalled"]
+    assert stalled["at_step"] == 2 and stalled["stalled_s"] >= 1.0
+    assert result.leftover_pids, "the node still running at the end was killed"
+
+
+def test_a_start_waits_for_a_node_still_in_its_notice_window(tmp_path):
+    trace = trace_from_dict(
+        {
+            "nodes": 2,
+            "events": [
+                {"at": 0.5, "action": "term", "node": 1, "notice": 1.5},
+                {"gap": 0.2, "action": "start", "node": 1},
+            ],
+        }
+    )
+    ignore_term = "import signal, time; signal.signal(signal.SIGTERM, lambda *_: None); time.sleep(4)"
+    harness = ChaosHarness(trace, lambda _: [sys.executable, "-c", ignore_term], tmp_path / "out", poll_s=0.05)
+    result = harness.run(timeout_s=30)
+    actions = [(e["action"], e.get("node")) for e in result.timeline]
+    assert ("skip", 1) not in actions
+    t = {(e["action"], e.get("node")): e["t"] for e in result.timeline}
+    restart = [e["t"] for e in result.timeline if e["action"] == "start" and e["node"] == 1][1]
+    assert t[("notice_expired", 1)] <= restart, "the start waited until the termed node was gone"

@@ -7,6 +7,7 @@ import json
 import pytest
 import yaml
 
+from elastrain.chaos.churn import ChurnConfig, churn_trace, coverage
 from elastrain.chaos.cli import main as chaos_main
 from elastrain.chaos.trace import Action, Trace, TraceEvent, load_trace, random_trace, trace_from_dict
 from elastrain.errors import TraceError
@@ -102,3 +103,118 @@ def test_cli_rejects_nodes_that_disagree_with_the_trace(tmp_path, capsys):
 
 def test_trace_defaults_to_all_nodes_up():
     assert Trace(nodes=2).start == (0, 1)
+
+
+CHURN_YAML = """
+nodes: 5
+max_nodes: 3
+events:
+  - {after_step: 10, gap: 2, action: stop, node: 0}
+  - {gap: 4, action: kill, node: 0}
+  - {after_step: 20, action: start, node: 3}
+  - {after_step: 30, action: stop, node: 1}
+  - {gap: 3, action: cont, node: 1}
+  - {after_step: 40, action: kill_all}
+  - {gap: 2, action: restart_all, nodes: [1, 2, 3]}
+"""
+
+
+def test_stop_cont_kill_all_restart_all_and_spares_round_trip():
+    t = trace_from_dict(yaml.safe_load(CHURN_YAML))
+    assert t.start == (0, 1, 2), "slots beyond max_nodes are spares, down at the start"
+    assert t.launcher_max == 3 and t.nodes == 5
+    assert [e.action for e in t.events] == [Action.STOP, Action.KILL, Action.START, Action.STOP, Action.CONT,
+                                            Action.KILL_ALL, Action.RESTART_ALL]  # fmt: skip
+    assert t.events[1] == TraceEvent(0.0, Action.KILL, 0, gap_s=4.0)
+    assert t.events[-1].nodes == (1, 2, 3)
+    assert trace_from_dict(t.to_dict()) == t
+    assert "node" not in t.to_dict()["events"][5]
+    assert t.min_alive() == 0  # between kill_all and restart_all
+
+
+@pytest.mark.parametrize(
+    ("events", "message"),
+    [
+        ([{"at": 1, "action": "cont", "node": 1}], "is up, not stopped"),
+        ([{"at": 1, "action": "stop", "node": 1}, {"at": 2, "action": "term", "node": 1}], "kill a stopped node"),
+        ([{"at": 1, "action": "stop", "node": 1}, {"at": 2, "action": "start", "node": 1}], "is stopped, not down"),
+        ([{"at": 1, "action": "kill_all"}, {"at": 2, "action": "kill_all"}], "every node is down already"),
+        ([{"at": 1, "action": "kill_all"}, {"at": 2, "action": "restart_all"}], "needs 'nodes'"),
+        ([{"at": 1, "action": "restart_all", "nodes": [1]}], "lists node 1, which is up"),
+        ([{"at": 1, "action": "kill_all"}, {"at": 2, "action": "restart_all", "nodes": [0, 0]}], "twice"),
+        ([{"at": 1, "action": "kill_all"}, {"at": 2, "action": "restart_all", "nodes": [7]}], "outside 0..1"),
+        ([{"at": 1, "gap": -1, "action": "kill", "node": 1}], "'gap' must be >= 0"),
+    ],
+)
+def test_bad_churn_events_name_the_problem(events, message):
+    with pytest.raises(TraceError, match=message):
+        trace_from_dict({"nodes": 2, "events": events})
+
+
+def test_max_nodes_must_fit_the_slots():
+    with pytest.raises(TraceError, match="max_nodes"):
+        trace_from_dict({"nodes": 2, "max_nodes": 3})
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_churn_trace_is_seeded_exact_and_never_strands_the_job(seed):
+    cfg = ChurnConfig(events=30, max_nodes=3, spares=2, first_step=5, last_step=95)
+    t = churn_trace(seed, cfg)
+    assert t == churn_trace(seed, cfg) and trace_from_dict(t.to_dict()) == t
+    assert len(t.events) == 30 and t.nodes == 5 and t.launcher_max == 3 and t.start == (0, 1, 2)
+    milestones = [e.after_step for e in t.events if e.after_step is not None]
+    assert milestones == sorted(milestones) and milestones[0] == 5 and milestones[-1] <= 95
+    ups = []
+    up, stopped = set(t.start), set()
+    for i, e in enumerate(t.events):
+        # Follow-ups wait only a gap: nothing may train while the job is down or a member is frozen.
+        follow_up = i > 0 and t.events[i - 1].action in (Action.STOP, Action.KILL_ALL)
+        assert (e.after_step is None) == follow_up, (i, e)
+        if e.action is Action.KILL_ALL:
+            up, stopped = set(), set()
+        elif e.action is Action.RESTART_ALL:
+            up |= set(e.nodes)
+        elif e.action is Action.START or e.action is Action.CONT:
+            up.add(e.node)
+            stopped.discard(e.node)
+        elif e.action is Action.STOP:
+            up.discard(e.node)
+            stopped.add(e.node)
+        else:
+            up.discard(e.node)
+            stopped.discard(e.node)
+        if e.action is not Action.KILL_ALL and not stopped:
+            ups.append(len(up))
+    assert min(ups) >= 1, "only a kill_all (with its restart_all next) takes every node down"
+    assert not stopped, "no node is left frozen at the end"
+
+
+def test_ci_churn_seed_covers_every_kind_of_event():
+    """The seed tests/e2e/test_soak.py runs: every action, a spare, the store host down, a return."""
+    c = coverage(churn_trace(20, ChurnConfig(events=10)))
+    needed = {"kill", "term", "stop", "cont", "start", "kill_all", "restart_all", "spare", "store_host_down", "return"}
+    assert needed <= set(c), c
+
+
+def test_churn_config_is_checked():
+    with pytest.raises(TraceError, match="events"):
+        ChurnConfig(events=0)
+    with pytest.raises(TraceError, match="2 node slots"):
+        ChurnConfig(max_nodes=1, spares=0)
+    with pytest.raises(TraceError, match="first_step"):
+        ChurnConfig(first_step=10, last_step=5)
+
+
+def test_events_timed_by_a_gap_or_a_step_stay_after_the_one_before():
+    t = trace_from_dict(
+        {
+            "nodes": 2,
+            "events": [
+                {"at": 5, "action": "stop", "node": 1},
+                {"gap": 2, "action": "cont", "node": 1},
+                {"at": 1, "action": "kill", "node": 0},
+                {"after_step": 9, "action": "start", "node": 0},
+            ],
+        }
+    )
+    assert [e.action for e in t.events] == [Action.KILL, Action.START, Action.STOP, Action.CONT]
