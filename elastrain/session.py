@@ -308,6 +308,8 @@ class Session:
                 world_size=self.world_size,
                 start_reason=self.env.start_reason.value,
                 restart_count=self.env.restart_count,
+                round=self.env.round,
+                generation=self.env.generation,
                 restored_step=self.restored.step if self.restored else None,
                 checkpoint=self.restored.path if self.restored else None,
                 samples_seen=self.state.samples_seen,

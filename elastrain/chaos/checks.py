@@ -369,11 +369,19 @@ def refounded(spans: Sequence[Segment], timeline: Mapping[str, Any]) -> list[str
     return out
 
 
+def _marker_generation(marker: Any) -> int | None:
+    """The fencing generation a commit marker carries (its own field; ``extra`` in older drafts)."""
+    g = getattr(marker, "generation", None)
+    if g is None:
+        g = getattr(marker, "extra", {}).get("generation")
+    return g if isinstance(g, int) else None
+
+
 def check_checkpoints(root: str, expect: Expectation | None = None) -> Check:
     """Every committed step directory verifies against its marker (lengths, CRC-32), its DCP metadata
     names only files that exist, every rank's sidecar is there, and the train state inside is the
     step the folder names (with that step's ``samples_seen``). Where markers carry a fencing
-    ``generation`` (in ``extra``), a later step never has an older one."""
+    ``generation``, a later step never has an older one."""
     from elastrain.checkpoint import layout
     from elastrain.checkpoint.dcp_io import metadata_problems, read_metadata
     from elastrain.checkpoint.storage import storage_for
@@ -405,7 +413,7 @@ def check_checkpoints(root: str, expect: Expectation | None = None) -> Check:
             check.violations.append(
                 f"{d.path}: samples_seen {state.get('samples_seen')}, want {expect.samples_after(d.step)}"
             )
-    fenced = [(m.step, m.extra["generation"]) for m in markers if isinstance(m.extra.get("generation"), int)]
+    fenced = [(m.step, g) for m in markers if isinstance(g := _marker_generation(m), int)]
     for (s0, g0), (s1, g1) in itertools.pairwise(fenced):
         if g1 < g0:
             check.violations.append(f"step {s1} was committed by generation {g1}, after step {s0} by generation {g0}")
