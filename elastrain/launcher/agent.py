@@ -24,6 +24,7 @@ import time
 from types import FrameType
 from typing import Any
 
+from torch.distributed import DistError
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
@@ -35,6 +36,9 @@ from elastrain.launcher import zygote
 from elastrain.launcher.options import ElastrainOptions
 from elastrain.log import lifecycle
 from elastrain.rendezvous.state import Change, ChangeKind
+
+# How many rounds in a row may lose a member before it shared its worker info (each bounded by timeouts).
+RENDEZVOUS_ATTEMPTS = 20
 
 # A SIGTERM (pod deletion, spot notice by signal) leaves within this many seconds at most.
 SIGTERM_LEAVE_DEADLINE_S = 25.0
@@ -209,7 +213,26 @@ class ElastrainAgent(LocalElasticAgent):
             time.sleep(0.05)
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        super()._rendezvous(worker_group)
+        for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+            try:
+                super()._rendezvous(worker_group)
+                break
+            except DistError as exc:
+                # torch's rank assignment waits (store timeout) for every member's worker info: a member that
+                # froze or died right after the round formed never writes it. Form the next round without it
+                # rather than end this node (it is evicted by its heartbeat meanwhile).
+                if attempt == RENDEZVOUS_ATTEMPTS:
+                    raise
+                lifecycle(
+                    "rendezvous_incomplete",
+                    level=logging.WARNING,
+                    attempt=attempt,
+                    error=repr(exc)[:200],
+                    why="a member of the new round did not share its worker info in time; forming the next round",
+                )
+                probe = getattr(worker_group.spec.rdzv_handler, "probe_peers", None)
+                if callable(probe):
+                    probe()
         spec = worker_group.spec
         world_size = worker_group.workers[0].world_size if worker_group.workers else 0
         reason = start_reason(self._previous_world_size, world_size, self._worker_failed)

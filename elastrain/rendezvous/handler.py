@@ -749,14 +749,16 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             out = op()
         except STORE_ERRORS as exc:
             now = time.monotonic()
-            if self._store_failing_since is None:
-                self._store_failing_since = now
+            # The main and heartbeat threads both get here: read the shared field once.
+            since = self._store_failing_since
+            if since is None:
+                since = self._store_failing_since = now
             if self._failover(exc):
                 self._store_failing_since = None
                 raise _StoreSwitched() from exc
-            if now - self._store_failing_since >= self._settings.store_lost_timeout_s:
+            if now - since >= self._settings.store_lost_timeout_s:
                 raise RendezvousStoreLostError(
-                    f"the rendezvous store stopped answering for {now - self._store_failing_since:.1f}s ({exc})"
+                    f"the rendezvous store stopped answering for {now - since:.1f}s ({exc})"
                     + (f"; {self._on_store_lost}" if self._on_store_lost else "")
                 ) from exc
             raise
