@@ -52,6 +52,10 @@ def _fields(line: str) -> dict[str, str]:
     return dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
 
 
+class SplitBrain(AssertionError):
+    """Two worlds of the job trained side by side, or a cut-off minority formed its own world."""
+
+
 @dataclass(frozen=True)
 class Step:
     node: int
@@ -119,9 +123,15 @@ class Node:
         out = [parse_event_line(line) for line in self.text().splitlines()]
         return [e for e in out if e is not None and (name is None or e.get("event") == name)]
 
-    def worker_pids(self) -> list[int]:
-        """Every worker this agent ever started (from its ``workers_started`` events)."""
-        return [int(p) for e in self.events("workers_started") for p in e.get("pids", "").split(",") if p]
+    def worker_pids(self, start: float = 0.0, end: float = float("inf")) -> list[int]:
+        """The workers this agent started between ``start`` and ``end`` (its ``workers_started`` events)."""
+        return [
+            int(p)
+            for e in self.events("workers_started")
+            if start <= float(e["t"]) < end
+            for p in e.get("pids", "").split(",")
+            if p
+        ]
 
     def trains_at(self, ws: int, after: float) -> bool:
         return any(s.ws == ws and s.t > after for s in self.steps())
@@ -140,10 +150,28 @@ class Scenario:
             if i == 0:
                 time.sleep(0.5)  # the store host first, as a launcher would
         self.marks: list[tuple[float, str]] = []
+        self.cut_off: dict[int, float] = {}
+        """Nodes cut off from the majority, and since when: they must complete no round meanwhile."""
 
     def mark(self, what: str) -> float:
         t = time.time()
         self.marks.append((t, what))
+        return t
+
+    def isolate(self, i: int) -> float:
+        """Cut node ``i`` off from the others; returns the time of the cut."""
+        self.net.isolate(i)
+        t = self.mark(f"node{i} cut off")
+        self.cut_off[i] = t
+        return t
+
+    def heal(self) -> float:
+        """Heal every cut; returns the time of the heal (after checking the cut-off nodes formed no round)."""
+        t = self.mark("healed")
+        for i, since in self.cut_off.items():
+            self.check_no_round_alone(i, since, t)
+        self.cut_off.clear()
+        self.net.heal()
         return t
 
     def steps(self) -> list[Step]:
@@ -178,12 +206,22 @@ class Scenario:
             lines.extend("  | " + ln[:300] for ln in tail)
         return "\n".join(lines)
 
-    def fail(self, what: str) -> AssertionError:
-        return AssertionError(f"{what}\n{self.report()}")
+    def fail(self, what: str, kind: type[AssertionError] = AssertionError) -> AssertionError:
+        return kind(f"{what}\n{self.report()}")
 
     def wait(self, predicate: Callable[[], bool], what: str, timeout: float = BOUND) -> None:
+        """Until ``predicate``; fails at once (not at the timeout) if two worlds train side by side."""
+
+        def check_then(predicate: Callable[[], bool] = predicate) -> bool:
+            self.check_one_world_at_a_time()
+            for i, since in self.cut_off.items():
+                self.check_no_round_alone(i, since, time.time())
+            return predicate()
+
         try:
-            wait_for(predicate, timeout, 0.2, what)
+            wait_for(check_then, timeout, 0.2, what)
+        except SplitBrain:
+            raise
         except AssertionError:
             raise self.fail(f"timed out after {timeout:.0f}s waiting for: {what}") from None
 
@@ -208,7 +246,8 @@ class Scenario:
                 if b0 < a1 and a0 < b1:
                     raise self.fail(
                         f"split brain: world {wa} (nodes {sorted(na)}) and world {wb} (nodes {sorted(nb)}) "
-                        f"trained at the same time, {max(a0, b0) - self.t0:.1f}s..{min(a1, b1) - self.t0:.1f}s"
+                        f"trained at the same time, {max(a0, b0) - self.t0:.1f}s..{min(a1, b1) - self.t0:.1f}s",
+                        SplitBrain,
                     )
 
     def check_no_world_without(self, required: set[int], start: float, end: float, what: str) -> None:
@@ -222,17 +261,31 @@ class Scenario:
                 )
 
     def wait_workers_stopped(self, i: int, cut: float) -> None:
-        """Node ``i``'s workers started before ``cut`` are gone within STOP_BOUND of it, and it stopped stepping."""
-        pids = self.nodes[i].worker_pids()
-        if not pids:
-            raise self.fail(f"node{i} never logged workers_started")
+        """Node ``i``'s workers of before the ``cut`` are gone within STOP_BOUND of it, none started since."""
+        node = self.nodes[i]
+        before = node.worker_pids(end=cut)
+        if not before:
+            raise self.fail(f"node{i} never logged workers_started before the cut")
         try:
-            wait_for(lambda: not alive(pids), STOP_BOUND - (time.time() - cut), 0.2, "workers to stop")
+            wait_for(lambda: not alive(before), STOP_BOUND - (time.time() - cut), 0.2, "workers to stop")
         except AssertionError:
             raise self.fail(
-                f"node{i} was cut off but its workers {alive(pids)} still ran {STOP_BOUND:.0f}s after the cut "
+                f"node{i} was cut off but its workers {alive(before)} still ran {STOP_BOUND:.0f}s after the cut "
                 f"(heartbeat timeout {HEARTBEAT_TIMEOUT_S}s): its agent did not stop them"
             ) from None
+        self.check_no_round_alone(i, cut, time.time())
+
+    def check_no_round_alone(self, i: int, start: float, end: float) -> None:
+        """Node ``i``, cut off from the majority, completed no rendezvous round between ``start`` and ``end``."""
+        rounds = [e for e in self.nodes[i].events("rendezvous_done") if start < float(e["t"]) < end]
+        if rounds:
+            e = rounds[0]
+            raise self.fail(
+                f"node{i} was cut off but completed round {e.get('round')} with nodes={e.get('nodes')} "
+                f"(world size {e.get('world_size')}, master {e.get('master')}) at {float(e['t']) - self.t0:.1f}s: "
+                "a world of its own",
+                SplitBrain,
+            )
 
     def finish(self) -> None:
         """Stop the job through the stop file; every agent must exit 0."""
@@ -347,13 +400,11 @@ def test_minority_node_cut_off_stops_and_rejoins(scenario: Callable[[int], Scena
     sc = scenario(3)
     sc.wait_world([0, 1, 2], sc.t0, "all three nodes train in one world")
 
-    cut = sc.mark("node2 cut off")
-    sc.net.isolate(2)
+    cut = sc.isolate(2)
     sc.wait_world([0, 1], cut, "the majority {0,1} trains on at world size 2")
     sc.wait_workers_stopped(2, cut)
-    healed_at = sc.mark("healed")
-    sc.check_no_world_without({0, 1}, cut, healed_at, "the cut-off node 2 formed a world of its own")
-    sc.net.heal()
+    healed_at = sc.heal()
+    sc.check_no_world_without({0, 1}, cut, healed_at, "the cut-off node 2 trained in a world of its own")
 
     sc.wait_world([0, 1, 2], healed_at, "node 2 rejoins: all three train in one world again")
     sc.check_one_world_at_a_time()
@@ -366,13 +417,11 @@ def test_store_host_cut_off_fails_over_and_rejoins(scenario: Callable[[int], Sce
     sc = scenario(3)
     sc.wait_world([0, 1, 2], sc.t0, "all three nodes train in one world")
 
-    cut = sc.mark("node0 (store host) cut off")
-    sc.net.isolate(0)
+    cut = sc.isolate(0)  # the store host
     sc.wait_world([1, 2], cut, "{1,2} fail over and train on at world size 2")
     sc.wait_workers_stopped(0, cut)
-    healed_at = sc.mark("healed")
-    sc.check_no_world_without({1, 2}, cut, healed_at, "the cut-off store host formed a world of its own")
-    sc.net.heal()
+    healed_at = sc.heal()
+    sc.check_no_world_without({1, 2}, cut, healed_at, "the cut-off store host trained in a world of its own")
 
     sc.wait_world([0, 1, 2], healed_at, "node 0 rejoins the running job: all three train in one world")
     sc.check_one_world_at_a_time()
@@ -389,14 +438,15 @@ def test_even_split_trains_on_at_most_one_side(scenario: Callable[[int], Scenari
     sc.net.partition([0, 1], [2, 3])
     time.sleep(SETTLE_S)  # watch: either side may train on, or neither; never both
     healed_at = sc.mark("healed")
+    sc.net.heal()
     sc.check_one_world_at_a_time()
-    during = [s for s in sc.steps() if cut < s.t < healed_at]
+    worlds = sc.worlds()  # worlds formed after the cut (a step of the old world may land just after it)
+    during = [s for s in sc.steps() if cut < s.t < healed_at and worlds[s.world][0] > cut]
     trained = [side for side in ({0, 1}, {2, 3}) if any(s.node in side for s in during)]
     if len(trained) > 1:
         raise sc.fail("split brain: both sides of the 2|2 split trained while it lasted")
     if trained:
         sc.check_no_world_without(trained[0], cut, healed_at, "a mixed world across the split")
-    sc.net.heal()
 
     sc.wait_world([0, 1, 2, 3], healed_at, "after the heal all four train in one world")
     sc.check_one_world_at_a_time()
