@@ -34,6 +34,7 @@ from elastrain.errors import NodeLeftError
 from elastrain.launcher import zygote
 from elastrain.launcher.options import ElastrainOptions
 from elastrain.log import lifecycle
+from elastrain.rendezvous.state import Change, ChangeKind
 
 # A SIGTERM (pod deletion, spot notice by signal) leaves within this many seconds at most.
 SIGTERM_LEAVE_DEADLINE_S = 25.0
@@ -51,12 +52,12 @@ def _handler_round(handler: Any, fallback: int) -> int:
     return value if isinstance(value, int) else fallback
 
 
-def _membership_change(handler: Any) -> str | None:
+def _membership_change(handler: Any) -> Change | None:
     probe = getattr(handler, "membership_change", None)
     if not callable(probe):
         return None
     change = probe()
-    return change if isinstance(change, str) else None
+    return change if isinstance(change, Change) else None
 
 
 class ElastrainAgent(LocalElasticAgent):
@@ -168,7 +169,7 @@ class ElastrainAgent(LocalElasticAgent):
             change = self._wait_for_membership_change(handler)
             if change is not None:
                 # A peer died, left or was evicted: our workers' collective broke because of it.
-                lifecycle("membership_changed", level=logging.WARNING, cause=change, workers="failed")
+                lifecycle("membership_changed", level=logging.WARNING, cause=str(change), workers="failed")
                 self._worker_failed = False
                 return RunResult(state=WorkerState.HEALTHY)
             self._worker_failed = True
@@ -176,8 +177,10 @@ class ElastrainAgent(LocalElasticAgent):
         if result.state is WorkerState.HEALTHY:
             change = _membership_change(handler)
             if change is not None:
-                lifecycle("membership_changed", cause=change, workers="healthy")
-                if change.startswith("waiting"):
+                lifecycle("membership_changed", cause=str(change), kind=change.kind.value, workers="healthy")
+                if change.kind is ChangeKind.SCALE_UP:
+                    # torch's loop restarts the workers right after this tick (num_nodes_waiting gives the
+                    # same decision), so the save answers before any restart: no step is dropped.
                     self._checkpoint_before_change(f"scale-up: {change}", self._options.save_timeout_s)
         return result
 
@@ -186,7 +189,7 @@ class ElastrainAgent(LocalElasticAgent):
         if isinstance(fatal, BaseException):
             raise fatal
 
-    def _wait_for_membership_change(self, handler: Any) -> str | None:
+    def _wait_for_membership_change(self, handler: Any) -> Change | None:
         """After a worker failure, wait (bounded) to learn whether a peer's departure caused it."""
         grace = getattr(handler, "membership_grace_s", None)
         if not isinstance(grace, float):
@@ -223,6 +226,7 @@ class ElastrainAgent(LocalElasticAgent):
             checkpoint_dir=self._options.checkpoint_dir,
             control_dir=str(self.control.directory),
             collective_timeout_s=self._options.collective_timeout_s,
+            generation=getattr(spec.rdzv_handler, "generation", None),
         )
         old = self._previous_world_size
         lifecycle(

@@ -12,7 +12,7 @@ from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.metrics.api import MetricsConfig
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
@@ -22,6 +22,7 @@ from elastrain.launcher.agent import ElastrainAgent
 from elastrain.launcher.options import ElastrainOptions
 from elastrain.log import lifecycle
 from elastrain.preemption import start_monitor
+from elastrain.rendezvous.state import Departure
 
 
 def launch(
@@ -41,6 +42,16 @@ def launch(
         local_addr=config.local_addr,
         **config.rdzv_configs,
     )
+    if options.checkpoint_dir and params.get("checkpoint_root", None) is None:
+        # The fencing generation lives in the checkpoint root: at most one world of the job commits there.
+        params.config["checkpoint_root"] = options.checkpoint_dir
+    elif not options.checkpoint_dir and config.max_nodes > 1:
+        lifecycle(
+            "fencing_off",
+            level=logging.WARNING,
+            why="no --checkpoint-dir: nothing fences a second world of this job after a partition or a store "
+            "host's death (c10d); give a shared --checkpoint-dir, or use --rdzv-backend etcd-v3",
+        )
     master_addr, master_port = _get_addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     lifecycle(
@@ -87,12 +98,21 @@ def launch(
         result = agent.run()
         events.record(agent.get_event_succeeded(), config.event_log_handler)
         if result.is_failed():
-            lifecycle("job_failed", failed_ranks=",".join(str(r) for r in sorted(result.failures)))
+            # This node's own failure: it leaves the job, the others go on (only a finished job closes it).
+            shutdown_rdzv = False
+            ranks = ",".join(str(r) for r in sorted(result.failures))
+            lifecycle("node_failed", level=logging.ERROR, failed_ranks=ranks, max_restarts=config.max_restarts)
+            _leave(spec.rdzv_handler, f"workers failed past --max-restarts {config.max_restarts}")
             raise ChildFailedError(name=entrypoint_name, failures=result.failures)
         lifecycle("job_succeeded")
         return dict(result.return_values)
     except ChildFailedError:
         raise
+    except RendezvousClosedError:
+        # The job finished on the other nodes while this one waited (a spare, a late joiner).
+        shutdown_rdzv = False
+        lifecycle("job_finished_elsewhere")
+        return {}
     except NodeLeftError as exc:
         # A graceful leave: the others go on without us; the rendezvous stays open.
         shutdown_rdzv = False
@@ -115,3 +135,12 @@ def launch(
     finally:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
+
+
+def _leave(handler: Any, reason: str) -> None:
+    """Announce this node's departure as a failure, where the handler can (elastrain's handlers)."""
+    leave = getattr(handler, "leave", None)
+    if callable(leave):
+        leave(reason, Departure.FAILED)
+    else:
+        lifecycle("leave_unannounced", level=logging.WARNING, why="the rendezvous handler cannot announce a leave")

@@ -4,8 +4,16 @@ Faster than torch's dynamic handler where membership changes: sub-second heartbe
 runs from the first join until shutdown (independent of rounds, so a node never evicts itself), a round
 that completes as soon as every live member re-joined, graceful leave, and ``num_nodes_waiting`` that
 also counts departed members, so torch's own monitor loop restarts survivors without using a restart.
-Each round gets its own store prefix and its own worker store (MASTER_PORT picked by the rank-0 node),
-never the agent's shared store (pytorch#135712).
+Nodes that arrive while the round is full wait as hot spares (``event=standby``) and take a departed
+member's place in the next round. Each round gets its own store prefix and its own worker store
+(MASTER_PORT picked by the rank-0 node), never the agent's shared store (pytorch#135712).
+
+With a checkpoint root (``elastrain-run --checkpoint-dir``), every round's leader claims the job's next
+fencing generation there before any worker starts (:mod:`elastrain.checkpoint.fence`): a world that
+loses the claim (the other side of a partition, a store founded again at the original endpoint) stops
+and joins the winner's store, and a world that finds a newer claim while it runs stops its workers.
+Liveness (probes, the node's own stall) lives in :mod:`elastrain.rendezvous.liveness`; moving the c10d
+store to a successor lives with the c10d backend (:mod:`elastrain.rendezvous.c10d`).
 
 Options (``--rdzv-conf key=value``), in seconds:
 
@@ -15,13 +23,20 @@ Options (``--rdzv-conf key=value``), in seconds:
   merely CPU-starved, as seen with 1.25 s on a loaded 2-core machine);
 * ``last_call_timeout`` (30, as torch): how long a job's *first* round waits for more than
   ``min_nodes``; later rounds never wait for it;
-* ``join_timeout`` (600) and ``store_lost_timeout`` (3): how long the store may fail before giving up.
+* ``join_timeout`` (600): how long a node waits for a round while no round of the job is running
+  (a spare waits as long as the job runs);
+* ``store_lost_timeout`` (3): how long the store may fail before giving up;
+* ``scale_up_window`` (1): a running round waits this long after it first sees a newcomer before it
+  re-forms, so that nodes arriving together join in one round;
+* ``claim_grace`` (2 x heartbeat_timeout): how long a round that holds no majority of the previous
+  round's voters waits before it claims the next generation (a majority side claims first).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -31,8 +46,10 @@ from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
 from torch._C._distributed_c10d import PrefixStore, Store
+from torch.distributed import DistError
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -41,11 +58,22 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
-from elastrain.errors import NodeLeftError, RendezvousStoreLostError, UsageError
+from elastrain.checkpoint import fence
+from elastrain.errors import (
+    NodeLeftError,
+    RendezvousError,
+    RendezvousStoreLostError,
+    StaleGenerationError,
+    UsageError,
+)
 from elastrain.log import lifecycle
+from elastrain.rendezvous import liveness
 from elastrain.rendezvous import state as st
 
 _T = TypeVar("_T")
+
+# What a store operation may raise when the store is slow, gone or unreachable (typed, never matched by text).
+STORE_ERRORS = (DistError, RendezvousConnectionError, TimeoutError, ConnectionError)
 
 
 @dataclass(frozen=True)
@@ -55,7 +83,11 @@ class HandlerSettings:
     last_call_s: float = 30.0
     join_timeout_s: float = 600.0
     store_lost_timeout_s: float = 3.0
-    poll_s: float = 0.02
+    scale_up_window_s: float = 1.0
+    claim_grace_s: float | None = None
+    poll_min_s: float = 0.02
+    poll_max_s: float = 0.25
+    leave_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0:
@@ -66,10 +98,23 @@ class HandlerSettings:
                 f"must be at least 2 x heartbeat_interval + 0.2 s ({2 * self.heartbeat_interval_s + 0.2:.2f}), "
                 f"got {self.heartbeat_timeout_s}: a shorter one evicts live but busy nodes",
             )
+        if self.scale_up_window_s < 0:
+            raise UsageError("--rdzv-conf scale_up_window", f"must be >= 0, got {self.scale_up_window_s}")
+        if self.claim_grace_s is not None and self.claim_grace_s < 0:
+            raise UsageError("--rdzv-conf claim_grace", f"must be >= 0, got {self.claim_grace_s}")
+
+    @property
+    def stall_s(self) -> float:
+        """A heartbeat tick this late (or a store read this slow) means this node itself stalled."""
+        return max(self.heartbeat_timeout_s / 2, 0.5)
+
+    @property
+    def grace_s(self) -> float:
+        return 2 * self.heartbeat_timeout_s if self.claim_grace_s is None else self.claim_grace_s
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> HandlerSettings:
-        def num(key: str, default: float) -> float:
+        def num(key: str, default: float | None) -> float | None:
             raw = params.get(key, None)
             if raw is None:
                 return default
@@ -79,12 +124,19 @@ class HandlerSettings:
                 raise UsageError(f"--rdzv-conf {key}", f"expected seconds, got {raw!r}") from None
 
         d = cls()
+
+        def req(key: str, default: float) -> float:
+            value = num(key, default)
+            return default if value is None else value
+
         return cls(
-            heartbeat_interval_s=num("heartbeat_interval", d.heartbeat_interval_s),
-            heartbeat_timeout_s=num("heartbeat_timeout", d.heartbeat_timeout_s),
-            last_call_s=num("last_call_timeout", d.last_call_s),
-            join_timeout_s=num("join_timeout", d.join_timeout_s),
-            store_lost_timeout_s=num("store_lost_timeout", d.store_lost_timeout_s),
+            heartbeat_interval_s=req("heartbeat_interval", d.heartbeat_interval_s),
+            heartbeat_timeout_s=req("heartbeat_timeout", d.heartbeat_timeout_s),
+            last_call_s=req("last_call_timeout", d.last_call_s),
+            join_timeout_s=req("join_timeout", d.join_timeout_s),
+            store_lost_timeout_s=req("store_lost_timeout", d.store_lost_timeout_s),
+            scale_up_window_s=req("scale_up_window", d.scale_up_window_s),
+            claim_grace_s=num("claim_grace", None),
         )
 
 
@@ -99,56 +151,71 @@ def node_address(params: RendezvousParameters) -> str:
     return params.local_addr or socket.getfqdn()
 
 
-def _refused(addr: str, port: int, timeout_s: float = 0.2) -> bool:
-    """True only when the connection is actively refused: nothing listens, the node's agent is gone."""
-    if not port:
-        return False
-    try:
-        with socket.create_connection((addr, port), timeout=timeout_s):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False  # timeouts, unreachable: no proof of death, the heartbeat timeout decides
-
-
-def _is_timeout(exc: BaseException | None) -> bool:
-    while exc is not None:
-        if isinstance(exc, TimeoutError) or "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
-            return True
-        exc = exc.__cause__
-    return False
-
-
 class StoreFactory(Protocol):
-    """What store failover needs from a backend whose store lives in a node (c10d)."""
+    """What a backend whose store lives in a node (c10d) offers the handler: failover and redirects."""
 
-    def host(self, port: int) -> Store: ...
-    def connect(self, addr: str, port: int, timeout_s: float) -> Store: ...
-    def backend(self, store: Store) -> RendezvousBackend: ...
+    def failover(
+        self, cached: st.RendezvousState, me: str, exc: BaseException, timeout_s: float
+    ) -> tuple[RendezvousBackend, Store, str, bool] | None:
+        """Move to the dead host's first reachable successor: (backend, store, address, hosted here) or None."""
+        ...
+
+    def connect_to(self, address: str, timeout_s: float) -> tuple[RendezvousBackend, Store]:
+        """Connect to the state store at ``host:port`` (another world's store, after a lost claim)."""
+        ...
+
+    def answers(self, address: str, timeout_s: float) -> bool:
+        """Whether a live job's rendezvous answers at ``host:port``."""
+        ...
 
 
 class _StoreSwitched(Exception):
     """The state store moved to a successor; the operation restarts on the new one."""
 
 
-class _ProbeListener:
-    """A listening socket that exists exactly as long as this process: peers probe it to detect our death."""
+class _RoundLost(Exception):
+    """The round this node formed was superseded before its generation was settled: join again."""
 
-    def __init__(self) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("", 0))
-        self._sock.listen(64)
-        self.port = int(self._sock.getsockname()[1])
-        threading.Thread(target=self._serve, name="elastrain-probe", daemon=True).start()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            conn.close()
+class _Superseded(Exception):
+    """Another world of this job holds the newest generation; this node leaves for that world's store."""
+
+    def __init__(self, store: str) -> None:
+        super().__init__(store)
+        self.store = store
+
+
+class _Backoff:
+    """Waits that start short and grow to a ceiling, with jitter; reset when something changes."""
+
+    def __init__(self, low: float, high: float) -> None:
+        self._low, self._high, self._cur = low, high, low
+
+    def reset(self) -> None:
+        self._cur = self._low
+
+    def sleep(self) -> None:
+        time.sleep(self._cur * random.uniform(0.8, 1.2))
+        self._cur = min(self._high, self._cur * 1.5)
+
+
+class _Throttled:
+    """One log line per kind of swallowed error and interval, with a count of the ones not logged."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self._every = every_s
+        self._last: dict[str, float] = {}
+        self._hidden: dict[str, int] = {}
+
+    def log(self, event: str, exc: BaseException, **fields: object) -> None:
+        key = f"{event}:{type(exc).__name__}"
+        now = time.monotonic()
+        if now - self._last.get(key, -1e18) < self._every:
+            self._hidden[key] = self._hidden.get(key, 0) + 1
+            return
+        hidden = self._hidden.pop(key, 0)
+        self._last[key] = now
+        lifecycle(event, level=logging.WARNING, error=repr(exc)[:200], not_logged_since=hidden, **fields)
 
 
 class ElastrainRendezvousHandler(RendezvousHandler):
@@ -163,6 +230,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         on_store_lost: str = "",
         stores: StoreFactory | None = None,
         hosts_store: bool = False,
+        store_address: str = "",
+        fence_root: str | None = None,
     ) -> None:
         self._backend = backend
         self._store = store
@@ -181,12 +250,22 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self._left = False
         self.fatal_error: Exception | None = None
         """Set by the heartbeat thread when the state store is gone; the agent raises it."""
-        self._probe = _ProbeListener()
+        self._probe = liveness.ProbeListener()
         self._stores = stores
         self._hosts_store = hosts_store
         self._standby_port = free_port() if stores is not None else 0
-        self._own_stall_at = -1e9
+        self._clock = liveness.TickClock(self._settings.heartbeat_interval_s, self._settings.stall_s)
         self._probe_all = False
+        self._quiet = _Throttled()
+        self._store_address = store_address or str(params.endpoint)
+        self._fence_root = fence_root if fence_root is not None else (params.get("checkpoint_root", None) or None)
+        self.generation: int | None = None
+        """The fencing generation this node's world claimed (None without a checkpoint root)."""
+        self._fenced_by: str | None = None
+        self._next_fence_check = 0.0
+        self._decided: st.Change | None = None
+        self._decision_fresh = False
+        self._scale_up_seen: tuple[tuple[str, ...], float] | None = None
 
     # -- torch's RendezvousHandler ---------------------------------------------------------------
     def get_backend(self) -> str:
@@ -208,6 +287,32 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         s = self._settings
         deadline = time.monotonic() + s.join_timeout_s
         info = st.NodeInfo(self._addr, free_port(), self._probe.port, self._standby_port)
+        self._decided, self._decision_fresh, self._scale_up_seen = None, False, None
+        if self._fenced_by is not None:
+            self._redirect(self._fenced_by, deadline)
+        for _ in range(1000):
+            try:
+                state = self._form_round(info, deadline)
+                if self._fence_root:
+                    state = self._settle_generation(state, deadline)
+                break
+            except _RoundLost:
+                continue
+            except _Superseded as exc:
+                self._redirect(exc.store, deadline)
+        else:
+            raise RendezvousTimeoutError("no round settled after 1000 attempts (the membership kept changing)")
+        self._round = state.round
+        master = state.nodes[state.members[0]]
+        rank = state.members.index(self.node_id)
+        store = PrefixStore(f"elastrain/{self.get_run_id()}/round{state.round}/", self._store)
+        bootstrap = RendezvousStoreInfo(master_addr=master.addr, master_port=master.master_port)
+        return RendezvousInfo(store, rank, len(state.members), bootstrap)
+
+    def _form_round(self, info: st.NodeInfo, deadline: float) -> st.RendezvousState:
+        """Join and wait until this node is a member of a completed round; return that state."""
+        s = self._settings
+        min_nodes, max_nodes = self._params.min_nodes, self._params.max_nodes
         if self._left:
             raise NodeLeftError(f"node {self.node_id} left the job")
         state = self._update(self._joined(info))
@@ -215,46 +320,175 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         target = state.round + 1
         lifecycle("rendezvous_joined", node=self.node_id, target_round=target, joining=len(state.joining))
         ready_since: float | None = None
+        standby_logged = False
+        backoff = _Backoff(s.poll_min_s, s.poll_max_s)
+        seen = state
         while True:
             if state.closed:
                 raise RendezvousClosedError()
             if self._left:
                 raise NodeLeftError(f"node {self.node_id} left the job")
+            if state.superseded_by:
+                raise _Superseded(state.superseded_by)
             if self.node_id in state.joining:
                 target = state.round + 1
             elif self.node_id in state.members and state.round >= target:
-                break
+                return state
             else:
                 # Evicted while waiting (we were frozen), or dropped from the state: ask again.
                 state = self._update(self._joined(info))
                 continue
             now = time.monotonic()
-            if len(state.joining) >= self._params.min_nodes:
-                ready_since = now if ready_since is None else ready_since
-            else:
-                ready_since = None
+            live = st.live_members(state)
+            if self.node_id in st.spares(state, max_nodes) and live:
+                # A full round runs: wait as a hot spare, as long as the job runs (no join timeout).
+                deadline = now + s.join_timeout_s
+                if not standby_logged:
+                    standby_logged = True
+                    lifecycle(
+                        "standby", node=self.node_id, round=state.round, members=len(live), max_nodes=max_nodes
+                    )
+            ready_since = (now if ready_since is None else ready_since) if len(state.joining) >= min_nodes else None
             ready_for = 0.0 if ready_since is None else now - ready_since
-            if st.can_complete(state, self._params.min_nodes, self._params.max_nodes, ready_for, s.last_call_s):
+            if st.can_complete(state, min_nodes, max_nodes, ready_for, s.last_call_s):
 
                 def _complete(cur: st.RendezvousState, ready_for: float = ready_for) -> st.RendezvousState | None:
-                    ok = st.can_complete(cur, self._params.min_nodes, self._params.max_nodes, ready_for, s.last_call_s)
-                    return st.complete(cur, self._params.max_nodes) if ok else None
+                    ok = st.can_complete(cur, min_nodes, max_nodes, ready_for, s.last_call_s)
+                    return st.complete(cur, max_nodes) if ok else None
 
                 state = self._update(_complete)
                 continue
             if now > deadline:
                 raise RendezvousTimeoutError(
                     f"no round formed within join_timeout={s.join_timeout_s:.0f}s "
-                    f"({len(state.joining)} of min {self._params.min_nodes} nodes joined)"
+                    f"({len(state.joining)} of min {min_nodes} nodes joined)"
                 )
-            time.sleep(s.poll_s)
+            backoff.sleep()
             state = self._read()
-        self._round = state.round
-        master = state.nodes[state.members[0]]
-        rank = state.members.index(self.node_id)
-        store = PrefixStore(f"elastrain/{self.get_run_id()}/round{state.round}/", self._store)
-        bootstrap = RendezvousStoreInfo(master_addr=master.addr, master_port=master.master_port)
-        return RendezvousInfo(store, rank, len(state.members), bootstrap)
+            if state != seen:
+                seen = state
+                backoff.reset()
+
+    # -- fencing ---------------------------------------------------------------------------------
+    def _settle_generation(self, state: st.RendezvousState, deadline: float) -> st.RendezvousState:
+        """The round's leader claims its generation; every member waits (bounded) for it."""
+        root = self._fence_root
+        if root is None:
+            return state
+        round_ = state.round
+        if state.members[0] == self.node_id and state.generation_round != round_:
+            generation = self._claim(state, root)
+            after = self._update(lambda cur: st.record_generation(cur, round_, generation))
+            if after.round != round_:
+                raise _RoundLost()
+            lifecycle(
+                "generation_claimed", generation=generation, round=round_, store=self._store_address, root=root
+            )
+        backoff = _Backoff(self._settings.poll_min_s, self._settings.poll_max_s)
+        while True:
+            cur = self._read()
+            if cur.superseded_by:
+                raise _Superseded(cur.superseded_by)
+            if cur.round != round_ or self.node_id not in cur.members:
+                raise _RoundLost()
+            if cur.generation_round == round_:
+                self.generation = cur.generation
+                return cur
+            if time.monotonic() > deadline:
+                raise RendezvousTimeoutError(f"round {round_}'s leader claimed no generation in time")
+            backoff.sleep()
+
+    def _claim(self, state: st.RendezvousState, root: str) -> int:
+        """Claim this round's generation in ``root``, or tombstone the lineage and raise :class:`_Superseded`."""
+        round_ = state.round
+        if state.generation_round < 0:
+            # A fresh store: a job is either starting, or running elsewhere (a store founded again at the
+            # original endpoint, a restarted worker-0 pod): join that job rather than found a second one.
+            top = fence.newest(root)
+            if top is not None and top.store and top.store != self._store_address and self._answers(top.store):
+                self._tombstone(top.store, f"generation {top.generation} runs at {top.store}")
+            got = fence.claim_fresh(root, self.get_run_id(), round_, self._store_address, state.members)
+            return got.generation
+        if not state.majority:
+            # Perhaps the minority side of a partition: let a majority side claim first.
+            lifecycle("claim_delayed", round=round_, grace_s=self._settings.grace_s, why="no majority of voters")
+            end = time.monotonic() + self._settings.grace_s
+            while time.monotonic() < end:
+                time.sleep(min(0.25, max(0.0, end - time.monotonic())))
+                if self._read().round != round_:
+                    raise _RoundLost()
+        parent = state.generation
+        for _ in range(100):
+            won = fence.claim_after(root, self.get_run_id(), round_, self._store_address, state.members, parent)
+            if won is not None:
+                return won.generation
+            winner = fence.read_claim(root, parent + 1)
+            if winner is not None and winner.store == self._store_address and winner.run_id == self.get_run_id():
+                parent += 1  # our own lineage's claim, by a leader that died before recording it
+                continue
+            self._tombstone(winner.store if winner else "", f"generation {parent + 1} was claimed by another world")
+        raise StaleGenerationError(f"could not claim a generation after {parent} in {root} (100 tries)")
+
+    def _tombstone(self, store: str, why: str) -> None:
+        lifecycle("world_superseded", level=logging.WARNING, node=self.node_id, winner_store=store, why=why)
+        self._update(lambda cur: st.supersede(cur, store))
+        raise _Superseded(store)
+
+    def _answers(self, address: str) -> bool:
+        if self._stores is None:
+            return False
+        try:
+            return self._stores.answers(address, self._settings.store_lost_timeout_s)
+        except STORE_ERRORS as exc:
+            lifecycle("store_probe_failed", level=logging.INFO, address=address, error=repr(exc)[:120])
+            return False
+
+    def _redirect(self, address: str, deadline: float) -> None:
+        """Leave this lineage's store for ``address`` (the winning world's), retrying until ``deadline``."""
+        if self._stores is None or not address or address == "unknown":
+            raise RendezvousError(
+                f"another world of run {self.get_run_id()} holds a newer generation in {self._fence_root} "
+                f"(its store: {address or 'unknown'}) and this backend cannot move there; start this node "
+                "again to join it"
+            )
+        backoff = _Backoff(0.5, 5.0)
+        while True:
+            try:
+                backend, store = self._stores.connect_to(address, self._settings.store_lost_timeout_s)
+                break
+            except STORE_ERRORS as exc:
+                lifecycle("redirect_waiting", level=logging.WARNING, store=address, error=repr(exc)[:120])
+                if time.monotonic() > deadline:
+                    raise RendezvousTimeoutError(f"the winning world's store at {address} did not answer") from exc
+                backoff.sleep()
+        with self._lock:
+            self._backend, self._store = backend, store
+            self._hosts_store = False
+            self._store_address = address
+            self._cached = st.RendezvousState()
+            self._obs = st.Observations()
+            self._fenced_by = None
+            self.generation = None
+        lifecycle("redirected", node=self.node_id, store=address)
+
+    def _fence_change(self) -> st.Change | None:
+        """Every heartbeat timeout, whether a newer world claimed the checkpoint root (then: stop, join it)."""
+        if not self._fence_root or self.generation is None:
+            return None
+        now = time.monotonic()
+        if self._fenced_by is None and now >= self._next_fence_check:
+            self._next_fence_check = now + self._settings.heartbeat_timeout_s / 2
+            try:
+                fence.check(self._fence_root, self.generation)
+            except StaleGenerationError as exc:
+                top = fence.newest(self._fence_root)
+                self._fenced_by = top.store if top else "unknown"
+                lifecycle("world_superseded", level=logging.WARNING, node=self.node_id, why=str(exc))
+            except OSError as exc:
+                self._quiet.log("fence_check_failed", exc, root=self._fence_root)
+        if self._fenced_by is not None:
+            return st.Change(st.ChangeKind.FENCED, f"a newer world runs at {self._fenced_by}")
+        return None
 
     def is_closed(self) -> bool:
         return self._read().closed
@@ -263,20 +497,21 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self._update(st.close)
 
     def num_nodes_waiting(self) -> int:
-        try:
-            state = self._read()
-        except Exception:
-            return 0
-        if st.change_for(state, self.node_id, self._round) is None:
-            return 0
-        return max(1, st.nodes_waiting(state))
+        """torch's monitor loop asks this right after the agent's own check; both see one decision."""
+        if self._decision_fresh:
+            self._decision_fresh = False
+            change = self._decided
+            return 0 if change is None else max(1, st.nodes_waiting(self._cached, self._params.max_nodes))
+        change = self._change()
+        return 0 if change is None else max(1, st.nodes_waiting(self._cached, self._params.max_nodes))
 
     def shutdown(self) -> bool:
         """The job is over for this node: close the rendezvous (as torch's handlers do) and stop beating."""
         self._stop_heartbeat()
         try:
-            self._update(lambda cur: st.close(st.remove(cur, [self.node_id], "finished")))
-        except Exception:
+            self._update(lambda cur: st.close(st.remove(cur, [self.node_id], st.Departure.FINISHED.value)))
+        except (RendezvousError, *STORE_ERRORS) as exc:
+            lifecycle("rendezvous_close_failed", level=logging.WARNING, error=repr(exc)[:200])
             return False
         return True
 
@@ -294,27 +529,65 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         """Probe every peer at the next heartbeat tick (the agent calls this when its workers fail)."""
         self._probe_all = True
 
-    def membership_change(self) -> str | None:
-        """Why this node's current round is over (a member died/left, a node waits, we were evicted)."""
+    def membership_change(self) -> st.Change | None:
+        """Why this node's current round is over; the next ``num_nodes_waiting`` answers the same."""
+        change = self._change()
+        self._decided, self._decision_fresh = change, True
+        return change
+
+    def _change(self) -> st.Change | None:
         if self._round < 0:
             return None
+        fenced = self._fence_change()
+        if fenced is not None:
+            return fenced
         try:
             state = self._read()
-        except Exception:
+        except (RendezvousError, *STORE_ERRORS) as exc:
+            self._quiet.log("membership_read_failed", exc)
             return None
-        return st.change_for(state, self.node_id, self._round)
+        change = st.change_for(state, self.node_id, self._round, self._params.max_nodes)
+        if change is None or change.kind is not st.ChangeKind.SCALE_UP:
+            self._scale_up_seen = None
+            return change
+        # Newcomers that fit: wait a short window so that nodes arriving together join in one round.
+        fit = st.newcomers(state)
+        now = time.monotonic()
+        if self._scale_up_seen is None:
+            self._scale_up_seen = (fit, now)
+        if now - self._scale_up_seen[1] < self._settings.scale_up_window_s:
+            return None
+        return change
 
-    def leave(self, reason: str) -> None:
-        """Announce that this node leaves (survivors re-form at once) and stop its heartbeat."""
+    def leave(self, reason: str, kind: st.Departure = st.Departure.LEFT) -> None:
+        """Announce that this node leaves (survivors re-form at once) and stop its heartbeat; bounded."""
         if self._left:
             return
         self._left = True
         self._stop_heartbeat()
-        try:
-            self._update(lambda cur: st.remove(cur, [self.node_id], f"left:{reason}"))
-            lifecycle("node_left", node=self.node_id, reason=reason, round=self._round)
-        except Exception as exc:  # the others will evict us by heartbeat instead
-            lifecycle("node_leave_unannounced", level=logging.WARNING, node=self.node_id, error=repr(exc))
+        done = threading.Event()
+        error: list[BaseException] = []
+
+        def announce() -> None:
+            try:
+                self._update(lambda cur: st.remove(cur, [self.node_id], f"{kind.value}:{reason}"))
+            except BaseException as exc:  # reported below, on the caller's thread
+                error.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=announce, name="elastrain-leave", daemon=True).start()
+        if not done.wait(self._settings.leave_timeout_s):
+            lifecycle(
+                "node_leave_unannounced",
+                level=logging.WARNING,
+                node=self.node_id,
+                error=f"the store did not answer within {self._settings.leave_timeout_s}s",
+            )
+        elif error:  # the others will evict us by heartbeat instead
+            lifecycle("node_leave_unannounced", level=logging.WARNING, node=self.node_id, error=repr(error[0])[:200])
+        else:
+            lifecycle("node_left", node=self.node_id, reason=reason, kind=kind.value, round=self._round)
 
     def _joined(self, info: st.NodeInfo) -> Callable[[st.RendezvousState], st.RendezvousState]:
         def fn(cur: st.RendezvousState) -> st.RendezvousState:
@@ -350,6 +623,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         raise RendezvousStoreLostError("the rendezvous store kept moving (10 failovers in a row)")
 
     def _update_once(self, fn: Callable[[st.RendezvousState], st.RendezvousState | None]) -> st.RendezvousState:
+        backoff = _Backoff(0.001, 0.05)
         with self._lock:
             got = self._call(lambda: self._backend.get_state())
             for _ in range(1000):
@@ -368,12 +642,13 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                     self._cached = new
                     return new
                 got = (data, new_token)
+                backoff.sleep()  # lost a race: back off with jitter before the next try
         raise RendezvousStoreLostError("compare-and-set on the rendezvous state kept losing races (1000 tries)")
 
     def _call(self, op: Callable[[], _T]) -> _T:
         try:
             out = op()
-        except Exception as exc:
+        except STORE_ERRORS as exc:
             now = time.monotonic()
             if self._store_failing_since is None:
                 self._store_failing_since = now
@@ -389,49 +664,23 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self._store_failing_since = None
         return out
 
-    def _failover(self, exc: Exception) -> bool:
+    def _failover(self, exc: BaseException) -> bool:
         """Move the state store to the first reachable successor of its dead host (c10d only)."""
         cached = self._cached
         if self._stores is None or not cached.store_host or cached.store_host == self.node_id:
             return False
-        host_info = cached.nodes.get(cached.store_host)
-        host_alive = (
-            host_info is not None and host_info.probe_port and not _refused(host_info.addr, host_info.probe_port)
-        )
-        if host_alive and not _is_timeout(exc):
-            # The host's process is alive (frozen or slow): only a read timeout proves it stopped serving.
+        got = self._stores.failover(cached, self.node_id, exc, self._settings.store_lost_timeout_s)
+        if got is None:
             return False
-        for cand in st.store_successors(cached):
-            info = cached.nodes[cand]
-            try:
-                if cand == self.node_id:
-                    store = self._stores.host(info.standby_port)
-                    backend = self._stores.backend(store)
-                    backend.set_state(st.encode(st.after_store_failover(cached, self.node_id)), None)
-                    self._hosts_store = True
-                else:
-                    if info.probe_port and _refused(info.addr, info.probe_port):
-                        continue
-                    store = self._stores.connect(info.addr, info.standby_port, self._settings.store_lost_timeout_s)
-                    backend = self._stores.backend(store)
-                    deadline = time.monotonic() + self._settings.store_lost_timeout_s
-                    while backend.get_state() is None and time.monotonic() < deadline:
-                        time.sleep(0.02)
-                    if backend.get_state() is None:
-                        continue
-            except Exception:
-                continue
-            self._backend, self._store = backend, store
-            lifecycle(
-                "store_failover",
-                level=logging.WARNING,
-                old_host=cached.store_host,
-                new_host=cand,
-                endpoint=f"{info.addr}:{info.standby_port}",
-                cause=repr(exc)[:120],
-            )
-            return True
-        return False
+        self._backend, self._store, self._store_address, self._hosts_store = got
+        lifecycle(
+            "store_failover",
+            level=logging.WARNING,
+            old_host=cached.store_host,
+            endpoint=self._store_address,
+            cause=repr(exc)[:120],
+        )
+        return True
 
     # -- heartbeats ------------------------------------------------------------------------------
     def _start_heartbeat(self) -> None:
@@ -447,44 +696,52 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             self._thread.join(timeout=2)
 
     def _heartbeat_loop(self) -> None:
-        s = self._settings
-        while not self._stop.wait(s.heartbeat_interval_s):
+        clock = self._clock
+        clock.next_at = None
+        while not self._stop.wait(clock.wait_s(time.monotonic())):
+            now = time.monotonic()
+            stalled = clock.woke(now)
             try:
-                self._heartbeat_once(time.monotonic())
+                self._heartbeat_once(now, stalled)
             except RendezvousStoreLostError as exc:
                 self.fatal_error = exc
                 lifecycle("rendezvous_store_lost", level=logging.ERROR, error=str(exc))
                 return
-            except Exception:
-                continue  # transient; _call tracks how long the store has been failing
+            except (RendezvousError, _StoreSwitched, OSError, *STORE_ERRORS) as exc:
+                # Transient: _call tracks how long the store has been failing and gives up in time.
+                self._quiet.log("heartbeat_failed", exc, node=self.node_id)
+            except Exception as exc:  # a bug must not silently stop this node's heartbeat
+                lifecycle("heartbeat_error", level=logging.ERROR, node=self.node_id, error=repr(exc)[:300])
+            clock.done(time.monotonic())
 
-    def _heartbeat_once(self, now: float) -> None:
+    def _heartbeat_once(self, now: float, stalled: bool) -> None:
         s = self._settings
-        if self._obs.last_read is not None and now - self._obs.last_read > max(s.heartbeat_timeout_s / 2, 0.5):
-            self._own_stall_at = now  # this process was frozen or starved
+        clock = self._clock
         state = self._update(lambda cur: st.beat(cur, self.node_id))
+        read_at = time.monotonic()
+        stalled = clock.store_took(now, read_at) or stalled
         if self.node_id not in state.heartbeats:
             return  # not part of the job (evicted or not joined): never judge the others
-        self._obs = st.observe(self._obs, state.heartbeats, now, stall_s=max(s.heartbeat_timeout_s / 2, 0.5))
-        dead = st.dead_nodes(self._obs, now, s.heartbeat_timeout_s, exclude=self.node_id)
-        # Probe only suspects (a heartbeat late by 1.5 intervals): a refused probe proves death at once,
-        # while probing everyone every tick would cost N connections per node per interval.
-        suspects = [
-            n
+        self._obs = st.observe(self._obs, state.heartbeats, read_at, stalled)
+        dead = st.dead_nodes(self._obs, read_at, s.heartbeat_timeout_s, exclude=self.node_id)
+        # Probe only suspects (a heartbeat late by 1.5 intervals), all at once with one deadline: a refused
+        # probe proves death at once, while probing everyone every tick would cost N connections per node.
+        suspects = {
+            n: (state.nodes[n].addr, state.nodes[n].probe_port)
             for n, (_, seen_at) in self._obs.seen.items()
             if n != self.node_id
             and n not in dead
             and n in state.nodes
-            and (self._probe_all or now - seen_at >= 1.5 * s.heartbeat_interval_s)
-        ]
+            and (self._probe_all or read_at - seen_at >= 1.5 * s.heartbeat_interval_s)
+        }
         self._probe_all = False
-        gone = [n for n in suspects if _refused(state.nodes[n].addr, state.nodes[n].probe_port)]
+        gone = liveness.refused(suspects, timeout_s=min(0.5, s.heartbeat_interval_s * 2)) if suspects else set()
         others = [m for m in st.live_members(state) if m != self.node_id]
         if (
             others
             and all(m in dead for m in others)
             and not gone
-            and now - self._own_stall_at < 3 * s.heartbeat_timeout_s
+            and clock.stalled_within(read_at, 3 * s.heartbeat_timeout_s)
         ):
             # We were frozen and now every peer looks silent: the job moved on without us (perhaps to a
             # new store). Evicting them all would start a second world: leave instead.
@@ -492,25 +749,29 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 f"node {self.node_id} was frozen and lost contact with every peer; it leaves the job "
                 "(the others went on without it)"
             )
-        dead = sorted({*dead, *gone})
-        if not dead:
+        silent = set(dead)
+        if not (silent or gone):
             return
 
-        evicted: list[str] = []
+        evicted: list[tuple[str, st.Departure]] = []
 
         def _evict(cur: st.RendezvousState) -> st.RendezvousState:
-            evicted[:] = [d for d in dead if d in cur.heartbeats]
-            return st.remove(cur, evicted, "dead")
+            evicted[:] = [(d, st.Departure.DEAD) for d in sorted(gone) if d in cur.heartbeats]
+            evicted.extend((d, st.Departure.SILENT) for d in sorted(silent - gone) if d in cur.heartbeats)
+            out = cur
+            for d, how in evicted:
+                out = st.remove(out, [d], how.value)
+            return out
 
         after = self._update(_evict)
-        for d in evicted:
+        for d, how in evicted:
             if d not in after.heartbeats:
                 lifecycle(
                     "node_dead",
                     level=logging.WARNING,
                     node=d,
-                    how="probe_refused" if d in gone else "heartbeat_timeout",
-                    silent_s=round(now - self._obs.seen[d][1], 3) if d in self._obs.seen else None,
+                    how="probe_refused" if how is st.Departure.DEAD else "heartbeat_timeout",
+                    silent_s=round(read_at - self._obs.seen[d][1], 3) if d in self._obs.seen else None,
                     round=after.round,
                     member=d in after.members,
                     by=self.node_id,

@@ -7,9 +7,16 @@ fresh state. The rules:
 * ``round`` is the job-wide number of the last completed round (``-1`` before the first); it is the
   restart count every worker sees, identical on all nodes.
 * A node that wants a new round *joins*. The round completes as soon as every live member of the last
-  round has re-joined (no fixed last call), or ``max_nodes`` joined; for a job's first round (no live
-  members) it waits a short last call after ``min_nodes`` joined so that nodes starting together land
-  in one round.
+  round has re-joined (no fixed last call); for a job's first round (no live members) it completes when
+  ``max_nodes`` joined, or after a last call once ``min_nodes`` joined, so that nodes starting together
+  land in one round.
+* A node that arrives while the round is full (``max_nodes`` live members) is a *spare*: it waits in
+  ``joining``, heartbeating, and is no reason for a new round. When a member departs, the next round
+  takes the survivors and then the spares, in arrival order (hot spare). So a full job never restarts
+  for an arrival, and every event leads to at most one new round.
+* ``generation`` is the fencing token this lineage's current world claimed in the checkpoint root
+  (:mod:`elastrain.checkpoint.fence`); ``superseded_by`` is a tombstone: another world won the claim,
+  and every node of this lineage must leave it for that world's store.
 * A member that dies, freezes or leaves is recorded in ``departed``; the live members see it and
   re-join at once. Liveness comes from per-node heartbeat counters that *observers* judge with their
   own monotonic clock (:class:`Observations`), so clock skew between machines cannot evict anyone, and
@@ -18,6 +25,7 @@ fresh state. The rules:
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -57,6 +65,56 @@ class RendezvousState:
     closed: bool = False
     store_host: str = ""
     """The node whose process hosts the state store, when the store lives in a node (c10d)."""
+    generation: int = -1
+    """The fencing generation claimed for round ``generation_round`` (-1: none claimed yet)."""
+    generation_round: int = -1
+    majority: bool = True
+    """Whether round ``round`` holds a majority of the previous round's voters (see :func:`complete`)."""
+    superseded_by: str = ""
+    """Set when another world won this lineage's generation claim: where that world's store is."""
+
+
+class Departure(str, enum.Enum):
+    """Why a member left its round; ``proven`` ones do not count as absent voters (see :func:`complete`)."""
+
+    DEAD = "dead"  # its agent's probe port refused a connection: the process is gone
+    SILENT = "silent"  # heartbeat timeout: dead, frozen or cut off, we cannot tell
+    LEFT = "left"  # announced (SIGTERM, preemption notice)
+    FAILED = "failed"  # its own workers failed past --max-restarts; it left the job
+    FINISHED = "finished"
+
+    @property
+    def proven(self) -> bool:
+        return self is not Departure.SILENT
+
+
+def departure_of(reason: str) -> Departure:
+    """The kind of a ``departed`` value (``"left:SIGTERM"`` -> LEFT); unknown kinds count as SILENT."""
+    head = reason.split(":", 1)[0]
+    try:
+        return Departure(head)
+    except ValueError:
+        return Departure.SILENT
+
+
+class ChangeKind(str, enum.Enum):
+    """Why a node's current round is over."""
+
+    SUPERSEDED = "superseded"  # a newer round formed without us
+    EVICTED = "evicted"  # we are no longer a member (frozen past the timeout)
+    DEPARTED = "departed"  # a member died, left or failed
+    REGROUP = "regroup"  # a member re-joined (its workers failed): a new round is under way
+    SCALE_UP = "scale_up"  # nodes wait and the round has room for them
+    FENCED = "fenced"  # another world of this job holds a newer generation
+
+
+@dataclass(frozen=True)
+class Change:
+    kind: ChangeKind
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}: {self.detail}"
 
 
 # -- encoding ---------------------------------------------------------------------------------------
@@ -73,6 +131,9 @@ def encode(state: RendezvousState) -> bytes:
             "heartbeats": dict(state.heartbeats),
             "closed": state.closed,
             "store_host": state.store_host,
+            "generation": [state.generation, state.generation_round],
+            "majority": state.majority,
+            "superseded_by": state.superseded_by,
         },
         separators=(",", ":"),
     ).encode()
@@ -90,6 +151,10 @@ def decode(data: bytes) -> RendezvousState:
             heartbeats={str(k): int(v) for k, v in raw["heartbeats"].items()},
             closed=bool(raw["closed"]),
             store_host=str(raw.get("store_host", "")),
+            generation=int(raw.get("generation", [-1, -1])[0]),
+            generation_round=int(raw.get("generation", [-1, -1])[1]),
+            majority=bool(raw.get("majority", True)),
+            superseded_by=str(raw.get("superseded_by", "")),
         )
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise RendezvousStateCorruptError(
@@ -141,30 +206,57 @@ def live_members(state: RendezvousState) -> tuple[str, ...]:
     return tuple(m for m in state.members if m not in state.departed and m in state.nodes)
 
 
+def newcomers(state: RendezvousState) -> tuple[str, ...]:
+    """Joiners that are not members of the current round, in arrival order."""
+    return tuple(n for n in state.joining if n not in state.members)
+
+
+def room(state: RendezvousState, max_nodes: int) -> int:
+    """How many newcomers the next round could take beside the live members."""
+    return max(0, max_nodes - len(live_members(state)))
+
+
+def spares(state: RendezvousState, max_nodes: int) -> tuple[str, ...]:
+    """Newcomers that would not fit in the next round if it formed now: they wait as hot spares."""
+    return newcomers(state)[room(state, max_nodes) :]
+
+
 def can_complete(
     state: RendezvousState, min_nodes: int, max_nodes: int, ready_for_s: float, last_call_s: float
 ) -> bool:
     """Whether the joiners form the next round now.
 
     ``ready_for_s`` is how long this observer has seen at least ``min_nodes`` joined (0 if not).
+    With live members (a running job), the round forms once every live member has re-joined, and
+    only if that changes something (:func:`change_for`): spares alone never complete a round.
+    Without live members (first round, or every member gone), it forms at ``max_nodes`` joiners or
+    after the last call.
     """
     n = len(state.joining)
-    if state.closed or n < min_nodes:
+    if state.closed or state.superseded_by or min(n, max_nodes) < min_nodes:
         return False
-    if n >= max_nodes:
-        return True
     live = live_members(state)
     if live:
         return all(m in state.joining for m in live)
+    if n >= max_nodes:
+        return True
     return ready_for_s >= last_call_s
 
 
 def complete(state: RendezvousState, max_nodes: int) -> RendezvousState:
-    """Form round ``round + 1``: surviving members keep their order, newcomers follow in arrival order."""
-    order = [m for m in state.members if m in state.joining] + [n for n in state.joining if n not in state.members]
+    """Form round ``round + 1``: surviving members keep their order, newcomers follow in arrival order.
+
+    Newcomers beyond ``max_nodes`` stay in ``joining`` as spares. ``majority`` records whether the new
+    round holds more than half of the previous round's voters: its members minus those that left, failed
+    or were proven dead. A round without one may be the minority side of a partition; the handler then
+    waits before it claims the next generation, so that a majority side claims first.
+    """
+    order = [m for m in state.members if m in state.joining] + list(newcomers(state))
     members = tuple(order[:max_nodes])
     rest = tuple(order[max_nodes:])
     keep = set(members) | set(rest)
+    voters = [m for m in state.members if not (m in state.departed and departure_of(state.departed[m]).proven)]
+    majority = not voters or 2 * sum(1 for v in voters if v in members) > len(voters)
     return replace(
         state,
         round=state.round + 1,
@@ -173,29 +265,49 @@ def complete(state: RendezvousState, max_nodes: int) -> RendezvousState:
         departed={},
         nodes={k: v for k, v in state.nodes.items() if k in keep},
         heartbeats={k: v for k, v in state.heartbeats.items() if k in keep},
+        majority=majority,
     )
 
 
-def change_for(state: RendezvousState, node: str, my_round: int) -> str | None:
+def record_generation(state: RendezvousState, round_: int, generation: int) -> RendezvousState | None:
+    """The leader of ``round_`` claimed ``generation``; ``None`` if that round is already over."""
+    if state.round != round_ or state.generation_round == round_:
+        return None
+    return replace(state, generation=generation, generation_round=round_)
+
+
+def supersede(state: RendezvousState, store: str) -> RendezvousState:
+    """Another world won the claim: tombstone this lineage and point its nodes at ``store``."""
+    return replace(state, superseded_by=store or "unknown")
+
+
+def change_for(state: RendezvousState, node: str, my_round: int, max_nodes: int) -> Change | None:
     """Why ``node``, running round ``my_round``, must stop its workers and re-join; ``None`` if it need not.
 
     A closed rendezvous is no reason: nodes whose workers still finish their last steps keep them.
+    Spares (newcomers beyond the round's room) are no reason either.
     """
+    if state.superseded_by:
+        return Change(ChangeKind.FENCED, f"another world of this job won the claim (store {state.superseded_by})")
     if state.round != my_round:
-        return f"round {my_round} was superseded by {state.round}"
+        return Change(ChangeKind.SUPERSEDED, f"round {my_round} was superseded by {state.round}")
     if node not in state.members or node not in state.nodes:
-        return "this node was evicted"
+        return Change(ChangeKind.EVICTED, "this node was evicted")
     departed = [m for m in state.members if m in state.departed]
     if departed:
-        return "departed: " + ",".join(f"{m}({state.departed[m]})" for m in departed)
-    if state.joining:
-        return "waiting: " + ",".join(state.joining)
+        return Change(ChangeKind.DEPARTED, ",".join(f"{m}({state.departed[m]})" for m in departed))
+    rejoined = [m for m in state.members if m in state.joining and m != node]
+    if rejoined:
+        return Change(ChangeKind.REGROUP, "re-joined: " + ",".join(rejoined))
+    fit = newcomers(state)[: room(state, max_nodes)]
+    if fit:
+        return Change(ChangeKind.SCALE_UP, "waiting: " + ",".join(fit))
     return None
 
 
-def nodes_waiting(state: RendezvousState) -> int:
-    """What ``num_nodes_waiting`` reports: joiners plus departed members (each needs a new round)."""
-    return len(state.joining) + sum(1 for m in state.members if m in state.departed)
+def nodes_waiting(state: RendezvousState, max_nodes: int) -> int:
+    """What ``num_nodes_waiting`` reports: newcomers that fit plus departed members (each needs a new round)."""
+    return min(len(newcomers(state)), room(state, max_nodes)) + sum(1 for m in state.members if m in state.departed)
 
 
 def store_successors(state: RendezvousState) -> list[str]:
@@ -204,9 +316,11 @@ def store_successors(state: RendezvousState) -> list[str]:
     return [n for n in order if n != state.store_host and n in state.nodes and state.nodes[n].standby_port]
 
 
-def after_store_failover(state: RendezvousState, new_host: str) -> RendezvousState:
+def after_store_failover(
+    state: RendezvousState, new_host: str, how: Departure = Departure.SILENT
+) -> RendezvousState:
     """The state the successor seeds its new store with: the old host is gone, ``new_host`` hosts."""
-    return replace(remove(state, [state.store_host], "dead"), store_host=new_host)
+    return replace(remove(state, [state.store_host], how.value), store_host=new_host)
 
 
 # -- liveness ---------------------------------------------------------------------------------------
@@ -220,13 +334,14 @@ class Observations:
     last_read: float | None = None
 
 
-def observe(obs: Observations, heartbeats: Mapping[str, int], now: float, stall_s: float) -> Observations:
+def observe(obs: Observations, heartbeats: Mapping[str, int], now: float, stalled: bool) -> Observations:
     """Record a read of ``heartbeats`` at ``now``.
 
-    If this observer itself did not read for ``stall_s`` (it was frozen or starved), every baseline
-    restarts at ``now``: its own gap is no evidence that the others stopped.
+    If this observer itself ``stalled`` since its last read (it was frozen or starved; see
+    :class:`elastrain.rendezvous.liveness.TickClock`), every baseline restarts at ``now``: its own gap
+    is no evidence that the others stopped.
     """
-    reset = obs.last_read is not None and now - obs.last_read > stall_s
+    reset = stalled
     seen: dict[str, tuple[int, float]] = {}
     for node, counter in heartbeats.items():
         prev = obs.seen.get(node)

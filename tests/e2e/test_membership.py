@@ -30,7 +30,9 @@ def _fields(line: str) -> dict[str, str]:
 
 
 class Node:
-    def __init__(self, name: str, tmp: Path, port: int, stop_file: Path, *extra: str) -> None:
+    def __init__(
+        self, name: str, tmp: Path, port: int, stop_file: Path, *extra: str, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
         self.log = tmp / f"{name}.log"
         cmd = elastrain_cmd(
@@ -49,7 +51,7 @@ class Node:
             *extra,
             SCRIPT,
         )
-        self.proc = spawn(cmd, self.log, env={"MW_STOP_FILE": str(stop_file)})
+        self.proc = spawn(cmd, self.log, env={"MW_STOP_FILE": str(stop_file), **(env or {})})
 
     def lines(self, prefix: str) -> list[dict[str, str]]:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -145,6 +147,38 @@ def test_node_death_leave_rejoin_and_store_failover(tmp_path: Path) -> None:
             stop.touch()
             assert d.proc.wait(timeout=BOUND) == 0, d.dump()
         _no_failures_counted(nodes)
+
+
+def test_spare_waits_without_restarting_the_job_and_takes_over_from_a_node_that_fails(tmp_path: Path) -> None:
+    port, stop, fail_b = free_port(), tmp_path / "stop", tmp_path / "fail-b"
+    ckpt = ("--checkpoint-dir", str(tmp_path / "ckpt"))
+    a = Node("a", tmp_path, port, stop, *ckpt)
+    time.sleep(0.5)
+    b = Node("b", tmp_path, port, stop, *ckpt, env={"MW_FAIL_FILE": str(fail_b)})
+    with reaped(a.proc, b.proc):
+        _wait_training([a, b], 2, 0, "two nodes train together")
+        starts = len(a.lines("MW_START"))
+        # c arrives while the round is full (--nnodes 1:2): a spare, no restart of the running round.
+        c = Node("c", tmp_path, port, stop, *ckpt)
+        with reaped(c.proc):
+            wait_for(lambda: bool(c.events("standby")), BOUND, what="c to wait as a spare\n" + c.dump())
+            t = time.time()
+            time.sleep(3)
+            assert len(a.lines("MW_START")) == starts, "the full round restarted for a spare\n" + a.dump()
+            assert a.trains_at(2, t) and not c.lines("MW_START"), a.dump() + c.dump()
+            # b's own workers fail past --max-restarts 0: b leaves alone, c takes its place, a goes on.
+            t = time.time()
+            fail_b.touch()
+            assert b.proc.wait(timeout=BOUND) != 0, b.dump()
+            assert b.events("node_failed") and b.events("node_left"), b.dump()
+            _wait_training([a, c], 2, t, "a and the spare c train together")
+            _same_round([a, c])
+            stop.touch()
+            assert a.proc.wait(timeout=BOUND) == 0, a.dump()
+            assert c.proc.wait(timeout=BOUND) == 0, c.dump()
+        _no_failures_counted([a, c])
+        gens = sorted((tmp_path / "ckpt" / "elastrain-fence").iterdir())
+        assert len(gens) >= 2, gens  # every round claimed its fencing generation
 
 
 def test_frozen_node_is_evicted_without_split_brain(tmp_path: Path) -> None:

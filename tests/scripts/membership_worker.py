@@ -6,6 +6,7 @@ timestamps, so a test or the bench can see when training goes on at which world 
     MW_START t0=<process start> init=<after init_process_group> rank=.. ws=.. round=.. restart=.. pid=..
     MW_STEP t=<after the step> step=.. rank=.. ws=.. round=.. restart=.. pid=..
 
+A worker exits 3 (this node's own failure) once the file named by MW_FAIL_FILE exists.
 The job ends cleanly (exit 0 on every rank) once the file named by MW_STOP_FILE exists (rank 0 sees
 it and tells the others through the all_reduce). If ELASTRAIN_CONTROL_DIR is set it answers save
 requests like a real worker would (after agreeing on the step with all ranks) and prints MW_SAVED.
@@ -43,7 +44,11 @@ def main() -> None:
 
         channel = ControlChannel(os.environ["ELASTRAIN_CONTROL_DIR"])
     step = 0
+    fail_file = os.environ.get("MW_FAIL_FILE")
     while True:
+        if fail_file and os.path.exists(fail_file):
+            print(f"MW_FAIL t={time.time():.3f} {tag}", flush=True)
+            sys.exit(3)  # this node's own failure (a bad GPU, say)
         stop = 1.0 if (rank == 0 and stop_file and os.path.exists(stop_file)) else 0.0
         req = channel.pending() if channel is not None else None
         save = 1.0 if req is not None else 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from torch.distributed import HashStore
@@ -12,6 +13,7 @@ from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParam
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
 from elastrain.errors import NodeLeftError
+from elastrain.rendezvous import state as st
 from elastrain.rendezvous.handler import ElastrainRendezvousHandler, HandlerSettings
 from elastrain.rendezvous.registry import ETCD_V3, TORCH_C10D, etcd_v3_handler_creator, register_handlers
 
@@ -71,7 +73,7 @@ def test_leave_makes_survivor_reform_at_once() -> None:
         rendezvous_all([a, b])
         b.leave("SIGTERM")
         change = a.membership_change()
-        assert change is not None and change.startswith("departed")
+        assert change is not None and change.kind is st.ChangeKind.DEPARTED
         assert a.num_nodes_waiting() >= 1
         started = time.monotonic()
         info = a.next_rendezvous()
@@ -88,14 +90,14 @@ def test_silent_node_is_evicted_by_heartbeat_and_rejoins_as_newcomer() -> None:
     try:
         rendezvous_all([a, b])
         b._stop_heartbeat()  # b "freezes": its heartbeat stops, its process (probe) stays alive
-        eventually(lambda: (a.membership_change() or "").startswith("departed"))
-        assert b.membership_change() == "this node was evicted"
+        eventually(lambda: str(a.membership_change()).startswith("departed"))
+        assert str(b.membership_change()) == "evicted: this node was evicted"
         a.next_rendezvous()
         assert a.elastrain_round == 1
         # b comes back: it is a newcomer now, a sees it waiting, both form round 2.
         joined = threading.Thread(target=b.next_rendezvous)
         joined.start()
-        eventually(lambda: a.membership_change() == f"waiting: {b.node_id}")
+        eventually(lambda: str(a.membership_change()) == f"scale_up: waiting: {b.node_id}")
         info = a.next_rendezvous()
         joined.join(timeout=10)
         assert info.world_size == 2
@@ -114,7 +116,7 @@ def test_newcomer_waits_until_members_rejoin() -> None:
         assert a.elastrain_round == 0
         done = threading.Event()
         threading.Thread(target=lambda: (b.next_rendezvous(), done.set())).start()
-        eventually(lambda: a.membership_change() == f"waiting: {b.node_id}")
+        eventually(lambda: str(a.membership_change()) == f"scale_up: waiting: {b.node_id}")
         assert not done.wait(0.3)  # b waits for a (a live member) to re-join
         a.next_rendezvous()
         assert done.wait(10)
@@ -137,3 +139,127 @@ def test_registry_serves_elastrain_c10d_and_keeps_torch_and_etcd_names() -> None
     assert known["c10d"].__module__ == "elastrain.rendezvous.registry"
     assert TORCH_C10D in known and ETCD_V3 in known
     assert callable(etcd_v3_handler_creator())
+
+
+def test_a_node_beyond_max_is_a_spare_and_takes_a_departed_members_place() -> None:
+    a, b, c = make_nodes(3)
+    for h in (a, b, c):
+        h._params.max_nodes = 2  # type: ignore[misc]
+    try:
+        rendezvous_all([a, b])
+        got: list[RendezvousInfo] = []
+        spare = threading.Thread(target=lambda: got.append(c.next_rendezvous()))
+        spare.start()
+        eventually(lambda: c.node_id in a._read().joining)
+        time.sleep(0.5)  # past the scale-up window: a full round does not restart for a spare
+        assert a.membership_change() is None and a.num_nodes_waiting() == 0
+        assert b.membership_change() is None
+        assert not got
+        b.leave("SIGTERM")
+        change = a.membership_change()
+        assert change is not None and change.kind is st.ChangeKind.DEPARTED
+        info = a.next_rendezvous()
+        spare.join(timeout=10)
+        assert info.world_size == 2 and got and got[0].world_size == 2
+        assert a.elastrain_round == c.elastrain_round == 1
+    finally:
+        a.shutdown()
+        c.shutdown()
+
+
+def test_nodes_arriving_together_join_in_one_round() -> None:
+    a, b, c = make_nodes(3, last_call_timeout="0.2", scale_up_window="0.5")
+    try:
+        rendezvous_all([a])
+        threads = [threading.Thread(target=h.next_rendezvous) for h in (b, c)]
+        threads[0].start()
+        time.sleep(0.1)
+        threads[1].start()
+        eventually(lambda: a.membership_change() is not None)
+        info = a.next_rendezvous()
+        for t in threads:
+            t.join(timeout=10)
+        assert info.world_size == 3 and a.elastrain_round == 1
+    finally:
+        for h in (a, b, c):
+            h.shutdown()
+
+
+def test_twelve_of_sixteen_vanish_together_and_the_four_survivors_form_their_round() -> None:
+    nodes = make_nodes(16, heartbeat_interval="0.1", heartbeat_timeout="1.5", last_call_timeout="30")
+    try:
+        rendezvous_all(nodes)
+        survivors, vanished = nodes[:4], nodes[4:]
+        for h in vanished:  # gone at once, as a rack losing power: no heartbeat, no probe answer
+            h._stop_heartbeat()
+            h._probe._sock.close()
+        eventually(lambda: all(s.membership_change() is not None for s in survivors), timeout=20)
+        infos = rendezvous_all(survivors)
+        assert {i.world_size for i in infos} == {4}
+        assert len({s.elastrain_round for s in survivors}) == 1
+    finally:
+        for h in nodes:
+            h._stop_heartbeat()
+
+
+def test_a_world_that_loses_the_generation_claim_joins_the_winner(tmp_path: Path) -> None:
+    from elastrain.checkpoint import fence
+
+    root = str(tmp_path)
+    (a,) = make_nodes(1, checkpoint_root=root)
+    try:
+        rendezvous_all([a])
+        assert a.generation == 0 and fence.newest(root).generation == 0  # type: ignore[union-attr]
+        fence.claim_after(root, "other", 3, "10.9.9.9:1", ("x",), parent=0)  # another world took over
+        eventually(lambda: a.membership_change() is not None)
+        assert a.membership_change().kind is st.ChangeKind.FENCED  # type: ignore[union-attr]
+        with pytest.raises(Exception, match=r"10\.9\.9\.9:1"):
+            a.next_rendezvous()  # no c10d stores here: the redirect names the winner's store
+    finally:
+        a.shutdown()
+
+
+def test_a_second_store_founded_for_the_same_job_joins_the_running_one(tmp_path: Path) -> None:
+    """A node started again at an endpoint where nobody runs any more finds the running job's store."""
+    from elastrain.checkpoint import fence
+    from elastrain.rendezvous.c10d import create_c10d_handler
+
+    root = str(tmp_path)
+
+    def node(port: int) -> ElastrainRendezvousHandler:
+        params = RendezvousParameters(
+            backend="c10d",
+            endpoint=f"127.0.0.1:{port}",
+            run_id="unit",
+            min_nodes=1,
+            max_nodes=2,
+            local_addr="127.0.0.1",
+            is_host="true",
+            checkpoint_root=root,
+            **{**FAST, "last_call_timeout": "0.3"},
+        )
+        h = create_c10d_handler(params)
+        assert isinstance(h, ElastrainRendezvousHandler)
+        return h
+
+    from elastrain.rendezvous.handler import free_port
+
+    a = node(free_port())
+    b = None
+    try:
+        rendezvous_all([a])
+        assert a.generation == 0
+        b = node(free_port())  # its own endpoint: founds a fresh store unless it finds the published one
+        got: list[RendezvousInfo] = []
+        t = threading.Thread(target=lambda: got.append(b.next_rendezvous()))  # type: ignore[union-attr]
+        t.start()
+        eventually(lambda: a.membership_change() is not None, timeout=20)
+        a.next_rendezvous()
+        t.join(timeout=20)
+        assert got and got[0].world_size == 2
+        assert a.elastrain_round == b.elastrain_round == 1
+        assert a.generation == b.generation == 1 == fence.newest(root).generation  # type: ignore[union-attr]
+    finally:
+        a.shutdown()
+        if b is not None:
+            b.shutdown()

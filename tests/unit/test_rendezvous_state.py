@@ -56,7 +56,7 @@ def test_can_complete_first_round(
 def test_round_completes_when_every_live_member_rejoined_without_last_call() -> None:
     s = formed("a", "b")
     s = st.remove(s, ["b"], "dead")
-    assert st.change_for(s, "a", 0) is not None
+    assert st.change_for(s, "a", 0, 4) is not None
     s = joined("a", base=s)
     assert st.can_complete(s, 1, 4, ready_for_s=0.0, last_call_s=30.0)
     s = st.complete(s, 4)
@@ -65,7 +65,7 @@ def test_round_completes_when_every_live_member_rejoined_without_last_call() -> 
 
 def test_round_waits_for_live_members_before_admitting_a_newcomer() -> None:
     s = joined("c", base=formed("a", "b"))
-    assert st.change_for(s, "a", 0) == "waiting: c"
+    assert str(st.change_for(s, "a", 0, 4)) == "scale_up: waiting: c"
     assert not st.can_complete(s, 1, 4, 100.0, 1.0)
     s = joined("b", "a", base=s)
     assert st.can_complete(s, 1, 4, 0.0, 1.0)
@@ -75,7 +75,8 @@ def test_round_waits_for_live_members_before_admitting_a_newcomer() -> None:
 def test_complete_caps_at_max_nodes_and_keeps_the_rest_waiting() -> None:
     s = st.complete(joined("a", "b", "c"), max_nodes=2)
     assert (s.members, s.joining) == (("a", "b"), ("c",))
-    assert st.nodes_waiting(s) == 1
+    assert st.nodes_waiting(s, 2) == 0  # a spare: the round is full
+    assert st.change_for(s, "a", 0, 2) is None
 
 
 def test_remove_marks_departed_members_and_drops_joiners() -> None:
@@ -85,18 +86,18 @@ def test_remove_marks_departed_members_and_drops_joiners() -> None:
     assert s.joining == ()
     assert "b" not in s.heartbeats and "c" not in s.nodes
     assert st.live_members(s) == ("a",)
-    assert st.nodes_waiting(s) == 1
+    assert st.nodes_waiting(s, 2) == 1
 
 
 def test_change_for_evicted_node_and_superseded_round() -> None:
     s = st.remove(formed("a", "b"), ["b"], "dead")
-    assert st.change_for(s, "b", 0) == "this node was evicted"
-    assert st.change_for(s, "a", -1) is not None
-    assert st.change_for(formed("a", "b"), "a", 0) is None
+    assert st.change_for(s, "b", 0, 4) == st.Change(st.ChangeKind.EVICTED, "this node was evicted")
+    assert st.change_for(s, "a", -1, 4) is not None
+    assert st.change_for(formed("a", "b"), "a", 0, 4) is None
 
 
 def test_closed_state_is_not_a_membership_change() -> None:
-    assert st.change_for(st.close(formed("a")), "a", 0) is None
+    assert st.change_for(st.close(formed("a")), "a", 0, 4) is None
 
 
 def test_beat_refuses_evicted_nodes() -> None:
@@ -106,17 +107,17 @@ def test_beat_refuses_evicted_nodes() -> None:
 
 
 def test_dead_nodes_by_observer_clock_never_self() -> None:
-    obs = st.observe(st.Observations(), {"a": 0, "b": 0}, now=0.0, stall_s=1.0)
-    obs = st.observe(obs, {"a": 1, "b": 0}, now=0.5, stall_s=1.0)
-    obs = st.observe(obs, {"a": 2, "b": 0}, now=1.0, stall_s=1.0)
-    obs = st.observe(obs, {"a": 3, "b": 0}, now=1.5, stall_s=1.0)
+    obs = st.observe(st.Observations(), {"a": 0, "b": 0}, now=0.0, stalled=False)
+    obs = st.observe(obs, {"a": 1, "b": 0}, now=0.5, stalled=False)
+    obs = st.observe(obs, {"a": 2, "b": 0}, now=1.0, stalled=False)
+    obs = st.observe(obs, {"a": 3, "b": 0}, now=1.5, stalled=False)
     assert st.dead_nodes(obs, 1.5, timeout_s=1.25, exclude="a") == ["b"]
     assert st.dead_nodes(obs, 1.5, timeout_s=1.25, exclude="b") == []
 
 
 def test_observer_that_stalled_restarts_its_baselines() -> None:
-    obs = st.observe(st.Observations(), {"a": 0, "b": 0}, now=0.0, stall_s=1.0)
-    obs = st.observe(obs, {"a": 0, "b": 0}, now=10.0, stall_s=1.0)  # we were frozen for 10 s
+    obs = st.observe(st.Observations(), {"a": 0, "b": 0}, now=0.0, stalled=False)
+    obs = st.observe(obs, {"a": 0, "b": 0}, now=10.0, stalled=True)  # we were frozen for 10 s
     assert st.dead_nodes(obs, 10.0, timeout_s=1.25, exclude="a") == []
 
 
@@ -125,4 +126,5 @@ def test_store_successors_skip_the_host_and_follow_rank_order() -> None:
     s = st.RendezvousState(**{**s.__dict__, "store_host": "a"})
     assert st.store_successors(s) == ["b", "c", "d"]
     after = st.after_store_failover(s, "b")
-    assert after.store_host == "b" and after.departed == {"a": "dead"}
+    assert after.store_host == "b" and after.departed == {"a": "silent"}
+    assert st.after_store_failover(s, "b", st.Departure.DEAD).departed == {"a": "dead"}

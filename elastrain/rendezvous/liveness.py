@@ -1,0 +1,125 @@
+"""How a node learns that a peer is gone, and that it was itself the one that stalled.
+
+* Every agent listens on a *probe port* for as long as its process lives (:class:`ProbeListener`). A
+  refused connection proves that the process is gone (its host answers, nothing listens); a timeout
+  or an unreachable address proves nothing, and the heartbeat timeout decides.
+* Suspects are probed together, with one deadline for all of them (:func:`refused`), so that a dozen
+  nodes vanishing at once costs one short wait, not a dozen.
+* A node judges its own stall from its heartbeat thread's scheduling (:class:`TickClock`): when the
+  thread wakes up much later than it asked to (the process was frozen or starved of CPU), or a read of
+  the store itself took that long, its view of the others' heartbeats is stale and proves nothing.
+  The time it spends probing or evicting is its own work, not a stall.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import cast
+
+from elastrain.log import lifecycle
+
+
+class ProbeListener:
+    """A listening socket that exists exactly as long as this process: peers probe it to detect our death."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("", 0))
+        self._sock.listen(128)
+        self.port = int(self._sock.getsockname()[1])
+        threading.Thread(target=self._serve, name="elastrain-probe", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError as exc:
+                lifecycle("probe_listener_closed", level=logging.DEBUG, error=repr(exc))
+                return
+            conn.close()
+
+
+def refused(targets: Mapping[str, tuple[str, int]], timeout_s: float) -> set[str]:
+    """The targets (name -> (addr, port)) whose connection is actively refused, all probed at once.
+
+    Non-blocking connects share one deadline; whatever has not answered by then (frozen, cut off,
+    unreachable) is not counted as refused.
+    """
+    sel = selectors.DefaultSelector()
+    socks: list[socket.socket] = []
+    out: set[str] = set()
+    try:
+        for name, (addr, port) in targets.items():
+            if not port:
+                continue
+            try:
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            except OSError as exc:
+                lifecycle("probe_socket_failed", level=logging.WARNING, error=repr(exc))
+                continue
+            socks.append(s)
+            s.setblocking(False)
+            try:
+                code = s.connect_ex((addr, port))
+            except OSError as exc:  # a name that does not resolve, say: no proof of death
+                lifecycle("probe_failed", level=logging.DEBUG, node=name, error=repr(exc))
+                continue
+            if code == errno.ECONNREFUSED:
+                out.add(name)
+            elif code in (0, errno.EINPROGRESS, errno.EAGAIN):
+                sel.register(s, selectors.EVENT_WRITE, name)
+        deadline = time.monotonic() + timeout_s
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for key, _ in sel.select(left):
+                sock = cast(socket.socket, key.fileobj)
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ECONNREFUSED:
+                    out.add(str(key.data))
+                sel.unregister(sock)
+    finally:
+        sel.close()
+        for s in socks:
+            s.close()
+    return out
+
+
+@dataclass
+class TickClock:
+    """The heartbeat thread's own schedule: was this process frozen or starved since the last tick?"""
+
+    interval_s: float
+    stall_s: float
+    next_at: float | None = None
+    stalled_at: float = -1e18
+
+    def wait_s(self, now: float) -> float:
+        return self.interval_s if self.next_at is None else max(0.0, self.next_at - now)
+
+    def woke(self, now: float) -> bool:
+        """Record a wake-up at ``now``; True if it came ``stall_s`` later than scheduled."""
+        late = self.next_at is not None and now - self.next_at > self.stall_s
+        if late:
+            self.stalled_at = now
+        return late
+
+    def store_took(self, started: float, ended: float) -> bool:
+        """A store read that took ``stall_s`` or more leaves this node with a stale view, like a freeze."""
+        slow = ended - started > self.stall_s
+        if slow:
+            self.stalled_at = ended
+        return slow
+
+    def done(self, now: float) -> None:
+        self.next_at = now + self.interval_s
+
+    def stalled_within(self, now: float, window_s: float) -> bool:
+        return now - self.stalled_at < window_s

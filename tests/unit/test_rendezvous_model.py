@@ -1,0 +1,214 @@
+"""The rendezvous state machine under random interleavings (hypothesis stateful testing).
+
+A model of N nodes drives the pure functions of :mod:`elastrain.rendezvous.state` the way the handler
+does: nodes start, leave, die, freeze and thaw; live nodes tick (re-join when their round is over,
+complete a round when they can) and evict dead or frozen peers. After every step the invariants hold:
+
+* a full round (``max_nodes`` live members, nothing departed) never restarts for spares;
+* every event leads to at most one new round;
+* no node evicts itself;
+* once the nodes settle, every live node is a member of the current round or a spare, and every
+  member runs that round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import hypothesis.strategies as hs
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from elastrain.rendezvous import state as st
+
+INFO = st.NodeInfo("10.0.0.1", 1, 2, 3)
+MAX_NODES = 10
+
+
+@dataclass
+class Node:
+    ident: str = ""  # a new identity per start, as the handler's node id (host, pid, random suffix)
+    status: str = "down"  # down | joining | running
+    my_round: int = -1
+    target: int = 0
+    dead: bool = False
+    frozen: bool = False
+
+
+class RendezvousModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = st.RendezvousState()
+        self.nodes: dict[str, Node] = {}
+        self.max_nodes = 2
+        self.rounds_since_event = 0
+        self.starts = 0
+
+    @initialize(n=hs.integers(2, MAX_NODES), max_nodes=hs.integers(1, 4))
+    def setup(self, n: int, max_nodes: int) -> None:
+        self.nodes = {f"n{i}": Node() for i in range(n)}
+        self.max_nodes = max_nodes
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _event(self) -> None:
+        self.rounds_since_event = 0
+
+    def _set(self, new: st.RendezvousState) -> None:
+        if new.round != self.s.round:
+            self.rounds_since_event += new.round - self.s.round
+        self.s = new
+
+    def _acting(self) -> list[str]:
+        """Slots whose node runs and acts (not down, dead or frozen)."""
+        return [k for k, v in self.nodes.items() if v.status != "down" and not v.dead and not v.frozen]
+
+    def _slot_of(self, ident: str) -> str | None:
+        return next((k for k, v in self.nodes.items() if v.ident == ident and v.status != "down"), None)
+
+    def _tick(self, slot: str) -> None:
+        node = self.nodes[slot]
+        me = node.ident
+        s = self.s
+        if node.status == "running":
+            if st.change_for(s, me, node.my_round, self.max_nodes) is not None:
+                self._set(st.join(s, me, INFO))
+                node.status, node.target = "joining", self.s.round + 1
+            return
+        if node.status != "joining":
+            return
+        if me in s.members and s.round >= node.target:
+            node.status, node.my_round = "running", s.round
+            return
+        if me not in s.joining:
+            self._set(st.join(s, me, INFO))  # evicted while waiting: ask again
+            node.target = self.s.round + 1
+            return
+        node.target = s.round + 1
+        # The last call counts as over: the model checks rounds, not timing.
+        if st.can_complete(s, 1, self.max_nodes, ready_for_s=1e9, last_call_s=1.0):
+            self._set(st.complete(s, self.max_nodes))
+
+    # -- events ---------------------------------------------------------------------------------
+    @rule(i=hs.integers(0, MAX_NODES - 1))
+    def start(self, i: int) -> None:
+        name = f"n{i}"
+        node = self.nodes.get(name)
+        if node is None or node.status != "down":
+            return
+        self._event()
+        self.starts += 1
+        self.nodes[name] = Node(ident=f"{name}.{self.starts}", status="joining", target=self.s.round + 1)
+        self._set(st.join(self.s, self.nodes[name].ident, INFO))
+
+    @rule(i=hs.integers(0, MAX_NODES - 1))
+    def leave(self, i: int) -> None:
+        name = f"n{i}"
+        node = self.nodes.get(name)
+        if node is None or node.status == "down" or node.dead or node.frozen:
+            return
+        self._event()
+        self._set(st.remove(self.s, [node.ident], "left:SIGTERM"))
+        self.nodes[name] = Node()
+
+    @rule(i=hs.integers(0, MAX_NODES - 1))
+    def die(self, i: int) -> None:
+        node = self.nodes.get(f"n{i}")
+        if node is None or node.status == "down" or node.dead:
+            return
+        self._event()
+        node.dead = True
+
+    @rule(i=hs.integers(0, MAX_NODES - 1))
+    def freeze(self, i: int) -> None:
+        node = self.nodes.get(f"n{i}")
+        if node is None or node.status == "down" or node.dead or node.frozen:
+            return
+        self._event()
+        node.frozen = True
+
+    @rule(i=hs.integers(0, MAX_NODES - 1))
+    def thaw(self, i: int) -> None:
+        node = self.nodes.get(f"n{i}")
+        if node is None or not node.frozen:
+            return
+        self._event()
+        node.frozen = False
+
+    @rule(observer=hs.integers(0, MAX_NODES - 1), victim=hs.integers(0, MAX_NODES - 1))
+    def evict(self, observer: int, victim: int) -> None:
+        o, v = f"n{observer}", f"n{victim}"
+        if o not in self._acting() or v not in self.nodes:
+            return
+        on, vn = self.nodes[o], self.nodes[v]
+        if on.ident not in self.s.heartbeats or vn.ident not in self.s.heartbeats:
+            return
+        if not (vn.dead or vn.frozen):
+            return  # only the silent are evicted
+        assert on.ident != vn.ident, "a node evicted itself"
+        how = st.Departure.DEAD if vn.dead else st.Departure.SILENT
+        self._set(st.remove(self.s, [vn.ident], how.value))
+        if vn.dead:
+            self.nodes[v] = Node()  # its process is gone; the slot may start a new node later
+
+    @rule(i=hs.integers(0, MAX_NODES - 1))
+    def tick(self, i: int) -> None:
+        name = f"n{i}"
+        if name in self._acting():
+            self._tick(name)
+
+    @precondition(lambda self: bool(self.nodes))
+    @rule()
+    def settle(self) -> None:
+        """Let every live node act until nothing changes; check where everyone ended up."""
+        for _ in range(20):
+            before = (self.s, {k: (v.status, v.my_round) for k, v in self.nodes.items()})
+            # Evict everything dead or frozen (its peers' heartbeat timeouts), then let the others act.
+            observers = [o for o in self._acting() if self.nodes[o].ident in self.s.heartbeats]
+            for v, node in list(self.nodes.items()):
+                if (node.dead or node.frozen) and node.ident in self.s.heartbeats and observers:
+                    self.evict(int(observers[0][1:]), int(v[1:]))
+            for slot in self._acting():
+                self._tick(slot)
+            if before == (self.s, {k: (v.status, v.my_round) for k, v in self.nodes.items()}):
+                break
+        else:
+            raise AssertionError(f"the nodes never settled: {self.s}")
+        members = set(st.live_members(self.s))
+        for slot in self._acting():
+            node = self.nodes[slot]
+            if node.ident in members:
+                assert node.status == "running" and node.my_round == self.s.round, (slot, node, self.s)
+            else:
+                assert node.ident in self.s.joining, (slot, node, self.s)
+                assert len(members) >= self.max_nodes, f"{slot} waits although the round has room: {self.s}"
+
+    # -- invariants -----------------------------------------------------------------------------
+    @invariant()
+    def full_round_never_restarts_for_spares(self) -> None:
+        s = self.s
+        live = st.live_members(s)
+        if s.round < 0 or s.departed or len(live) < self.max_nodes:
+            return
+        if any(m in s.joining for m in live):
+            return  # a member re-joined: a new round is under way for another reason
+        for m in live:
+            slot = self._slot_of(m)
+            node = self.nodes[slot] if slot else None
+            if node is not None and node.status == "running" and node.my_round == s.round:
+                assert st.change_for(s, m, s.round, self.max_nodes) is None, (m, s)
+        assert st.nodes_waiting(s, self.max_nodes) == 0
+
+    @invariant()
+    def at_most_one_round_per_event(self) -> None:
+        assert self.rounds_since_event <= 1, f"{self.rounds_since_event} rounds for one event: {self.s}"
+
+    @invariant()
+    def members_are_known(self) -> None:
+        s = self.s
+        assert len(s.members) <= self.max_nodes
+        assert len(set(s.members)) == len(s.members)
+        assert not set(s.joining) & set(s.departed)
+
+
+TestRendezvousModel = RendezvousModel.TestCase
+TestRendezvousModel.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
