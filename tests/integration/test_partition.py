@@ -39,13 +39,8 @@ WORKER_TIMEOUT_S = 120.0
 SETTLE_S = 2 * HEARTBEAT_TIMEOUT_S + 10.0
 """How long a split with no majority is watched before the heal (long enough for any side to act)."""
 
-# Events worth showing when a scenario fails (one line each, per node).
-KEY_EVENTS = {
-    "agent_started", "rendezvous_joined", "rendezvous_done", "workers_started", "workers_restarting",
-    "membership_changed", "world_size_changed", "node_dead", "node_left", "store_failover",
-    "rendezvous_store_lost", "agent_left", "job_failed", "job_succeeded", "standby", "generation_claimed",
-    "generation_superseded", "fence_claimed", "fence_superseded", "superseded", "checkpoint_requested",
-}  # fmt: skip
+MAX_EVENT_LINES = 60
+"""Per node in a failure report; repeats of one event in a row are folded into one line with a count."""
 
 
 def _fields(line: str) -> dict[str, str]:
@@ -197,11 +192,16 @@ class Scenario:
         for n in self.nodes:
             rc = n.proc.poll()
             lines.append(f"--- node{n.index} ({n.addr}) exit={rc} ---")
+            shown: list[list[str]] = []  # [event name, line, repeats]
             for e in n.events():
-                if e.get("event") in KEY_EVENTS:
-                    t = float(e.get("t", rel))
-                    rest = " ".join(f"{k}={v}" for k, v in e.items() if k not in ("event", "t", "pid"))
-                    lines.append(f"  {t - rel:7.1f}s {e['event']} {rest}"[:300])
+                t = float(e.get("t", rel))
+                rest = " ".join(f"{k}={v}" for k, v in e.items() if k not in ("event", "t", "pid"))
+                if shown and shown[-1][0] == e["event"]:
+                    shown[-1][2] = str(int(shown[-1][2]) + 1)
+                    continue
+                shown.append([e["event"], f"  {t - rel:7.1f}s {e['event']} {rest}"[:300], "1"])
+            for _, line, repeats in shown[-MAX_EVENT_LINES:]:
+                lines.append(line + (f"  (x{repeats} in a row)" if repeats != "1" else ""))
             tail = [ln for ln in n.text().splitlines() if not ln.startswith("PW_STEP")][-12:]
             lines.extend("  | " + ln[:300] for ln in tail)
         return "\n".join(lines)
