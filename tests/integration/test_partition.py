@@ -43,6 +43,13 @@ MAX_EVENT_LINES = 60
 """Per node in a failure report; repeats of one event in a row are folded into one line with a count."""
 
 
+SEGMENT_ENDS = {
+    "workers_restarting", "rendezvous_joined", "rendezvous_done", "world_superseded", "agent_left",
+    "job_succeeded", "job_failed", "rendezvous_store_lost", "node_left", "agent_signalled",
+}  # fmt: skip
+"""Events after which a node's workers of the last round no longer run."""
+
+
 def _fields(line: str) -> dict[str, str]:
     return dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
 
@@ -128,8 +135,28 @@ class Node:
             if p
         ]
 
-    def trains_at(self, ws: int, after: float) -> bool:
-        return any(s.ws == ws and s.t > after for s in self.steps())
+    def segments(self) -> list[tuple[str, float, float]]:
+        """(world, workers started, workers stopped) from this agent's events; the world named as in Step.
+
+        A segment ends at the agent's next step in the rendezvous (or its exit); workers blocked in a
+        collective still count as running, so this over-approximates how long a world lived on a node.
+        """
+        out: list[tuple[str, float, float]] = []
+        world, start = "", 0.0
+        last = 0.0
+        for e in self.events():
+            t = float(e.get("t", 0.0))
+            last = max(last, t)
+            if start and e["event"] in SEGMENT_ENDS:
+                out.append((world, start, t))
+                start = 0.0
+            if e["event"] == "rendezvous_done":
+                world = f"{e.get('master')}/r{e.get('round')}"
+            elif e["event"] == "workers_started" and world:
+                start = t
+        if start:
+            out.append((world, start, time.time() if self.proc.poll() is None else last))
+        return out
 
 
 class Scenario:
@@ -238,15 +265,39 @@ class Scenario:
 
         self.wait(together, what)
 
+    def event_worlds(self) -> dict[str, tuple[float, float, set[int]]]:
+        """world -> (first workers started, last workers stopped, nodes), from the agents' events."""
+        out: dict[str, tuple[float, float, set[int]]] = {}
+        for n in self.nodes:
+            for world, start, end in n.segments():
+                a, b, nodes = out.get(world, (start, end, set()))
+                out[world] = (min(a, start), max(b, end), nodes | {n.index})
+        return out
+
     def check_one_world_at_a_time(self) -> None:
-        """No two worlds' step intervals overlap (worlds sharing a node cannot; disjoint ones must not)."""
+        """No two worlds trained at overlapping times: from the steps, and from the agents' events.
+
+        Steps: two worlds' step intervals never overlap (worlds sharing a node cannot, disjoint ones must
+        not). Events: two worlds with disjoint nodes never had workers running at the same time.
+        """
+        spans_ev = sorted(self.event_worlds().items(), key=lambda kv: kv[1][0])
+        for i, (wa, (a0, a1, na)) in enumerate(spans_ev):
+            for wb, (b0, b1, nb) in spans_ev[i + 1 :]:
+                if not na & nb and b0 < a1 and a0 < b1:
+                    raise self.fail(
+                        f"split brain (agents' events): world {wa} (nodes {sorted(na)}) and world {wb} "
+                        f"(nodes {sorted(nb)}) ran workers at the same time, "
+                        f"{max(a0, b0) - self.t0:.1f}s..{min(a1, b1) - self.t0:.1f}s",
+                        SplitBrain,
+                    )
         spans = sorted(self.worlds().items(), key=lambda kv: kv[1][0])
         for i, (wa, (a0, a1, na, _, _)) in enumerate(spans):
             for wb, (b0, b1, nb, _, _) in spans[i + 1 :]:
                 if b0 < a1 and a0 < b1:
                     raise self.fail(
-                        f"split brain: world {wa} (nodes {sorted(na)}) and world {wb} (nodes {sorted(nb)}) "
-                        f"trained at the same time, {max(a0, b0) - self.t0:.1f}s..{min(a1, b1) - self.t0:.1f}s",
+                        f"split brain (workers' steps): world {wa} (nodes {sorted(na)}) and world {wb} "
+                        f"(nodes {sorted(nb)}) trained at the same time, "
+                        f"{max(a0, b0) - self.t0:.1f}s..{min(a1, b1) - self.t0:.1f}s",
                         SplitBrain,
                     )
 
