@@ -34,6 +34,7 @@ Options (``--rdzv-conf key=value``), in seconds:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -266,6 +267,10 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self._decided: st.Change | None = None
         self._decision_fresh = False
         self._scale_up_seen: tuple[tuple[str, ...], float] | None = None
+        self._beats = 0
+        self._keys_on: object | None = None  # the store on which this node's liveness keys exist
+        self._cached_version: int | None = None
+        self._judged_last: str | None = None
 
     # -- torch's RendezvousHandler ---------------------------------------------------------------
     def get_backend(self) -> str:
@@ -315,6 +320,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         min_nodes, max_nodes = self._params.min_nodes, self._params.max_nodes
         if self._left:
             raise NodeLeftError(f"node {self.node_id} left the job")
+        self._ensure_keys()
         state = self._update(self._joined(info))
         self._start_heartbeat()
         target = state.round + 1
@@ -364,7 +370,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                     f"({len(state.joining)} of min {min_nodes} nodes joined)"
                 )
             backoff.sleep()
-            state = self._read()
+            state = self._read_cached()
             if state != seen:
                 seen = state
                 backoff.reset()
@@ -386,7 +392,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             )
         backoff = _Backoff(self._settings.poll_min_s, self._settings.poll_max_s)
         while True:
-            cur = self._read()
+            cur = self._read_cached()
             if cur.superseded_by:
                 raise _Superseded(cur.superseded_by)
             if cur.round != round_ or self.node_id not in cur.members:
@@ -469,6 +475,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             self._obs = st.Observations()
             self._fenced_by = None
             self.generation = None
+            self._cached_version = None
         lifecycle("redirected", node=self.node_id, store=address)
 
     def _fence_change(self) -> st.Change | None:
@@ -542,7 +549,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         if fenced is not None:
             return fenced
         try:
-            state = self._read()
+            state = self._read_cached()
         except (RendezvousError, *STORE_ERRORS) as exc:
             self._quiet.log("membership_read_failed", exc)
             return None
@@ -599,6 +606,56 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         return fn
 
     # -- state access ----------------------------------------------------------------------------
+    # The state blob is read only when it changed: every write bumps a version counter next to it, and
+    # readers (monitor ticks, waiting joiners and spares) compare that counter first, a few bytes whatever
+    # the number of nodes. Heartbeats never touch the blob (see _heartbeat_once).
+    def _key(self, what: str) -> str:
+        return f"elastrain/{self.get_run_id()}/{what}"
+
+    def _ensure_keys(self) -> None:
+        """Create this node's heartbeat key and the version counter on the current store (once per store)."""
+        for _ in range(10):
+            store = self._store
+            if self._keys_on is store:
+                return
+            try:
+                self._call(lambda s=store: s.set(self._key(f"beat/{self.node_id}"), str(self._beats)))  # type: ignore[misc]
+                self._call(lambda s=store: s.add(self._key("version"), 0))  # type: ignore[misc]
+            except _StoreSwitched:
+                continue
+            self._keys_on = store
+            return
+        raise RendezvousStoreLostError("the rendezvous store kept moving (10 failovers in a row)")
+
+    def _version(self) -> int:
+        store = self._store
+        return int(self._call(lambda: store.get(self._key("version"))))
+
+    def _bump_version(self) -> None:
+        store = self._store
+        try:
+            self._call(lambda: store.add(self._key("version"), 1))
+        except (_StoreSwitched, *STORE_ERRORS) as exc:
+            self._cached_version = None  # readers re-read the blob the next time anyway
+            self._quiet.log("version_bump_failed", exc)
+
+    def _read_cached(self) -> st.RendezvousState:
+        """The state, read again only when its version counter moved (or after a store switch)."""
+        self._ensure_keys()
+        for _ in range(10):
+            try:
+                version = self._version()
+                break
+            except _StoreSwitched:
+                continue
+        else:
+            raise RendezvousStoreLostError("the rendezvous store kept moving (10 failovers in a row)")
+        if version != self._cached_version or self._cached_version is None:
+            state = self._read()
+            self._cached_version = version
+            return state
+        return self._cached
+
     def _read(self) -> st.RendezvousState:
         for _ in range(10):
             try:
@@ -640,6 +697,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 data, new_token, ok = result
                 if ok:
                     self._cached = new
+                    self._cached_version = None
+                    self._bump_version()
                     return new
                 got = (data, new_token)
                 backoff.sleep()  # lost a race: back off with jitter before the next try
@@ -673,6 +732,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         if got is None:
             return False
         self._backend, self._store, self._store_address, self._hosts_store = got
+        self._cached_version = None
         lifecycle(
             "store_failover",
             level=logging.WARNING,
@@ -715,30 +775,55 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             clock.done(time.monotonic())
 
     def _heartbeat_once(self, now: float, stalled: bool) -> None:
+        """Beat (one small key of our own), then judge the peers this node watches.
+
+        Liveness costs every node O(1) store work per beat whatever N is: it writes its own counter
+        and reads one other (the judge's). One node, the *judge* (:func:`state.judge`: the first live
+        member, else the first joiner), reads every counter in one ``multi_get`` and evicts the silent;
+        everyone else watches only the judge and evicts it when it goes silent, after which the next
+        node judges. Suspects are probed together; a refused probe evicts at once.
+        """
         s = self._settings
         clock = self._clock
-        state = self._update(lambda cur: st.beat(cur, self.node_id))
+        self._beats += 1
+        self._ensure_keys()
+        store, beat = self._store, str(self._beats)
+        self._call(lambda: store.set(self._key(f"beat/{self.node_id}"), beat))
+        state = self._read_cached()
         read_at = time.monotonic()
         stalled = clock.store_took(now, read_at) or stalled
         if self.node_id not in state.heartbeats:
             return  # not part of the job (evicted or not joined): never judge the others
-        self._obs = st.observe(self._obs, state.heartbeats, read_at, stalled)
+        judge = st.judge(state)
+        judging = judge == self.node_id
+        if judging:
+            watched = [n for n in state.heartbeats if n != self.node_id]
+        else:
+            watched = [judge] if judge is not None else []
+        counters = self._read_beats(watched)
+        if judging and self._judged_last != self.node_id:
+            # Taking over as judge: start from the previous judge's evidence, so that many nodes vanishing
+            # together (the judge among them) cost one heartbeat timeout, not one per node.
+            self._obs = st.seeded(self._obs, counters, read_at, self._read_silence())
+        self._judged_last = judge
+        self._obs = st.observe(self._obs, counters, read_at, stalled)
         dead = st.dead_nodes(self._obs, read_at, s.heartbeat_timeout_s, exclude=self.node_id)
         # Probe only suspects (a heartbeat late by 1.5 intervals), all at once with one deadline: a refused
-        # probe proves death at once, while probing everyone every tick would cost N connections per node.
+        # probe proves death at once. After a worker failure, probe every peer once.
+        probe_all, self._probe_all = self._probe_all, False
+        candidates = [n for n in state.heartbeats if n != self.node_id] if probe_all else watched
         suspects = {
             n: (state.nodes[n].addr, state.nodes[n].probe_port)
-            for n, (_, seen_at) in self._obs.seen.items()
-            if n != self.node_id
+            for n in candidates
+            if n in state.nodes
             and n not in dead
-            and n in state.nodes
-            and (self._probe_all or read_at - seen_at >= 1.5 * s.heartbeat_interval_s)
+            and (probe_all or read_at - self._obs.seen.get(n, (0, read_at))[1] >= 1.5 * s.heartbeat_interval_s)
         }
-        self._probe_all = False
         gone = liveness.refused(suspects, timeout_s=min(0.5, s.heartbeat_interval_s * 2)) if suspects else set()
         others = [m for m in st.live_members(state) if m != self.node_id]
         if (
-            others
+            judging
+            and others
             and all(m in dead for m in others)
             and not gone
             and clock.stalled_within(read_at, 3 * s.heartbeat_timeout_s)
@@ -749,6 +834,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 f"node {self.node_id} was frozen and lost contact with every peer; it leaves the job "
                 "(the others went on without it)"
             )
+        if judging:
+            self._publish_silence(st.silence(self._obs, read_at))
         silent = set(dead)
         if not (silent or gone):
             return
@@ -776,6 +863,37 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                     member=d in after.members,
                     by=self.node_id,
                 )
+
+    def _publish_silence(self, silent_for: dict[str, float]) -> None:
+        store, payload = self._store, json.dumps(silent_for, separators=(",", ":"))
+        self._call(lambda: store.set(self._key("silence"), payload))
+
+    def _read_silence(self) -> dict[str, float]:
+        """The previous judge's last snapshot of how long each node had been silent ({} if none)."""
+        store, key = self._store, self._key("silence")
+        try:
+            if not self._call(lambda: store.check([key])):
+                return {}
+            raw = json.loads(self._call(lambda: store.get(key)))
+            return {str(k): float(v) for k, v in raw.items()}
+        except (ValueError, AttributeError) as exc:
+            lifecycle("silence_snapshot_unreadable", level=logging.WARNING, error=repr(exc)[:120])
+            return {}
+
+    def _read_beats(self, nodes: list[str]) -> dict[str, int]:
+        """The heartbeat counters of ``nodes`` in one request; a key that is missing reads as -1 (silent)."""
+        if not nodes:
+            return {}
+        store = self._store
+        keys = [self._key(f"beat/{n}") for n in nodes]
+        if self._call(lambda: store.check(keys)):
+            values = self._call(lambda: store.multi_get(keys))
+            return {n: int(v) for n, v in zip(nodes, values, strict=True)}
+        # Some node has not beaten on this store yet (just joined, or a store failover): read one by one.
+        out: dict[str, int] = {}
+        for n, k in zip(nodes, keys, strict=True):
+            out[n] = int(self._call(lambda k=k: store.get(k))) if self._call(lambda k=k: store.check([k])) else -1  # type: ignore[misc]
+        return out
 
 
 def create_handler(

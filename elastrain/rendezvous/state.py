@@ -61,7 +61,8 @@ class RendezvousState:
     nodes: Mapping[str, NodeInfo] = field(default_factory=dict)
     """Every node in ``members`` or ``joining`` (departed ones are dropped)."""
     heartbeats: Mapping[str, int] = field(default_factory=dict)
-    """Per-node counters, bumped by the node's heartbeat thread."""
+    """Every node of the job (members, joiners, spares). The heartbeats themselves are per-node counters
+    kept beside the state (the handler's ``beat/<node>`` keys), so a beat never rewrites this state."""
     closed: bool = False
     store_host: str = ""
     """The node whose process hosts the state store, when the store lives in a node (c10d)."""
@@ -305,6 +306,15 @@ def change_for(state: RendezvousState, node: str, my_round: int, max_nodes: int)
     return None
 
 
+def judge(state: RendezvousState) -> str | None:
+    """The node that reads every heartbeat counter and evicts the silent: the first live member, else the
+    first joiner. Everyone else watches only the judge, so liveness costs O(1) per node per beat."""
+    live = live_members(state)
+    if live:
+        return live[0]
+    return next((n for n in state.joining if n in state.heartbeats), None)
+
+
 def nodes_waiting(state: RendezvousState, max_nodes: int) -> int:
     """What ``num_nodes_waiting`` reports: newcomers that fit plus departed members (each needs a new round)."""
     return min(len(newcomers(state)), room(state, max_nodes)) + sum(1 for m in state.members if m in state.departed)
@@ -350,6 +360,27 @@ def observe(obs: Observations, heartbeats: Mapping[str, int], now: float, stalle
         else:
             seen[node] = prev
     return Observations(seen=seen, last_read=now)
+
+
+def seeded(obs: Observations, counters: Mapping[str, int], now: float, silent_for: Mapping[str, float]) -> Observations:
+    """Take over the evidence of a previous judge, before :func:`observe` records ``counters``.
+
+    Nodes it saw silent for ``silent_for[n]`` seconds start with that much silence already counted,
+    unless this observer saw their counter at another value before (then it moved: no evidence).
+    """
+    seen = dict(obs.seen)
+    for node, counter in counters.items():
+        silent = silent_for.get(node)
+        prev = seen.get(node)
+        if silent is None or (prev is not None and prev[0] != counter):
+            continue
+        seen[node] = (counter, min(prev[1] if prev else now, now - silent))
+    return Observations(seen=seen, last_read=obs.last_read)
+
+
+def silence(obs: Observations, now: float) -> dict[str, float]:
+    """How long each observed node has been silent, for the judge's published snapshot."""
+    return {n: round(now - t, 3) for n, (_, t) in obs.seen.items()}
 
 
 def dead_nodes(obs: Observations, now: float, timeout_s: float, exclude: str) -> list[str]:

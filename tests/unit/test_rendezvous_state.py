@@ -128,3 +128,23 @@ def test_store_successors_skip_the_host_and_follow_rank_order() -> None:
     after = st.after_store_failover(s, "b")
     assert after.store_host == "b" and after.departed == {"a": "silent"}
     assert st.after_store_failover(s, "b", st.Departure.DEAD).departed == {"a": "dead"}
+
+
+def test_a_new_judge_starts_from_the_previous_judges_evidence() -> None:
+    counters = {"b": 3, "c": 7}
+    obs = st.seeded(st.Observations(), counters, now=100.0, silent_for={"b": 4.0, "c": 4.0, "gone": 9.0})
+    obs = st.observe(obs, counters, now=100.0, stalled=False)
+    assert st.dead_nodes(obs, 101.5, timeout_s=5.0, exclude="a") == ["b", "c"]
+    # A counter that moved since this node last saw it starts fresh: the snapshot is no evidence against it.
+    moved = st.observe(st.Observations(), {"b": 3}, now=99.0, stalled=False)
+    moved = st.seeded(moved, {"b": 4}, now=100.2, silent_for={"b": 4.0})
+    moved = st.observe(moved, {"b": 4}, now=100.2, stalled=False)
+    assert st.dead_nodes(moved, 101.5, timeout_s=5.0, exclude="a") == []
+
+
+def test_judge_is_the_first_live_member_else_the_first_joiner() -> None:
+    s = formed("a", "b", "c")
+    assert st.judge(s) == "a"
+    assert st.judge(st.remove(s, ["a"], "dead")) == "b"
+    assert st.judge(joined("x", "y")) == "x"
+    assert st.judge(st.RendezvousState()) is None
