@@ -17,7 +17,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +26,7 @@ import pytest
 from netns import Network
 from support import alive, elastrain_cmd, reaped, spawn, wait_for
 
-from elastrain.log import parse_event_line
+from elastrain.log import format_event, parse_event_line
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "partition_worker.py")
 PORT = 29400  # every node namespace has its own ports: a fixed one never collides
@@ -71,33 +71,17 @@ class Step:
     """The process group: its master address and port and the round (unique per world)."""
 
 
-class Node:
-    """One elastrain-run agent inside node ``index``'s namespace (the pattern of tests/e2e/test_membership.py)."""
+class NodeLog:
+    """What one node's log says: its workers' steps and its agent's events (also for logs of past runs)."""
 
-    def __init__(self, net: Network, index: int, tmp: Path, stop_file: Path) -> None:
+    def __init__(self, index: int, addr: str, log: Path) -> None:
         self.index = index
-        self.addr = net.nodes[index].addr
-        self.log = tmp / f"node{index}.log"
-        n = len(net.nodes)
-        conf = f"is_host={'1' if index == 0 else '0'},heartbeat_timeout={HEARTBEAT_TIMEOUT_S}"
-        cmd = elastrain_cmd(
-            "--nnodes", f"1:{n}",
-            "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"{net.nodes[0].addr}:{PORT}",
-            "--rdzv-id", "partition-test",
-            "--rdzv-conf", conf,
-            "--local-addr", self.addr,
-            "--max-restarts", "3",
-            "--checkpoint-dir", str(tmp / "ckpt"),
-            SCRIPT,
-        )  # fmt: skip
-        env = {
-            "PW_STOP_FILE": str(stop_file),
-            "PW_TIMEOUT": str(WORKER_TIMEOUT_S),
-            "GLOO_SOCKET_IFNAME": netns.NODE_IF,  # the hostname resolves to the host's address, not ours
-        }
-        self.proc = spawn(net.cmd(index, cmd), self.log, env=env)
+        self.addr = addr
+        self.log = log
+
+    def exit_code(self) -> int | None:
+        """The agent's exit status; ``None`` while it runs (a replayed log counts as exited, status 0)."""
+        return 0
 
     def text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -155,45 +139,53 @@ class Node:
             elif e["event"] == "workers_started" and world:
                 start = t
         if start:
-            out.append((world, start, time.time() if self.proc.poll() is None else last))
+            out.append((world, start, time.time() if self.exit_code() is None else last))
         return out
 
 
-class Scenario:
-    """The nodes of one test, the times of its cuts and heals, and the checks over their step history."""
+class Node(NodeLog):
+    """One elastrain-run agent inside node ``index``'s namespace (the pattern of tests/e2e/test_membership.py)."""
 
-    def __init__(self, net: Network, tmp: Path) -> None:
-        self.net = net
-        self.stop_file = tmp / "stop"
-        self.t0 = time.time()
-        self.nodes: list[Node] = []
-        for i in range(len(net.nodes)):
-            self.nodes.append(Node(net, i, tmp, self.stop_file))
-            if i == 0:
-                time.sleep(0.5)  # the store host first, as a launcher would
+    def __init__(self, net: Network, index: int, tmp: Path, stop_file: Path) -> None:
+        super().__init__(index, net.nodes[index].addr, tmp / f"node{index}.log")
+        n = len(net.nodes)
+        conf = f"is_host={'1' if index == 0 else '0'},heartbeat_timeout={HEARTBEAT_TIMEOUT_S}"
+        cmd = elastrain_cmd(
+            "--nnodes", f"1:{n}",
+            "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{net.nodes[0].addr}:{PORT}",
+            "--rdzv-id", "partition-test",
+            "--rdzv-conf", conf,
+            "--local-addr", self.addr,
+            "--max-restarts", "3",
+            "--checkpoint-dir", str(tmp / "ckpt"),
+            SCRIPT,
+        )  # fmt: skip
+        env = {
+            "PW_STOP_FILE": str(stop_file),
+            "PW_TIMEOUT": str(WORKER_TIMEOUT_S),
+            "GLOO_SOCKET_IFNAME": netns.NODE_IF,  # the hostname resolves to the host's address, not ours
+        }
+        self.proc = spawn(net.cmd(index, cmd), self.log, env=env)
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
+
+class History:
+    """The nodes' logs, the times of cuts and heals, and the checks over what the nodes did (Jepsen-style)."""
+
+    def __init__(self, nodes: Sequence[NodeLog], t0: float) -> None:
+        self.nodes = nodes
+        self.t0 = t0
         self.marks: list[tuple[float, str]] = []
         self.cut_off: dict[int, float] = {}
         """Nodes cut off from the majority, and since when: they must complete no round meanwhile."""
 
-    def mark(self, what: str) -> float:
-        t = time.time()
+    def mark(self, what: str, t: float | None = None) -> float:
+        t = time.time() if t is None else t
         self.marks.append((t, what))
-        return t
-
-    def isolate(self, i: int) -> float:
-        """Cut node ``i`` off from the others; returns the time of the cut."""
-        self.net.isolate(i)
-        t = self.mark(f"node{i} cut off")
-        self.cut_off[i] = t
-        return t
-
-    def heal(self) -> float:
-        """Heal every cut; returns the time of the heal (after checking the cut-off nodes formed no round)."""
-        t = self.mark("healed")
-        for i, since in self.cut_off.items():
-            self.check_no_round_alone(i, since, t)
-        self.cut_off.clear()
-        self.net.heal()
         return t
 
     def steps(self) -> list[Step]:
@@ -217,7 +209,7 @@ class Scenario:
                 f"steps {first - rel:.1f}s..{last - rel:.1f}s"
             )
         for n in self.nodes:
-            rc = n.proc.poll()
+            rc = n.exit_code()
             lines.append(f"--- node{n.index} ({n.addr}) exit={rc} ---")
             shown: list[list[str]] = []  # [event name, line, repeats]
             for e in n.events():
@@ -311,6 +303,49 @@ class Scenario:
                     f"(nodes {sorted(worlds[s.world][2])}, ws {s.ws}) that lacks nodes {sorted(required)}"
                 )
 
+    def check_no_round_alone(self, i: int, start: float, end: float) -> None:
+        """Node ``i``, cut off from the majority, completed no rendezvous round between ``start`` and ``end``."""
+        rounds = [e for e in self.nodes[i].events("rendezvous_done") if start < float(e["t"]) < end]
+        if rounds:
+            e = rounds[0]
+            raise self.fail(
+                f"node{i} was cut off but completed round {e.get('round')} with nodes={e.get('nodes')} "
+                f"(world size {e.get('world_size')}, master {e.get('master')}) at {float(e['t']) - self.t0:.1f}s: "
+                "a world of its own",
+                SplitBrain,
+            )
+
+
+class Scenario(History):
+    """One test's nodes, started in the namespaces of ``net``, and the cuts and heals done to them."""
+
+    def __init__(self, net: Network, tmp: Path) -> None:
+        self.net = net
+        self.stop_file = tmp / "stop"
+        t0 = time.time()
+        self.agents: list[Node] = []
+        for i in range(len(net.nodes)):
+            self.agents.append(Node(net, i, tmp, self.stop_file))
+            if i == 0:
+                time.sleep(0.5)  # the store host first, as a launcher would
+        super().__init__(self.agents, t0)
+
+    def isolate(self, i: int) -> float:
+        """Cut node ``i`` off from the others; returns the time of the cut."""
+        self.net.isolate(i)
+        t = self.mark(f"node{i} cut off")
+        self.cut_off[i] = t
+        return t
+
+    def heal(self) -> float:
+        """Heal every cut; returns the time of the heal (after checking the cut-off nodes formed no round)."""
+        t = self.mark("healed")
+        for i, since in self.cut_off.items():
+            self.check_no_round_alone(i, since, t)
+        self.cut_off.clear()
+        self.net.heal()
+        return t
+
     def wait_workers_stopped(self, i: int, cut: float) -> None:
         """Node ``i``'s workers of before the ``cut`` are gone within STOP_BOUND of it, none started since."""
         node = self.nodes[i]
@@ -326,22 +361,10 @@ class Scenario:
             ) from None
         self.check_no_round_alone(i, cut, time.time())
 
-    def check_no_round_alone(self, i: int, start: float, end: float) -> None:
-        """Node ``i``, cut off from the majority, completed no rendezvous round between ``start`` and ``end``."""
-        rounds = [e for e in self.nodes[i].events("rendezvous_done") if start < float(e["t"]) < end]
-        if rounds:
-            e = rounds[0]
-            raise self.fail(
-                f"node{i} was cut off but completed round {e.get('round')} with nodes={e.get('nodes')} "
-                f"(world size {e.get('world_size')}, master {e.get('master')}) at {float(e['t']) - self.t0:.1f}s: "
-                "a world of its own",
-                SplitBrain,
-            )
-
     def finish(self) -> None:
         """Stop the job through the stop file; every agent must exit 0."""
         self.stop_file.touch()
-        for n in self.nodes:
+        for n in self.agents:
             try:
                 rc = n.proc.wait(timeout=BOUND)
             except subprocess.TimeoutExpired:
@@ -380,7 +403,7 @@ def scenario(make_network: Callable[[int], Network], tmp_path: Path) -> Iterator
         yield start
     finally:
         for sc in started:
-            with reaped(*(n.proc for n in sc.nodes)):
+            with reaped(*(n.proc for n in sc.agents)):
                 pass
 
 
@@ -443,6 +466,72 @@ def test_stale_namespaces_are_removed() -> None:
             fresh.close()
     finally:
         subprocess.run(["ip", "netns", "delete", old], capture_output=True, timeout=20)
+
+
+# -- the history checks, on made-up logs ---------------------------------------------------------------
+def _history(tmp: Path, logs: dict[int, list[str]]) -> History:
+    nodes = []
+    for i, lines in logs.items():
+        path = tmp / f"node{i}.log"
+        path.write_text("\n".join(lines) + "\n")
+        nodes.append(NodeLog(i, f"{netns.SUBNET}.{i + 1}", path))
+    return History(nodes, 1000.0)
+
+
+def _step(t: float, ws: int, rnd: int, world: str) -> str:
+    return f"PW_STEP t={t:.3f} step=1 rank=0 ws={ws} round={rnd} gen={rnd} world={world} pid=1"
+
+
+def _world(t: float, rnd: int, master: str, nodes: int) -> list[str]:
+    return [
+        format_event("rendezvous_done", round=rnd, nodes=nodes, master=master, t=t),
+        format_event("workers_started", round=rnd, pids="1", t=t + 0.01),
+    ]
+
+
+def test_history_one_world_after_another_passes(tmp_path: Path) -> None:
+    a, b = "10.213.0.1:1000", "10.213.0.1:2000"
+    old = [_step(1001 + k * 0.1, 3, 0, a) for k in range(5)]
+    new = [_step(1010 + k * 0.1, 2, 1, b) for k in range(5)]
+    restart = [format_event("workers_restarting", t=1009.0)]
+    h = _history(
+        tmp_path,
+        {
+            0: [*_world(1000, 0, a, 3), *old, *restart, *_world(1009.5, 1, b, 2), *new],
+            1: [*_world(1000, 0, a, 3), *old, *restart, *_world(1009.5, 1, b, 2), *new],
+            2: [*_world(1000, 0, a, 3), *old],  # cut off: its workers hang in the old world
+        },
+    )
+    h.check_one_world_at_a_time()
+    h.check_no_world_without({0, 1}, 1005, 1020, "minority world")
+    h.check_no_round_alone(2, 1005, 1020)
+
+
+def test_history_finds_two_worlds_at_once(tmp_path: Path) -> None:
+    a, b = "10.213.0.1:1000", "10.213.0.3:3000"
+    h = _history(
+        tmp_path,
+        {
+            0: [*_world(1000, 1, a, 2), *(_step(1001 + k, 2, 1, a) for k in range(10))],
+            1: [*_world(1000, 1, a, 2), *(_step(1001 + k, 2, 1, a) for k in range(10))],
+            2: [*_world(1005, 1, b, 1), *(_step(1006 + k, 1, 1, b) for k in range(10))],
+        },
+    )
+    with pytest.raises(SplitBrain, match=r"world 10.213.0.3:3000/r1 \(nodes \[2\]\)"):
+        h.check_one_world_at_a_time()
+    with pytest.raises(AssertionError, match="node2 stepped"):
+        h.check_no_world_without({0, 1}, 1000, 1020, "minority world")
+    with pytest.raises(SplitBrain, match="node2 was cut off but completed round 1"):
+        h.check_no_round_alone(2, 1000, 1020)
+
+
+def test_history_finds_two_worlds_from_events_alone(tmp_path: Path) -> None:
+    # The second world's workers never stepped (say, they hung in init): the agents' events still tell.
+    a, b = "10.213.0.1:1000", "10.213.0.3:3000"
+    end = format_event("job_succeeded", t=1010.0)
+    h = _history(tmp_path, {0: [*_world(1000, 1, a, 1), end], 1: [*_world(1001, 1, b, 1), end]})
+    with pytest.raises(SplitBrain, match="agents' events"):
+        h.check_one_world_at_a_time()
 
 
 # -- partitions --------------------------------------------------------------------------------------
