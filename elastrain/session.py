@@ -27,7 +27,6 @@ import logging
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 from elastrain.checkpoint import Checkpointer, RestoreInfo
+from elastrain.checkpoint.storage import join_path
 from elastrain.control import ControlChannel
 from elastrain.data import ElasticSampler, EpochEnd, RankStep
 from elastrain.env import WorkerEnv
@@ -346,9 +346,8 @@ class Session:
     def _open_metrics(self, restored_step: int) -> None:
         events_path = self.env.events_file
         if self._metrics_dir:
-            Path(self._metrics_dir).mkdir(parents=True, exist_ok=True)
-            events_path = events_path or str(Path(self._metrics_dir) / EVENTS_FILENAME)
-            metrics_path = Path(self._metrics_dir) / METRICS_FILENAME
+            events_path = events_path or join_path(self._metrics_dir, EVENTS_FILENAME)
+            metrics_path = join_path(self._metrics_dir, METRICS_FILENAME)
             # Steps logged past the restored one were computed by a start that died: they are re-run now.
             logged = max((p.step for p in read_metrics(metrics_path).active), default=0)
             self._steps_rerun = max(0, logged - restored_step)
@@ -369,6 +368,8 @@ class Session:
                 self.events.record("checkpoint", step=self.state.step, reason="final")
             self.checkpointer.close()
             self.checkpointer = None
+        if self._metrics is not None:
+            self._metrics.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
@@ -473,6 +474,8 @@ class Session:
         self.state.advance(step.global_size, sampler.epoch)
         request = self._control.pending() if self._control is not None else None
         if self.checkpointer is not None and self.checkpointer.maybe_save(self.state.step):
+            if self._metrics is not None:
+                self._metrics.checkpointed(self.state.step)  # object stores: no restorable step's points lost
             # A save the launcher asked for announces a membership change: a preemption notice, a node leaving.
             self.events.record("checkpoint", step=self.state.step, requested=request.reason if request else None)
             if request is not None and self._control is not None:

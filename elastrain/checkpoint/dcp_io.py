@@ -93,7 +93,9 @@ def writer_for(path: str, thread_count: int = 1) -> FileSystemWriter:
     if is_url(path):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        return FsspecWriter(path, thread_count=thread_count, overwrite=False)
+        # No fsync: a put is durable once closed, and DCP's fallback for streams without a file
+        # descriptor is os.sync() of the whole machine after every file.
+        return FsspecWriter(path, thread_count=thread_count, overwrite=False, sync_files=False)
     return FileSystemWriter(path, thread_count=thread_count, overwrite=False)
 
 

@@ -1,8 +1,17 @@
 """Where checkpoint files live: a local/shared filesystem path, or any fsspec URL.
 
 The layout code (:mod:`elastrain.checkpoint.layout`) goes through this small interface so that it
-works the same on ``/mnt/outputs/ckpt`` and on ``s3://bucket/ckpt``. Local writes are fsynced
-(files and their directory); object stores make a completed ``put`` durable on their own.
+works the same on ``/mnt/outputs/ckpt``, ``s3://bucket/ckpt`` and ``az://container/ckpt``. Local
+writes are fsynced (files and their directory); object stores make a completed ``put`` durable and
+atomic on their own: an object is either absent or whole, never torn.
+
+Credentials and endpoints come from the standard mechanisms of each fsspec backend, so elastrain
+invents no option of its own: ``AWS_*`` variables (``AWS_ENDPOINT_URL`` for MinIO and other
+S3-compatible servers) or ``~/.aws`` for ``s3://``; ``AZURE_STORAGE_CONNECTION_STRING`` or
+``AZURE_STORAGE_ACCOUNT_NAME`` plus a managed identity for ``az://`` / ``abfs://``; and fsspec's own
+configuration (``FSSPEC_S3_ENDPOINT_URL=...``, ``FSSPEC_AZ='{"account_name": ...}'`` or a JSON file in
+``~/.config/fsspec/``) for any keyword argument of a backend. Workers inherit the launcher's
+environment, so setting these where ``elastrain-run`` starts reaches every rank.
 """
 
 from __future__ import annotations
@@ -10,16 +19,30 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
+import uuid
 import zlib
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+from elastrain.errors import CheckpointError
+
 _CHUNK = 8 << 20
+# Backends where one put is atomic and a rename is a copy: write in place instead of temp + move.
+OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "oss", "r2"})
 
 
 def is_url(path: str) -> bool:
     """Whether ``path`` names an fsspec location (``s3://...``) rather than a local path."""
     return "://" in path and not path.startswith("file://")
+
+
+def join_path(base: str | os.PathLike[str], *parts: str) -> str:
+    """``base/part/...`` for a local path or a URL (``pathlib`` would turn ``s3://b`` into ``s3:/b``)."""
+    text = os.fspath(base)
+    if is_url(text):
+        return "/".join([text.rstrip("/"), *(p.strip("/") for p in parts)])
+    return os.path.join(text, *parts)
 
 
 class Storage(Protocol):
@@ -110,20 +133,28 @@ class FsspecStorage:
 
         self.fs, _ = url_to_fs(url, **storage_options)
         self._protocol = url.split("://", 1)[0]
+        self.object_store = self._protocol in OBJECT_STORES
 
     def _url(self, path: str) -> str:
         return path if "://" in path else f"{self._protocol}://{path}"
+
+    def _fresh(self) -> None:
+        # Other ranks and nodes write here too: never answer from this process's cached listings.
+        self.fs.invalidate_cache()
 
     def join(self, *parts: str) -> str:
         return "/".join(p.rstrip("/") for p in parts)
 
     def exists(self, path: str) -> bool:
+        self._fresh()
         return bool(self.fs.exists(path))
 
     def isdir(self, path: str) -> bool:
+        self._fresh()
         return bool(self.fs.isdir(path))
 
     def listdir(self, path: str) -> list[str]:
+        self._fresh()
         try:
             entries = self.fs.ls(path, detail=False)
         except FileNotFoundError:
@@ -131,6 +162,7 @@ class FsspecStorage:
         return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def size(self, path: str) -> int:
+        self._fresh()
         return int(self.fs.size(path))
 
     def makedirs(self, path: str) -> None:
@@ -140,7 +172,9 @@ class FsspecStorage:
         return bytes(self.fs.cat_file(path))
 
     def write_atomic(self, path: str, data: bytes) -> None:
-        # A single put is atomic on object stores; elsewhere write then move.
+        if self.object_store:  # one put: readers see the old object, or the new one whole
+            self.fs.pipe_file(path, data)
+            return
         tmp = f"{path}.tmp"
         self.fs.pipe_file(tmp, data)
         self.fs.mv(tmp, path)
@@ -154,6 +188,7 @@ class FsspecStorage:
             self.fs.rm(path, recursive=True)
 
     def walk_files(self, path: str) -> Iterator[str]:
+        self._fresh()
         base = self.fs._strip_protocol(path).rstrip("/")
         found = [str(f)[len(base) + 1 :] for f in self.fs.find(path)]
         yield from sorted(found)
@@ -171,6 +206,83 @@ def storage_for(path: str) -> Storage:
     if is_url(path):
         return FsspecStorage(path)
     return LocalStorage()
+
+
+class ProbeGroup(Protocol):
+    """The collectives :func:`check_shared` needs (:class:`elastrain.checkpoint.group.Group` has them)."""
+
+    rank: int
+    world_size: int
+
+    def all_gather(self, obj: Any) -> list[Any]: ...
+    def broadcast(self, obj: Any) -> Any: ...
+
+
+PROBE_PREFIX = ".elastrain-shared-"
+
+
+def check_shared(root: str, group: ProbeGroup, storage: Storage | None = None) -> None:
+    """Raise :class:`CheckpointError` on every rank unless every rank sees the same checkpoint root.
+
+    A multi-node job needs one checkpoint location that all nodes see (a shared filesystem or an
+    object store): each rank writes a token file under ``root``, then checks that it sees every
+    rank's token. A node-local directory (``/tmp/ckpt`` on each node) fails here, at start, with a
+    message naming ``--checkpoint-dir``, rather than at the first save. A collective over ``group``;
+    URLs and one-process worlds pass without probing.
+    """
+    if group.world_size <= 1 or is_url(root):
+        return
+    st = storage or storage_for(root)
+    nonce = group.broadcast(uuid.uuid4().hex[:12] if group.rank == 0 else None)
+    probe = st.join(root, f"{PROBE_PREFIX}{nonce}")
+    mine = st.join(probe, f"rank-{group.rank:05d}")
+    host = socket.gethostname()
+    error: str | None = None
+    try:
+        st.makedirs(probe)
+        st.write_atomic(mine, host.encode())
+    except OSError as e:
+        error = f"{type(e).__name__}: {e}"
+    group.all_gather(error)  # every rank has written (or failed to) before anyone looks
+    try:
+        seen = set(st.listdir(probe))
+    except OSError:
+        seen = set()
+    missing = [r for r in range(group.world_size) if f"rank-{r:05d}" not in seen]
+    reports: list[tuple[str, list[int], str | None]] = group.all_gather((host, missing, error))
+    st.remove(mine)
+    group.all_gather(None)  # every rank has looked before the folder goes
+    with contextlib.suppress(OSError):
+        os.rmdir(probe)
+    problems = []
+    for rank, (rank_host, rank_missing, rank_error) in enumerate(reports):
+        if rank_error is not None:
+            problems.append(f"rank {rank} on {rank_host} cannot write there ({rank_error})")
+        elif rank_missing:
+            whose = f"rank{'s' if len(rank_missing) > 1 else ''} {_ranges(rank_missing)}"
+            problems.append(f"rank {rank} on {rank_host} does not see the probe files of {whose}")
+    if problems:
+        raise CheckpointError(
+            f"--checkpoint-dir {root} is not one directory shared by all nodes: "
+            + "; ".join(problems[:4])
+            + (f"; ... ({len(problems)} ranks in all)" if len(problems) > 4 else "")
+            + ". Point --checkpoint-dir at a filesystem every node mounts at the same path (NFS, Lustre, "
+            "blobfuse) or at an object-store URL (s3://bucket/run, az://container/run)"
+        )
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``"0-2, 5"``."""
+    out: list[str] = []
+    start = prev = ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ", ".join(out)
 
 
 def fsync_dir(path: str) -> None:

@@ -72,6 +72,7 @@ def test_leave_makes_survivor_reform_at_once() -> None:
     try:
         rendezvous_all([a, b])
         b.leave("SIGTERM")
+        eventually(lambda: a.membership_change() is not None)  # within one heartbeat interval
         change = a.membership_change()
         assert change is not None and change.kind is st.ChangeKind.DEPARTED
         assert a.num_nodes_waiting() >= 1
@@ -156,6 +157,7 @@ def test_a_node_beyond_max_is_a_spare_and_takes_a_departed_members_place() -> No
         assert b.membership_change() is None
         assert not got
         b.leave("SIGTERM")
+        eventually(lambda: a.membership_change() is not None)
         change = a.membership_change()
         assert change is not None and change.kind is st.ChangeKind.DEPARTED
         info = a.next_rendezvous()

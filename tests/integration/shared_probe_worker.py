@@ -1,0 +1,34 @@
+"""Worker for the node-local checkpoint directory test: runs the start-time probe and says what it found."""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from elastrain import WorkerEnv
+from elastrain.checkpoint.group import Group
+from elastrain.checkpoint.storage import check_shared
+from elastrain.errors import CheckpointError
+
+
+def main() -> int:
+    env = WorkerEnv.from_environ()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    group = Group(None, 30)
+    root = env.checkpoint_dir or ""
+    try:
+        check_shared(root, group)
+    except CheckpointError as e:
+        print(f"NOT_SHARED rank={env.rank} {e}", flush=True)
+        return 3
+    finally:
+        group.destroy()
+        dist.destroy_process_group()
+    print(f"SHARED rank={env.rank}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
