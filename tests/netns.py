@@ -24,6 +24,7 @@ namespaces (only ever ones a test started there) are SIGKILLed by pid first.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import re
@@ -56,8 +57,13 @@ def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+@functools.cache
 def unavailable_reason() -> str | None:
-    """``None`` if this process may create network namespaces, veth pairs and bridges; else why not."""
+    """``None`` if this process may create network namespaces, veth pairs and bridges; else why not.
+
+    Found by trying (a namespace with a veth pair and a bridge, deleted at once): being root is not
+    enough where a container lacks CAP_SYS_ADMIN/CAP_NET_ADMIN or the kernel lacks veth/bridge.
+    """
     name = f"{PREFIX}-{int(time.time())}-{os.getpid()}-{next(_seq)}-hub"
     try:
         _run("ip", "netns", "add", name)

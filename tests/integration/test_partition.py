@@ -9,7 +9,11 @@ lost, as in a real split; nothing is refused, so no node can prove another dead.
 The tests check behaviour from the workers' step lines (time, world, world size, round, generation):
 the majority side trains on, the cut-off side stops its workers and forms no world, the nodes rejoin one
 world after the heal, and never do two worlds train at overlapping times. Bounds are generous and only
-stop hangs; when an assertion fails, the message holds the whole timeline and each node's key events.
+stop hangs; when an assertion fails, the message holds the whole timeline and each node's events.
+
+They need root with CAP_SYS_ADMIN and CAP_NET_ADMIN (``ip netns add``) and iproute2; where the kernel
+refuses, they skip with the reason (and so fail in CI, which must run them). Run them alone with
+``python -m pytest tests/integration/test_partition.py``; about a minute per scenario.
 """
 
 from __future__ import annotations
