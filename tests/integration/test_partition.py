@@ -40,12 +40,12 @@ STOP_BOUND = HEARTBEAT_TIMEOUT_S + 20.0
 """A cut-off node must have stopped its workers by then: far sooner than their gloo timeout (PW_TIMEOUT),
 so only the agent (told by its rendezvous) can have stopped them, not a collective that timed out."""
 WORKER_TIMEOUT_S = 120.0
-SETTLE_S = 2 * HEARTBEAT_TIMEOUT_S + 10.0
-"""How long a split with no majority is watched before the heal (long enough for any side to act)."""
+SETTLE_S = 3 * HEARTBEAT_TIMEOUT_S + 12.0
+"""How long a split with no majority is watched before the heal: long enough for either side to detect the
+split (heartbeat timeout), fail the store over (read and store-lost timeouts) and claim a generation."""
 
 MAX_EVENT_LINES = 60
 """Per node in a failure report; repeats of one event in a row are folded into one line with a count."""
-
 
 SEGMENT_ENDS = {
     "workers_restarting", "rendezvous_joined", "rendezvous_done", "world_superseded", "agent_left",
