@@ -352,7 +352,59 @@ def agent_only_kill(job: Job, cap: float) -> Outcome:
     return Outcome(float(got) - t, "orphan gone")
 
 
+def _three_with_spare(job: Job, cap: float) -> tuple[Node, Node, Node] | None:
+    pair = _two_nodes(job, cap)
+    if pair is None:
+        return None
+    a, b = pair
+    c = job.start("c")  # beyond --nnodes 1:2: a spare
+    return a, b, c
+
+
+def spare_arrives(job: Job, cap: float) -> Outcome:
+    """A third node arrives at a full 2-node job: the longest gap between a's steps in the next 15 s."""
+    trio = _three_with_spare(job, cap)
+    if trio is None:
+        return Outcome(None, "did not start")
+    a, _, _ = trio
+    starts = sum(1 for x in a.text().splitlines() if x.startswith("MW_START"))
+    t = time.time()
+    time.sleep(15.0)
+    times = sorted(float(s["t"]) for s in a.steps() if float(s["t"]) > t)
+    if len(times) < 2:
+        return Outcome(None, "a stopped training")
+    gap = max(y - x for x, y in zip([t, *times], times, strict=False))
+    restarts = sum(1 for x in a.text().splitlines() if x.startswith("MW_START")) - starts
+    return Outcome(gap, f"longest gap; {restarts} restarts")
+
+
+def spare_takeover(job: Job, cap: float) -> Outcome:
+    """A member of a full job with a spare is SIGKILLed: until the spare and the survivor train at size 2."""
+    trio = _three_with_spare(job, cap)
+    if trio is None:
+        return Outcome(None, "did not start")
+    a, b, c = trio
+    time.sleep(8.0)  # the spare has joined (and, with torch, is on its redundancy list)
+    t = time.time()
+    _signal(_tree(b.proc.pid), signal.SIGKILL)
+
+    def done() -> float | bool | None:
+        if a.proc.poll() is not None:
+            return True
+        fa, fc = a.first_step(2, t), c.first_step(2, t)
+        return max(fa, fc) if fa and fc else None
+
+    got = _wait(done, cap)
+    if got is True:
+        return Outcome(None, f"job died ({time.time() - t:.0f} s)")
+    if got is None:
+        return Outcome(None)
+    return Outcome(float(got) - t, breakdown=_breakdown(a, t, float(got)))
+
+
 SCENARIOS: dict[str, Callable[[Job, float], Outcome]] = {
+    "spare_arrives": spare_arrives,
+    "spare_takeover": spare_takeover,
     "node_sigkill": node_sigkill,
     "agent_sigterm": agent_sigterm,
     "node_returns": node_returns,

@@ -384,7 +384,13 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             return state
         round_ = state.round
         if state.members[0] == self.node_id and state.generation_round != round_:
-            generation = self._claim(state, root)
+            try:
+                generation = self._claim(state, root)
+            except OSError as exc:
+                raise RendezvousError(
+                    f"--checkpoint-dir {root}: cannot claim the job's fencing generation there ({exc}); "
+                    "it must be a directory (or URL) that every node can write"
+                ) from exc
             after = self._update(lambda cur: st.record_generation(cur, round_, generation))
             if after.round != round_:
                 raise _RoundLost()
@@ -398,6 +404,9 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 raise _Superseded(cur.superseded_by)
             if cur.round != round_ or self.node_id not in cur.members:
                 raise _RoundLost()
+            change = st.change_for(cur, self.node_id, round_, self._params.max_nodes)
+            if change is not None and change.kind is not st.ChangeKind.SCALE_UP:
+                raise _RoundLost()  # the leader died (or a member left) before the generation was settled
             if cur.generation_round == round_:
                 self.generation = cur.generation
                 return cur

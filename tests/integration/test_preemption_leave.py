@@ -172,7 +172,7 @@ def test_notice_checkpoints_leaves_and_the_survivor_resumes_from_the_committed_s
     more = TOTAL_STEPS + 3
     proc = run(
         [
-            PYTHON, "-m", "launch.azureml.entrypoint", "--checkpoint-dir", str(ckpt_dir),
+            PYTHON, "-m", "elastrain.platforms.azureml.entrypoint", "--checkpoint-dir", str(ckpt_dir),
             "--preemption-watchers", "none", "--", str(script), str(more), str(STEP_S), str(ledger),
         ],
         timeout=90,

@@ -11,11 +11,11 @@ from torch.distributed.run import config_from_args
 
 from elastrain.errors import LaunchSpecError
 from elastrain.launcher.options import build_parser, options_from_args, validate_and_default
-from launch.azureml import example_specs as examples
-from launch.azureml.__main__ import main as aml_main
-from launch.azureml.entrypoint import _parser, elastrain_argv, read_azureml_env, worker_environ
-from launch.azureml.entrypoint import main as entry_main
-from launch.azureml.spec import (
+from elastrain.platforms.azureml import example_specs as examples
+from elastrain.platforms.azureml.__main__ import main as aml_main
+from elastrain.platforms.azureml.entrypoint import _parser, elastrain_argv, read_azureml_env, worker_environ
+from elastrain.platforms.azureml.entrypoint import main as entry_main
+from elastrain.platforms.azureml.spec import (
     AzureMLJobParams,
     check_command_job,
     check_compute,
@@ -24,7 +24,7 @@ from launch.azureml.spec import (
     entrypoint_command,
     warnings,
 )
-from launch.render import from_yaml, to_yaml
+from elastrain.platforms.render import examples_dir, from_yaml, stale_files, to_yaml
 
 BASE = AzureMLJobParams(script=("train.py", "--lr", "0.1"), compute="lowpri", min_nodes=2, max_nodes=4)
 AML_ENV = {
@@ -113,7 +113,9 @@ def test_warns_about_the_c10d_store_on_a_low_priority_node() -> None:
 def test_yaml_round_trip_and_examples_are_current() -> None:
     docs = [compute_cluster(BASE), command_job(BASE)]
     assert from_yaml(to_yaml(docs)) == docs
-    assert examples.stale() == [], "run: python -m launch.azureml examples --write"
+    assert stale_files(examples.rendered(), examples_dir(examples.PLATFORM)) == [], (
+        "run: python -m elastrain.platforms.azureml examples --write"
+    )
     compute, job = (from_yaml(t)[0] for t in examples.rendered().values())
     check_compute(compute)
     check_command_job(job)

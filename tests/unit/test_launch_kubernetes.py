@@ -10,10 +10,10 @@ from torch.distributed.run import config_from_args
 
 from elastrain.errors import LaunchSpecError
 from elastrain.launcher.options import build_parser, options_from_args, validate_and_default
-from launch.kubernetes import example_specs as examples
-from launch.kubernetes import schema
-from launch.kubernetes.__main__ import main as k8s_main
-from launch.kubernetes.spec import (
+from elastrain.platforms.kubernetes import example_specs as examples
+from elastrain.platforms.kubernetes import schema
+from elastrain.platforms.kubernetes.__main__ import main as k8s_main
+from elastrain.platforms.kubernetes.spec import (
     PyTorchJobParams,
     etcd_manifests,
     kubeflow_pet_env,
@@ -21,7 +21,7 @@ from launch.kubernetes.spec import (
     pytorchjob,
     warnings,
 )
-from launch.render import from_yaml, to_yaml
+from elastrain.platforms.render import examples_dir, from_yaml, stale_files, to_yaml
 
 BASE = PyTorchJobParams(name="t5", image="img:1", script=("train.py", "--steps", "10"), min_nodes=2, max_nodes=4)
 
@@ -183,7 +183,9 @@ def test_schema_catches_mistakes(path: tuple[str, ...], value: object, where: st
 def test_yaml_round_trip_and_rendered_examples_are_current() -> None:
     docs = manifests(BASE)
     assert from_yaml(to_yaml(docs)) == docs
-    assert examples.stale() == [], "run: python -m launch.kubernetes examples --write"
+    assert stale_files(examples.rendered(), examples_dir(examples.PLATFORM)) == [], (
+        "run: python -m elastrain.platforms.kubernetes examples --write"
+    )
     pytest.importorskip("kubernetes_validate")
     for text in examples.rendered().values():
         schema.validate(from_yaml(text))

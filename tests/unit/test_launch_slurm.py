@@ -1,0 +1,263 @@
+"""Slurm: the host-list expander, the sbatch script as data (and its SIGTERM trap, run by bash), and the
+entrypoint's mapping of SLURM_* variables to elastrain-run."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from torch.distributed.run import config_from_args
+
+from elastrain.errors import LaunchSpecError
+from elastrain.launcher.options import build_parser, options_from_args, validate_and_default
+from elastrain.platforms.render import examples_dir, stale_files
+from elastrain.platforms.slurm import example_specs as examples
+from elastrain.platforms.slurm.__main__ import main as slurm_main
+from elastrain.platforms.slurm.entrypoint import _parser, elastrain_argv, read_slurm_env
+from elastrain.platforms.slurm.entrypoint import main as entry_main
+from elastrain.platforms.slurm.hostlist import expand_hostlist, first_host
+from elastrain.platforms.slurm.spec import SlurmJobParams, sbatch_directives, sbatch_script, srun_argv, warnings
+from tests.support import kill_tree
+
+BASE = SlurmJobParams(name="t5", script=("train.py", "--lr", "0.1"), checkpoint_dir="/shared/ckpt/t5", max_nodes=4)
+SLURM_ENV = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NODELIST": "gpu[07-09],cpu1",
+    "SLURM_JOB_NUM_NODES": "4",
+    "SLURM_NODEID": "2",
+    "SLURM_RESTART_COUNT": "1",
+    "SLURM_PROCID": "2",
+}
+
+
+# -- host lists -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "hosts"),
+    [
+        ("node1", ["node1"]),
+        ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+        ("n[8-10]", ["n8", "n9", "n10"]),
+        ("n[008-010]", ["n008", "n009", "n010"]),
+        ("n[1,3-4]-ib", ["n1-ib", "n3-ib", "n4-ib"]),
+        ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+        ("a,b,c", ["a", "b", "c"]),
+        ("x[5]", ["x5"]),
+        ("  n[1-2]  ", ["n1", "n2"]),
+        ("host-1.cluster,host-2.cluster", ["host-1.cluster", "host-2.cluster"]),
+        ("[1-2]", ["1", "2"]),
+    ],
+)
+def test_expand_hostlist(text: str, hosts: list[str]) -> None:
+    assert expand_hostlist(text) == hosts
+    assert first_host(text) == hosts[0]
+
+
+@pytest.mark.parametrize(
+    "text", ["", "n[1-", "n1-2]", "n[a-b]", "n[3-1]", "n[[1]]", "a,,b", "n[1-2000000]", "n[]", ","]
+)
+def test_expand_hostlist_rejects_nonsense(text: str) -> None:
+    with pytest.raises(LaunchSpecError, match="host list"):
+        expand_hostlist(text)
+
+
+# -- the sbatch script ------------------------------------------------------------------------------
+
+
+def _directives(script: str) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for line in script.splitlines():
+        if line.startswith("#SBATCH "):
+            key, _, value = line[len("#SBATCH ") :].partition("=")
+            out[key] = value or None
+    return out
+
+
+def test_sbatch_directives() -> None:
+    script = sbatch_script(BASE)
+    d = _directives(script)
+    assert d == dict(sbatch_directives(BASE))
+    assert d["--nodes"] == "1-4" and d["--ntasks-per-node"] == "1"
+    assert "--requeue" in d and "--no-kill" in d and d["--signal"] == "B:TERM@120"
+    # sbatch reads directives only before the first command.
+    first_command = next(i for i, line in enumerate(script.splitlines()) if line and not line.startswith("#"))
+    assert all(i < first_command for i, line in enumerate(script.splitlines()) if line.startswith("#SBATCH"))
+    fixed = SlurmJobParams(**{**BASE.__dict__, "min_nodes": 4, "gpus_per_node": 8, "partition": "spot"})
+    assert dict(sbatch_directives(fixed))["--nodes"] == "4"
+    assert dict(sbatch_directives(fixed))["--gpus-per-node"] == "8"
+
+
+def test_the_step_runs_one_entrypoint_per_node() -> None:
+    script = sbatch_script(BASE)
+    joined = script.replace("\\\n", " ")
+    step = next(line for line in joined.splitlines() if line.startswith("srun "))
+    argv = shlex.split(step.rstrip("&"))
+    assert argv == srun_argv(BASE)
+    assert argv[:4] == ["srun", "--ntasks-per-node=1", "--no-kill", "--kill-on-bad-exit=0"]
+    assert argv[4:7] == ["python", "-m", "elastrain.platforms.slurm.entrypoint"]
+    assert argv[argv.index("--checkpoint-dir") + 1] == "/shared/ckpt/t5"
+    assert argv[argv.index("--") :] == ["--", "--save-timeout", "110", "train.py", "--lr", "0.1"]
+    # The script itself reads only SLURM_JOB_ID; the entrypoint reads the rest on each node.
+    assert set(re.findall(r"\$\{?(SLURM_[A-Z_]+)", script)) == {"SLURM_JOB_ID"}
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True, timeout=30)
+
+
+def _fake(bin_dir: Path, name: str, body: str) -> None:
+    path = bin_dir / name
+    path.write_text("#!/bin/bash\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def _run_script(tmp_path: Path, srun_body: str) -> tuple[subprocess.Popen[str], Path]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    # Stand-ins for Slurm's commands (Slurm is not installed here): they record what the script asks of them.
+    _fake(bin_dir, "srun", f'echo "srun $*" >> {log}\n{srun_body}')
+    _fake(bin_dir, "scontrol", f'echo "scontrol $*" >> {log}\n')
+    script = tmp_path / "job.sbatch"
+    script.write_text(sbatch_script(BASE))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    proc = subprocess.Popen(["bash", str(script)], env=env, text=True, stderr=subprocess.PIPE)
+    return proc, log
+
+
+def test_sigterm_checkpoints_the_step_then_requeues(tmp_path: Path) -> None:
+    # The step answers SIGTERM like srun relaying it to the agents: it leaves after a moment.
+    proc, log = _run_script(
+        tmp_path,
+        f"sleep 30 & s=$!\ntrap 'echo step-got-TERM >> {tmp_path}/calls.log; kill $s; exit 143' TERM\n"
+        f"touch {tmp_path}/step-ready\nwait\n",
+    )
+    try:
+        deadline = time.monotonic() + 20
+        # Both traps are set once the step says it is ready (the script's own is set before srun starts).
+        while not (tmp_path / "step-ready").exists():
+            assert time.monotonic() < deadline, "the step did not start"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=20)
+    finally:
+        kill_tree(proc.pid)  # the script and the fake step, by PID, if they are still there
+        proc.wait(timeout=10)
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith("srun --ntasks-per-node=1")
+    assert lines[1:] == ["step-got-TERM", "scontrol requeue 4242"]
+    assert proc.returncode == 0 and "requeueing" in err
+
+
+def test_the_script_exits_with_the_step_status(tmp_path: Path) -> None:
+    proc, log = _run_script(tmp_path, "exit 3\n")
+    try:
+        proc.communicate(timeout=20)
+    finally:
+        kill_tree(proc.pid)
+        proc.wait(timeout=10)
+    assert proc.returncode == 3
+    assert "scontrol" not in log.read_text()
+
+
+@pytest.mark.parametrize(
+    ("change", "names"),
+    [
+        ({"name": "has space"}, "name"),
+        ({"min_nodes": 5}, "min_nodes"),
+        ({"nproc_per_node": "many"}, "nproc_per_node"),
+        ({"time_limit": "soon"}, "time_limit"),
+        ({"grace_period_s": 5}, "grace_period_s"),
+        ({"rdzv_backend": "etcd-v3"}, "rdzv_endpoint"),
+        ({"rdzv_backend": "static"}, "rdzv_backend"),
+        ({"checkpoint_dir": " "}, "checkpoint_dir"),
+        ({"env": (("1BAD", "x"),)}, "env"),
+        ({"preemption_watchers": "oracle"}, "preemption_watchers"),
+    ],
+)
+def test_bad_parameters_name_what_to_change(change: dict, names: str) -> None:
+    with pytest.raises(LaunchSpecError, match=names):
+        SlurmJobParams(**{**BASE.__dict__, **change})
+
+
+def test_examples_are_current_and_the_cli_renders(capsys: pytest.CaptureFixture[str]) -> None:
+    assert stale_files(examples.rendered(), examples_dir(examples.PLATFORM)) == [], (
+        "run: python -m elastrain.platforms.slurm examples --write"
+    )
+    assert any("first node" in w for w in warnings(BASE))
+    rc = slurm_main(["render", "--name", "j", "--checkpoint-dir", "/c", "--max-nodes", "3", "--", "t.py"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "#SBATCH --nodes=1-3" in out and "warning:" in err
+    assert slurm_main(["render", "--name", "j", "--checkpoint-dir", "/c", "--min-nodes", "0", "--", "t.py"]) == 2
+
+
+# -- the entrypoint ---------------------------------------------------------------------------------
+
+
+def test_read_slurm_env() -> None:
+    node = read_slurm_env(SLURM_ENV)
+    assert (node.master_addr, node.master_port, node.node_rank, node.node_count, node.run_id) == (
+        "gpu07",
+        29400,
+        2,
+        4,
+        "slurm-4242",
+    )
+    assert node.restart_count == 1
+    legacy = read_slurm_env({"SLURM_JOBID": "7", "SLURM_NODELIST": "a[1-2]", "SLURM_NNODES": "2", "SLURM_NODEID": "0"})
+    assert (legacy.master_addr, legacy.node_count, legacy.run_id) == ("a1", 2, "slurm-7")
+    array = read_slurm_env({**SLURM_ENV, "SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK_ID": "2"})
+    assert array.run_id == "slurm-4240_2"
+
+
+@pytest.mark.parametrize(
+    ("env", "names"),
+    [
+        ({}, "SLURM_JOB_NODELIST"),
+        ({**SLURM_ENV, "SLURM_NODEID": "4"}, "rank"),
+        ({**SLURM_ENV, "SLURM_JOB_NUM_NODES": "four"}, "SLURM_JOB_NUM_NODES"),
+        ({k: v for k, v in SLURM_ENV.items() if k != "SLURM_NODEID"}, "SLURM_NODEID"),
+        ({k: v for k, v in SLURM_ENV.items() if k != "SLURM_JOB_ID"}, "SLURM_JOB_ID"),
+        ({**SLURM_ENV, "SLURM_JOB_NODELIST": "gpu[07-"}, "host list"),
+    ],
+)
+def test_read_slurm_env_rejects_nonsense(env: dict[str, str], names: str) -> None:
+    with pytest.raises(LaunchSpecError, match=names):
+        read_slurm_env(env)
+
+
+def test_the_rendered_step_reaches_elastrain_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What srun runs on node 2, through the entrypoint's mapping, into elastrain-run's own parser."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    for name in ["PET_NNODES", "PET_RDZV_ENDPOINT", "PET_NPROC_PER_NODE"]:
+        monkeypatch.delenv(name, raising=False)
+    step = srun_argv(BASE)
+    entry = _parser().parse_args(step[step.index("elastrain.platforms.slurm.entrypoint") + 1 :])
+    argv = elastrain_argv(read_slurm_env(SLURM_ENV), entry)
+    args = build_parser().parse_args(argv)
+    validate_and_default(args, argv, {})
+    options = options_from_args(args)
+    config, _cmd, cmd_args = config_from_args(args)
+    assert (config.min_nodes, config.max_nodes, config.run_id) == (1, 4, "slurm-4242")
+    assert (config.rdzv_backend, config.rdzv_endpoint) == ("c10d", "gpu07:29400")
+    assert options.checkpoint_dir == "/shared/ckpt/t5"
+    assert options.preemption_watchers == "none"
+    assert cmd_args[-3:] == ["train.py", "--lr", "0.1"]
+
+
+def test_entrypoint_dry_run_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert entry_main(["--checkpoint-dir", "/c", "--dry-run", "--", "train.py"], environ=SLURM_ENV) == 0
+    out, err = capsys.readouterr()
+    cmd = shlex.split(out)
+    assert cmd[1:3] == ["-m", "elastrain"] and cmd[cmd.index("--rdzv-id") + 1] == "slurm-4242"
+    assert "restart_count=1" in err
+    assert entry_main(["--checkpoint-dir", "/c", "--dry-run", "--", "t.py"], environ={}) == 2
+    assert "SLURM_JOB_NODELIST" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --checkpoint-dir is required: no default folder is shared
+        entry_main(["--dry-run", "--", "t.py"], environ=SLURM_ENV)
