@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _REQUEST = "save-request.json"
-_ACK = "save-ack-{request_id}.json"
+_ACK = "save-ack.json"
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,21 @@ class SaveRequest:
 
 @dataclass(frozen=True)
 class SaveAck:
-    request_id: int
+    """The newest committed checkpoint of this node's workers, and how recent it is.
+
+    ``current_at`` is the latest wall-clock time at which the workers' training state was exactly this
+    checkpoint: the commit time of a synchronous save (training waited for it), the staging time of an
+    asynchronous one, or a later time while the workers hold after a requested save.
+    """
+
     step: int
     checkpoint: str
+    current_at: float
+    request_id: int = 0  # the request it was checked against (0: none)
+
+    def answers(self, request: SaveRequest) -> bool:
+        """Whether this checkpoint answers ``request``: the workers had trained no further when it was made."""
+        return self.current_at >= request.requested_at
 
 
 def _write_atomic(path: Path, payload: dict[str, object]) -> None:
@@ -43,13 +56,20 @@ def _write_atomic(path: Path, payload: dict[str, object]) -> None:
 
 
 class ControlChannel:
-    """One node's channel; the agent and every local worker open the same directory."""
+    """One node's channel; the agent and every local worker open the same directory.
+
+    The agent's request is answered by any commit whose state is at least as new as the request
+    (:meth:`SaveAck.answers`), not by a reply naming its id: an agent that asks after a job-wide save
+    already started (it saw a joining node later than another agent did) accepts that save.
+    """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._handled = -1
+        self._answered_at = -math.inf
         self._last_mtime: int | None = None
+        self._mine: dict[int, SaveRequest] = {}
 
     # -- agent side -------------------------------------------------------------------------------
     def request_save(self, reason: str) -> SaveRequest:
@@ -58,20 +78,39 @@ class ControlChannel:
             request_id=(previous.request_id + 1) if previous else 1, reason=reason, requested_at=time.time()
         )
         _write_atomic(self.directory / _REQUEST, req.__dict__)
+        self._mine[req.request_id] = req
         return req
 
-    def ack_for(self, request_id: int) -> SaveAck | None:
-        path = self.directory / _ACK.format(request_id=request_id)
+    def latest_ack(self) -> SaveAck | None:
+        """The newest commit the workers reported, whatever it answers."""
         try:
-            data = json.loads(path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+            data = json.loads((self.directory / _ACK).read_text())
+            return SaveAck(
+                step=int(data["step"]), checkpoint=str(data["checkpoint"]), current_at=float(data["current_at"])
+            )
+        except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
             return None
-        return SaveAck(request_id=int(data["request_id"]), step=int(data["step"]), checkpoint=str(data["checkpoint"]))
 
-    def wait_ack(self, request_id: int, timeout_s: float, poll_s: float = 0.05) -> SaveAck | None:
+    def ack_for(self, request: SaveRequest | int) -> SaveAck | None:
+        """The commit that answers ``request`` (a request or the id of one made here), or ``None`` yet."""
+        req = self._resolve(request)
+        ack = self.latest_ack()
+        if req is None or ack is None or not ack.answers(req):
+            return None
+        return SaveAck(step=ack.step, checkpoint=ack.checkpoint, current_at=ack.current_at, request_id=req.request_id)
+
+    def _resolve(self, request: SaveRequest | int) -> SaveRequest | None:
+        if isinstance(request, SaveRequest):
+            return request
+        if request in self._mine:
+            return self._mine[request]
+        current = self.current_request()
+        return current if current is not None and current.request_id == request else None
+
+    def wait_ack(self, request: SaveRequest | int, timeout_s: float, poll_s: float = 0.05) -> SaveAck | None:
         deadline = time.monotonic() + timeout_s
         while True:
-            ack = self.ack_for(request_id)
+            ack = self.ack_for(request)
             if ack is not None or time.monotonic() >= deadline:
                 return ack
             time.sleep(poll_s)
@@ -85,7 +124,7 @@ class ControlChannel:
         return SaveRequest(int(data["request_id"]), str(data["reason"]), float(data["requested_at"]))
 
     def pending(self) -> SaveRequest | None:
-        """The newest request this process has not yet marked handled; cheap when nothing changed."""
+        """The newest request neither marked handled nor answered by this process; cheap when nothing changed."""
         try:
             mtime = (self.directory / _REQUEST).stat().st_mtime_ns
         except FileNotFoundError:
@@ -93,7 +132,11 @@ class ControlChannel:
         if mtime == self._last_mtime:
             return None
         req = self.current_request()
-        if req is None or req.request_id <= self._handled:
+        if req is not None and req.requested_at > self._answered_at:
+            ack = self.latest_ack()  # answered already, perhaps by the workers this process replaced
+            if ack is not None and ack.answers(req):
+                self.answered(ack.current_at)
+        if req is None or req.request_id <= self._handled or req.requested_at <= self._answered_at:
             self._last_mtime = mtime
             return None
         return req
@@ -101,23 +144,44 @@ class ControlChannel:
     def mark_handled(self, request_id: int) -> None:
         self._handled = max(self._handled, request_id)
 
-    def ack(self, request_id: int, step: int, checkpoint: str) -> None:
-        self.mark_handled(request_id)
-        _write_atomic(
-            self.directory / _ACK.format(request_id=request_id),
-            {"request_id": request_id, "step": step, "checkpoint": checkpoint},
-        )
+    def answered(self, current_at: float) -> None:
+        """Every request made up to ``current_at`` is answered by a commit (call on every local rank)."""
+        self._answered_at = max(self._answered_at, current_at)
+
+    def ack(self, step: int, checkpoint: str, current_at: float) -> None:
+        """Report a commit to the agent (local rank 0 only): it answers requests made until ``current_at``."""
+        self.answered(current_at)
+        _write_atomic(self.directory / _ACK, {"step": step, "checkpoint": checkpoint, "current_at": current_at})
 
 
-def hold_for_restart(seconds: float, step: int, log: Callable[..., None]) -> None:
+def hold_for_restart(
+    seconds: float,
+    step: int,
+    log: Callable[..., None],
+    channel: ControlChannel | None = None,
+    answer: SaveAck | None = None,
+    poll_s: float = 0.05,
+) -> None:
     """Worker side, after the save that answered a request: wait (bounded) to be restarted.
 
     The launcher asked because a membership change is coming; a step run now would be redone after
     the restart. If no restart comes within ``seconds`` (the change was called off), training goes on
-    from the checkpoint. ``log(event, level, **fields)`` is the caller's lifecycle logger.
+    from the checkpoint. Meanwhile the training state *is* checkpoint ``answer``: a request that
+    arrives now (another agent saw the change later) is answered with it at once, when ``channel`` is
+    given (``answer`` on the node's local rank 0; ``None`` on the others, which only mark it answered).
+    ``log(event, level, **fields)`` is the caller's lifecycle logger.
     """
     if seconds <= 0:
         return
     log("checkpoint_hold", logging.INFO, step=step, up_to_s=seconds)
-    time.sleep(seconds)
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(poll_s, left))
+        if channel is not None and channel.pending() is not None:
+            now = time.time()
+            if answer is not None:
+                channel.ack(answer.step, answer.checkpoint, now)
+                log("checkpoint_reacked", logging.INFO, step=answer.step, current_at=now)
+            else:
+                channel.answered(now)
     log("checkpoint_hold_over", logging.WARNING, step=step)

@@ -32,6 +32,7 @@ CHECKPOINT_DIR = "ELASTRAIN_CHECKPOINT_DIR"
 CONTROL_DIR = "ELASTRAIN_CONTROL_DIR"
 EVENTS_FILE = "ELASTRAIN_EVENTS_FILE"
 COLLECTIVE_TIMEOUT = "ELASTRAIN_COLLECTIVE_TIMEOUT"
+IO_TIMEOUT = "ELASTRAIN_IO_TIMEOUT"
 LOG_LEVEL = "ELASTRAIN_LOG_LEVEL"
 ZYGOTE = "ELASTRAIN_ZYGOTE"
 # Set by elastrain's own launcher only: a worker that sees it knows an elastrain agent supervises it.
@@ -48,10 +49,15 @@ ALL_VARIABLES: tuple[str, ...] = (
     CONTROL_DIR,
     EVENTS_FILE,
     COLLECTIVE_TIMEOUT,
+    IO_TIMEOUT,
     LOG_LEVEL,
     ZYGOTE,
     AGENT_PID,
 )
+
+
+# Collectives that wait on storage get this long unless the launcher says otherwise (--io-timeout).
+DEFAULT_IO_TIMEOUT_S = 600.0
 
 
 class StartReason(str, enum.Enum):
@@ -95,6 +101,7 @@ class LaunchContext:
     events_file: str | None = None
     collective_timeout_s: float | None = None
     generation: int | None = None
+    io_timeout_s: float | None = None
 
 
 def to_environ(ctx: LaunchContext) -> dict[str, str]:
@@ -119,7 +126,20 @@ def to_environ(ctx: LaunchContext) -> dict[str, str]:
         out[COLLECTIVE_TIMEOUT] = repr(float(ctx.collective_timeout_s))
     if ctx.generation is not None:
         out[GENERATION] = str(ctx.generation)
+    if ctx.io_timeout_s is not None:
+        out[IO_TIMEOUT] = repr(float(ctx.io_timeout_s))
     return out
+
+
+def _float(environ: Mapping[str, str], name: str) -> float:
+    raw = environ.get(name, "")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise WorkerEnvError(f"{name}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise WorkerEnvError(f"{name}={raw!r} must be > 0 seconds")
+    return value
 
 
 def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -159,6 +179,8 @@ class WorkerEnv:
     # The job generation this world claimed in the checkpoint root (the fencing token every commit carries);
     # None when the launcher claimed none (plain torchrun, or no --checkpoint-dir).
     generation: int | None = None
+    # Timeout of the collectives that wait on storage (checkpoint writes, verification, loads), --io-timeout.
+    io_timeout_s: float = DEFAULT_IO_TIMEOUT_S
 
     @property
     def is_restart(self) -> bool:
@@ -186,6 +208,7 @@ class WorkerEnv:
         prev = e.get(PREVIOUS_WORLD_SIZE)
         timeout = e.get(COLLECTIVE_TIMEOUT)
         generation = e.get(GENERATION)
+        io_timeout = e.get(IO_TIMEOUT)
         return cls(
             rank=rank,
             local_rank=_int(e, "LOCAL_RANK", 0),
@@ -204,4 +227,5 @@ class WorkerEnv:
             collective_timeout_s=float(timeout) if timeout else None,
             under_elastrain=AGENT_PID in e,
             generation=_int(e, GENERATION) if generation else None,
+            io_timeout_s=_float(e, IO_TIMEOUT) if io_timeout else DEFAULT_IO_TIMEOUT_S,
         )

@@ -27,7 +27,7 @@ import logging
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -170,6 +170,7 @@ class Session:
         save_every_seconds: float | None = None,
         keep_last: int = 3,
         async_save: bool = True,
+        on_save_error: Literal["raise", "warn"] = "raise",
         metrics_dir: str | None = None,
         tensorboard_dir: str | None = None,
         extra_state: Mapping[str, Any] | None = None,
@@ -216,6 +217,7 @@ class Session:
             "interval_steps": save_every_steps,
             "interval_seconds": save_every_seconds,
             "async_save": async_save,
+            "on_save_error": on_save_error,  # a failed save stops the run (raise) or only logs (warn)
         }
         self._metrics_dir = metrics_dir or self._checkpoint_dir
         self._tensorboard_dir = tensorboard_dir
@@ -363,11 +365,13 @@ class Session:
         """Save the final step (unless ``save`` is false), then release checkpoint threads and the process group."""
         self._batches = self._steps = self._loader = None  # stops DataLoader workers
         if self.checkpointer is not None:
-            final = save and self.state.step > 0
-            if final and self.checkpointer.save(self.state.step, blocking=True, reason="final"):
-                self.events.record("checkpoint", step=self.state.step, reason="final")
-            self.checkpointer.close()
-            self.checkpointer = None
+            checkpointer, self.checkpointer = self.checkpointer, None
+            try:
+                final = save and self.state.step > 0
+                if final and checkpointer.save(self.state.step, blocking=True, reason="final"):
+                    self.events.record("checkpoint", step=self.state.step, reason="final")
+            finally:
+                checkpointer.close()  # raises CheckpointSaveError if the last save failed
         if self._metrics is not None:
             self._metrics.close()
         if self._tensorboard is not None:

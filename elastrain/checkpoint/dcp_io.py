@@ -4,19 +4,32 @@ DCP stores its ``.metadata`` with :mod:`pickle`. A checkpoint directory may come
 (a shared bucket, another job), so :class:`SafeReader` reads it with an unpickler that only builds
 DCP's own metadata classes, torch sizes and dtypes. Tensor data is read by DCP with
 ``weights_only=True``; elastrain never hands DCP a non-tensor value, so nothing else is unpickled.
+
+Checksums cost no extra reads. The writer (:func:`writer_for`) computes each file's CRC-32, and the
+CRC-32 of every stored item in it (a tensor shard, between DCP's two ``tell()`` calls around it), on
+the bytes as they are written; the rank reports them (:func:`written_files`) and they go into the
+commit marker. The reader (:func:`reader_for`, given the marker's entries) checks each item's CRC-32
+on the very bytes DCP loads, and the ``.metadata`` CRC-32 on the bytes it unpickles.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
-from collections.abc import Mapping
-from typing import Any
+import threading
+import zlib
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any, cast
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from elastrain.checkpoint.layout import Chunk, FileEntry
 from elastrain.checkpoint.storage import Storage, is_url
 from elastrain.errors import CheckpointCorruptError, CheckpointMismatchError
 
@@ -60,51 +73,216 @@ def load_metadata_bytes(data: bytes, where: str) -> Metadata:
     return md
 
 
-def _safe_read_metadata(reader: FileSystemReader, rank: int | None) -> Metadata:
-    path = reader._get_metadata_path(rank)
-    with reader.fs.create_stream(path, "rb") as f:
-        md = load_metadata_bytes(f.read(), str(reader.path))
-    if md.storage_meta is not None:
-        md.storage_meta.load_id = reader.load_id
-    return md
+def check_crc(data: bytes, entry: FileEntry | None, where: str) -> None:
+    """Raise :class:`CheckpointCorruptError` unless ``data`` is the whole file ``entry`` describes."""
+    if entry is None:
+        return
+    if len(data) != entry.size:
+        raise CheckpointCorruptError(f"{where} has {len(data)} bytes, the marker says {entry.size} (truncated)")
+    if entry.crc32 is not None and zlib.crc32(data) != entry.crc32:
+        raise CheckpointCorruptError(f"{where} fails its CRC-32 check (corrupt)")
+
+
+class _Verifier:
+    """What a reader checks: the marker's entries, by file name relative to the step directory."""
+
+    def __init__(self, entries: Mapping[str, FileEntry] | None) -> None:
+        self.entries = dict(entries or {})
+        self.chunks = {(name, c.offset, c.length): c.crc32 for name, e in self.entries.items() for c in e.chunks}
+
+    def metadata(self, reader: FileSystemReader, rank: int | None) -> Metadata:
+        path = reader._get_metadata_path(rank)
+        with reader.fs.create_stream(path, "rb") as f:
+            data = f.read()
+        check_crc(data, self.entries.get(METADATA), f"{reader.path}/{METADATA}")
+        md = load_metadata_bytes(data, str(reader.path))
+        if md.storage_meta is not None:
+            md.storage_meta.load_id = reader.load_id
+        return md
+
+    def slice(self, reader: FileSystemReader, file: Any, sinfo: Any) -> IO[bytes] | None:
+        """The item's bytes, CRC-checked; ``None`` when its file has no per-item CRCs (checked whole before)."""
+        name = str(sinfo.relative_path)
+        entry = self.entries.get(name)
+        if entry is None or not entry.chunks:
+            return None
+        where = f"{reader.path}/{name} bytes {sinfo.offset}..{sinfo.offset + sinfo.length}"
+        crc = self.chunks.get((name, int(sinfo.offset), int(sinfo.length)))
+        if crc is None:
+            raise CheckpointCorruptError(f"{where}: not an item the commit marker lists (metadata and marker differ)")
+        file.seek(sinfo.offset)
+        data = file.read(sinfo.length)
+        if len(data) != sinfo.length or zlib.crc32(data) != crc:
+            raise CheckpointCorruptError(f"{where} fail their CRC-32 check (corrupt)")
+        return io.BytesIO(data)
 
 
 class SafeReader(FileSystemReader):
-    """DCP's filesystem reader with a restricted metadata unpickler."""
+    """DCP's filesystem reader with a restricted metadata unpickler, checking CRC-32s as it reads."""
+
+    def __init__(self, path: str | os.PathLike[str], entries: Mapping[str, FileEntry] | None = None) -> None:
+        super().__init__(path)
+        self._verifier = _Verifier(entries)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return _safe_read_metadata(self, kwargs.get("rank"))
+        return self._verifier.metadata(self, kwargs.get("rank"))
+
+    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+        return self._verifier.slice(self, file, sinfo) or super()._slice_file(file, sinfo)
 
 
-def reader_for(path: str) -> FileSystemReader:
+def reader_for(path: str, entries: Mapping[str, FileEntry] | None = None) -> FileSystemReader:
+    """A reader of the step directory ``path`` that checks the commit marker's ``entries`` while loading."""
     if is_url(path):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
+        verifier = _Verifier(entries)
+
         class SafeFsspecReader(FsspecReader):
             def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-                return _safe_read_metadata(self, kwargs.get("rank"))
+                return verifier.metadata(self, kwargs.get("rank"))
+
+            def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+                return verifier.slice(self, file, sinfo) or super()._slice_file(file, sinfo)
 
         return SafeFsspecReader(path)
-    return SafeReader(path)
+    return SafeReader(path, entries)
+
+
+class _ChecksumStream:
+    """A write stream that passes bytes through and CRCs them: whole file, and per segment between ``tell()``s."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self._pos = 0
+        self._crc = 0
+        self._seg_start = 0
+        self._seg_crc = 0
+        self.chunks: list[Chunk] = []
+
+    def write(self, b: Any) -> int:
+        n = self._raw.write(b)
+        view = memoryview(b).cast("B")
+        written = len(view) if n is None else int(n)
+        if written != len(view):  # buffered files write everything; anything else is not supported here
+            raise OSError(f"short write ({written} of {len(view)} bytes) to {getattr(self._raw, 'name', '?')}")
+        self._crc = zlib.crc32(view, self._crc)
+        self._seg_crc = zlib.crc32(view, self._seg_crc)
+        self._pos += written
+        return written
+
+    def tell(self) -> int:
+        self._cut()
+        return self._pos
+
+    def _cut(self) -> None:
+        if self._pos > self._seg_start:
+            self.chunks.append(Chunk(self._seg_start, self._pos - self._seg_start, self._seg_crc))
+        self._seg_start, self._seg_crc = self._pos, 0
+
+    def entry(self) -> FileEntry:
+        self._cut()
+        return FileEntry(size=self._pos, crc32=self._crc, chunks=tuple(self.chunks))
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return int(self._raw.fileno())
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._raw.close()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._raw.closed)
+
+
+class _ChecksummingFs:
+    """Wraps a DCP writer's file system: every file it writes is checksummed on the way out."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._lock = threading.Lock()
+        self.written: dict[str, FileEntry] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
+        with self._inner.create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            stream = _ChecksumStream(raw)
+            yield stream
+            with self._lock:
+                self.written[str(path)] = stream.entry()
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        self._inner.rename(path, new_path)
+        with self._lock:
+            if str(path) in self.written:
+                self.written[str(new_path)] = self.written.pop(str(path))
 
 
 def writer_for(path: str, thread_count: int = 1) -> FileSystemWriter:
-    """A writer that refuses to write into an existing checkpoint (step directories are never reused)."""
+    """A writer that refuses to write into an existing checkpoint and checksums what it writes."""
+    writer: FileSystemWriter
     if is_url(path):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         # No fsync: a put is durable once closed, and DCP's fallback for streams without a file
         # descriptor is os.sync() of the whole machine after every file.
-        return FsspecWriter(path, thread_count=thread_count, overwrite=False, sync_files=False)
-    return FileSystemWriter(path, thread_count=thread_count, overwrite=False)
+        writer = FsspecWriter(path, thread_count=thread_count, overwrite=False, sync_files=False)
+    else:
+        writer = FileSystemWriter(path, thread_count=thread_count, overwrite=False)
+    writer.fs = cast(Any, _ChecksummingFs(writer.fs))
+    return writer
 
 
-def read_metadata(step_path: str, storage: Storage) -> Metadata:
+def written_files(writer: FileSystemWriter, md: Metadata) -> dict[str, FileEntry]:
+    """The files this rank's ``writer`` wrote, by name in the step directory, with their CRC-32s.
+
+    A file keeps its per-item CRC-32s only if they match the items DCP's metadata places in it
+    exactly; otherwise the loader checks its whole-file CRC-32 before loading.
+    """
+    fs = writer.fs
+    if not isinstance(fs, _ChecksummingFs):
+        raise TypeError("written_files() needs a writer made by writer_for()")
+    base = str(writer.path).rstrip("/")
+    items: dict[str, set[tuple[int, int]]] = {}
+    for info in (md.storage_data or {}).values():
+        items.setdefault(str(info.relative_path), set()).add((int(info.offset), int(info.length)))
+    out: dict[str, FileEntry] = {}
+    for full, entry in fs.written.items():
+        name = full[len(base) + 1 :] if full.startswith(base + "/") else Path(full).name
+        wanted = items.get(name, set())
+        chunks = tuple(c for c in entry.chunks if (c.offset, c.length) in wanted)
+        exact = {(c.offset, c.length) for c in chunks} == wanted and bool(wanted)
+        out[name] = FileEntry(size=entry.size, crc32=entry.crc32, chunks=chunks if exact else ())
+    return out
+
+
+def root_cause(e: BaseException) -> str:
+    """``Type: message`` of what went wrong; for DCP's gathered exception, the first rank's own error."""
+    if isinstance(e, CheckpointException):
+        for rank, (exc, _trace) in sorted(e.failures.items()):
+            return f"rank {rank}: {type(exc).__name__}: {exc}"
+    return f"{type(e).__name__}: {e}"
+
+
+def read_metadata(step_path: str, storage: Storage, entry: FileEntry | None = None) -> Metadata:
     path = storage.join(step_path, METADATA)
     try:
         data = storage.read_bytes(path)
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{step_path}: no DCP {METADATA}") from None
+    check_crc(data, entry, f"{step_path}/{METADATA}")
     return load_metadata_bytes(data, step_path)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -59,3 +61,17 @@ class Group:
         if self.pg is not None:
             dist.destroy_process_group(self.pg)
             self.pg = None
+
+
+@contextmanager
+def default_group_timeout(timeout_s: float | None, restore_s: float | None) -> Iterator[None]:
+    """Run a block whose collectives on the default group wait on storage with ``timeout_s`` (DeepSpeed's
+    save barriers), then set the timeout back to ``restore_s``; a no-op without torch.distributed or a timeout."""
+    if not (dist.is_available() and dist.is_initialized()) or timeout_s is None or restore_s is None:
+        yield
+        return
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+    try:
+        yield
+    finally:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=restore_s))

@@ -15,10 +15,9 @@ users such as the DeepSpeed integration call these functions on their own checkp
 from __future__ import annotations
 
 import json
-import logging
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,26 +27,52 @@ from elastrain.errors import CheckpointCorruptError
 STEP_PREFIX = "step-"
 MARKER = "elastrain-commit.json"
 MARKER_FORMAT = 1
-_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+@dataclass(frozen=True)
+class Naming:
+    """How a format names its step directories: ``step-0000000100`` (elastrain) or ``checkpoint-100`` (Trainer)."""
+
+    prefix: str
+    pad: int
+
+    def name(self, step: int) -> str:
+        if step < 0:
+            raise ValueError(f"a checkpoint step must be >= 0, got {step}")
+        return f"{self.prefix}{step:0{self.pad}d}" if self.pad else f"{self.prefix}{step}"
+
+    def parse(self, name: str) -> int | None:
+        m = re.match(rf"^{re.escape(self.prefix)}(\d+)$", name)
+        return int(m.group(1)) if m else None
+
+
+STEPS = Naming(STEP_PREFIX, 10)
 
 
 def step_dir_name(step: int) -> str:
     """``step-0000000100``: zero-padded so that names sort like steps."""
-    if step < 0:
-        raise ValueError(f"a checkpoint step must be >= 0, got {step}")
-    return f"{STEP_PREFIX}{step:010d}"
+    return STEPS.name(step)
 
 
 def parse_step_dir_name(name: str) -> int | None:
     """The step of a step directory's name, or ``None`` for any other name."""
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
+    return STEPS.parse(name)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored item inside a file (a DCP tensor shard): where it is and its CRC-32, checked as it is read."""
+
+    offset: int
+    length: int
+    crc32: int
 
 
 @dataclass(frozen=True)
 class FileEntry:
     size: int
     crc32: int | None = None
+    chunks: tuple[Chunk, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -60,6 +85,7 @@ class CommitMarker:
     kind: str = "dcp"
     created_at: float = field(default_factory=time.time)
     extra: Mapping[str, Any] = field(default_factory=dict)
+    generation: int | None = None  # the fencing token of the world that committed it (None: unfenced, or older)
 
     def to_json(self) -> bytes:
         payload = {
@@ -68,7 +94,8 @@ class CommitMarker:
             "world_size": self.world_size,
             "kind": self.kind,
             "created_at": self.created_at,
-            "files": {name: {"size": e.size, "crc32": e.crc32} for name, e in sorted(self.files.items())},
+            "generation": self.generation,
+            "files": {name: _entry_json(e) for name, e in sorted(self.files.items())},
             "extra": dict(self.extra),
         }
         return json.dumps(payload, indent=1).encode()
@@ -79,10 +106,8 @@ class CommitMarker:
             raw = json.loads(data)
             if raw.get("format") != MARKER_FORMAT:
                 raise ValueError(f"unknown marker format {raw.get('format')!r}")
-            files = {
-                str(name): FileEntry(size=int(e["size"]), crc32=None if e.get("crc32") is None else int(e["crc32"]))
-                for name, e in raw["files"].items()
-            }
+            files = {str(name): _entry_from_json(e) for name, e in raw["files"].items()}
+            generation = raw.get("generation")
             return cls(
                 step=int(raw["step"]),
                 world_size=int(raw["world_size"]),
@@ -90,9 +115,22 @@ class CommitMarker:
                 kind=str(raw.get("kind", "dcp")),
                 created_at=float(raw.get("created_at", 0.0)),
                 extra=dict(raw.get("extra") or {}),
+                generation=None if generation is None else int(generation),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointCorruptError(f"{where}: unreadable commit marker ({e})") from None
+
+
+def _entry_json(e: FileEntry) -> dict[str, Any]:
+    out: dict[str, Any] = {"size": e.size, "crc32": e.crc32}
+    if e.chunks:
+        out["chunks"] = [[c.offset, c.length, c.crc32] for c in e.chunks]
+    return out
+
+
+def _entry_from_json(e: Mapping[str, Any]) -> FileEntry:
+    chunks = tuple(Chunk(int(o), int(n), int(c)) for o, n, c in e.get("chunks") or ())
+    return FileEntry(size=int(e["size"]), crc32=None if e.get("crc32") is None else int(e["crc32"]), chunks=chunks)
 
 
 @dataclass(frozen=True)
@@ -102,12 +140,12 @@ class StepDir:
     committed: bool
 
 
-def list_step_dirs(root: str, storage: Storage | None = None) -> list[StepDir]:
+def list_step_dirs(root: str, storage: Storage | None = None, naming: Naming = STEPS) -> list[StepDir]:
     """Every step directory under ``root``, oldest first; ``committed`` means its marker exists."""
     st = storage or storage_for(root)
     out = []
     for name in st.listdir(root):
-        step = parse_step_dir_name(name)
+        step = naming.parse(name)
         if step is None:
             continue
         path = st.join(root, name)
@@ -253,19 +291,3 @@ def purge(root: str, keep_last: int, bad_steps: Iterable[int] = (), storage: Sto
     for d in victims:
         remove_step_dir(d.path, st)
     return victims
-
-
-def purge_and_log(
-    root: str, keep_last: int, bad_steps: Iterable[int], storage: Storage | None, log: Callable[..., None]
-) -> None:
-    """:func:`purge` off the training path: failures are logged, never raised (retention is best effort).
-
-    ``log(event, level, **fields)`` is the caller's lifecycle logger.
-    """
-    try:
-        removed = purge(root, keep_last, bad_steps, storage)
-    except OSError as e:
-        log("checkpoint_purge_failed", logging.WARNING, error=str(e))
-        return
-    for d in removed:
-        log("checkpoint_purged", logging.INFO, removed=d.path, why="retention" if d.committed else "incomplete")

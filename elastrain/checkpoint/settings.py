@@ -1,4 +1,4 @@
-"""Checks and defaults shared by every checkpointer (DCP and DeepSpeed): where, how many, how often."""
+"""Defaults shared by every checkpointer (DCP and DeepSpeed): where checkpoints go."""
 
 from __future__ import annotations
 
@@ -17,12 +17,3 @@ def resolve_root(directory: str | os.PathLike[str] | None, env_directory: str | 
             f"{CHECKPOINT_DIR}, or pass {owner}(directory=...)"
         )
     return os.fspath(root)
-
-
-def check_schedule(keep_last: int, interval_steps: int | None, interval_seconds: float | None = None) -> None:
-    if keep_last < 1:
-        raise CheckpointError(f"keep_last must be >= 1 (a complete checkpoint always remains), got {keep_last}")
-    if interval_steps is not None and interval_steps < 1:
-        raise CheckpointError(f"interval_steps must be >= 1, got {interval_steps}")
-    if interval_seconds is not None and interval_seconds <= 0:
-        raise CheckpointError(f"interval_seconds must be > 0, got {interval_seconds}")

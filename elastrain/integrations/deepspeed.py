@@ -15,12 +15,15 @@ Inside a DeepSpeed training script started by ``elastrain-run``::
 
 Checkpoints are DeepSpeed's own folders in elastrain's layout (:mod:`elastrain.checkpoint.layout`):
 ``<root>/step-N/`` holds what ``engine.save_checkpoint`` wrote, and counts only once the commit
-marker is there. The marker is written by rank 0 after every rank fsynced its files and checksummed
-its share; DeepSpeed's ``latest`` file is never written nor read (DeepSpeed writes it before the
-other ranks' shards are done). On restore every rank verifies its share of the newest committed
-step; at the world size it was saved at it loads natively, at any other it is converted once to
-DeepSpeed's universal format (:mod:`elastrain.integrations.ds_universal`) and loaded from there.
-Checkpoint directories must be shared by all nodes.
+marker is there. They go through elastrain's one commit protocol (:mod:`elastrain.checkpoint.commit`):
+every rank fsyncs and checksums the files it wrote, and rank 0 commits from the ranks' reports;
+DeepSpeed's ``latest`` file is never written nor read (DeepSpeed writes it before the other ranks'
+shards are done). DeepSpeed's own save and load barriers run with ``--io-timeout``. On restore every
+rank verifies its share of the newest committed step; at the world size it was saved at it loads
+natively, at any other it is converted once to DeepSpeed's universal format
+(:mod:`elastrain.integrations.ds_universal`) and loaded from there. A failed save raises
+:class:`~elastrain.errors.CheckpointSaveError` unless ``on_save_error="warn"``. Checkpoint
+directories must be shared by all nodes.
 """
 
 from __future__ import annotations
@@ -32,16 +35,23 @@ import re
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 from elastrain.checkpoint import layout
-from elastrain.checkpoint.group import Group
-from elastrain.checkpoint.settings import check_schedule, resolve_root
+from elastrain.checkpoint.commit import PROTOCOL_FILES, Commit, entry_of, fsync_and_checksum
+from elastrain.checkpoint.group import Group, default_group_timeout
+from elastrain.checkpoint.schedule import SaveReason, SaveSchedule, SaveTrigger
+from elastrain.checkpoint.settings import resolve_root
 from elastrain.checkpoint.state import Stateful
 from elastrain.checkpoint.storage import LocalStorage, fsync_dir
-from elastrain.control import ControlChannel, hold_for_restart
+from elastrain.control import ControlChannel
 from elastrain.env import WorkerEnv
-from elastrain.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from elastrain.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+)
 from elastrain.integrations import ds_universal
 from elastrain.integrations.ds_config import DeepSpeedBatch, elastic_config, loss_multiplier
 from elastrain.log import configure, lifecycle
@@ -113,28 +123,47 @@ class DeepSpeedCheckpointer:
         verify_checksums: bool = True,
         conversion_timeout_s: float = 1800.0,
         hold_after_request_s: float = 5.0,
+        on_save_error: Literal["raise", "warn"] = "raise",
     ) -> None:
         env = WorkerEnv.from_environ()
         root = resolve_root(directory, env.checkpoint_dir, "DeepSpeedCheckpointer")
-        check_schedule(keep_last, interval_steps)
+        if keep_last < 1:
+            raise CheckpointError(f"keep_last must be >= 1 (a complete checkpoint always remains), got {keep_last}")
+        if on_save_error not in ("raise", "warn"):
+            raise CheckpointError(f'on_save_error must be "raise" or "warn", got {on_save_error!r}')
+        schedule = SaveSchedule(interval_steps=interval_steps, hold_after_request_s=hold_after_request_s)
         self.engine = engine
         self.root = os.path.abspath(root)
         self.keep_last = keep_last
-        self.interval_steps = interval_steps
         self.verify_checksums = verify_checksums
         self.conversion_timeout_s = conversion_timeout_s
-        self.hold_after_request_s = hold_after_request_s
+        self.on_save_error = on_save_error
         self.storage = LocalStorage()
         os.makedirs(self.root, exist_ok=True)
-        self._group = Group(None, env.collective_timeout_s)
+        self._collective_timeout_s = env.collective_timeout_s
+        self._io_timeout_s = env.io_timeout_s
+        self._group = Group(None, env.collective_timeout_s)  # agreeing when to save
+        self._io = Group(None, env.io_timeout_s)  # the commit protocol: waits on storage
         # Ranks other than 0 wait in this group while rank 0 converts a checkpoint (seconds to minutes).
         self._slow = Group(None, conversion_timeout_s + 60.0)
         self.rank, self.world_size = self._group.rank, self._group.world_size
-        self._channel = ControlChannel(env.control_dir) if env.control_dir else None
-        self._is_local_leader = env.local_rank == 0
+        channel = ControlChannel(env.control_dir) if env.control_dir else None
+        agree = self._group.all_max if self._group.distributed else None
+        self._trigger = SaveTrigger(schedule, channel, agree, is_local_leader=env.local_rank == 0, log=self._log)
+        self._commit = Commit(
+            self.root, self.storage, self._io, kind=KIND, generation=env.generation, keep_last=keep_last, log=self._log
+        )
         self._extras: dict[str, Stateful] = {}
-        self._bad_steps: set[int] = set()
-        self._last_saved_step: int | None = None
+        self.last_error: CheckpointSaveError | None = None
+
+    @property
+    def schedule(self) -> SaveSchedule:
+        """When this checkpointer saves; assign a new one to change it from the next step on."""
+        return self._trigger.schedule
+
+    @schedule.setter
+    def schedule(self, schedule: SaveSchedule) -> None:
+        self._trigger.schedule = schedule
 
     def register(self, **objects: Any) -> None:
         """World-size independent objects saved beside the engine (``state_dict()`` of plain JSON data)."""
@@ -151,88 +180,82 @@ class DeepSpeedCheckpointer:
         if self.rank == 0 or level >= logging.WARNING:
             lifecycle(event, level=level, rank=self.rank, **fields)
 
+    def _io_timeouts(self) -> Any:
+        """DeepSpeed's own barriers (on the default group) wait on storage while it saves or loads."""
+        return default_group_timeout(self._io_timeout_s, self._collective_timeout_s)
+
     # -- saving ----------------------------------------------------------------------------------
     def maybe_save(self, step: int) -> bool:
         """Call after every optimizer step: saves every ``interval_steps`` or when the launcher asks."""
-        due = self.interval_steps is not None and step % self.interval_steps == 0
-        requested = self._channel is not None and self._channel.pending() is not None
-        if self._channel is not None:
-            due_all, requested_all = self._group.all_max([int(due), int(requested)])
-            due, requested = bool(due_all), bool(requested_all)
-        if not (due or requested) or step == self._last_saved_step:
+        reason = self._trigger.check(step)
+        if reason is None:
             return False
-        if not requested:
-            return self.save(step, reason="interval")
-        saved = self.save(step, reason="request")
-        hold_for_restart(self.hold_after_request_s, step, self._log)
+        saved = self.save(step, reason=reason.value)
+        if saved and reason is SaveReason.REQUEST:
+            self._trigger.hold(step)
         return saved
 
     def save(self, step: int, reason: str = "explicit") -> bool:
-        """Save ``step`` (collective) and commit it; False if that step is already committed."""
+        """Save ``step`` (collective) and commit it; False if that step is already committed.
+
+        A failure raises :class:`CheckpointSaveError` naming the path and the cause (with
+        ``on_save_error="warn"``: logged, and False).
+        """
         t0 = time.perf_counter()
-        tag = layout.step_dir_name(step)
-        path = os.path.join(self.root, tag)
-        if not self._group.broadcast(self._prepare_step_dir(step, path) if self.rank == 0 else None):
-            self._last_saved_step = step
+        try:
+            path = self._commit.prepare(step)
+            if path is None:
+                self._trigger.started(step)
+                return False
+            request = self._trigger.claim()
+            self._log("checkpoint_save_started", step=step, path=path, reason=reason, format=KIND)
+            self._trigger.started(step)
+            self._write_and_commit(step, path)
+        except CheckpointSaveError as e:
+            self.last_error = e
+            self._log("checkpoint_save_failed", logging.ERROR, error=str(e), on_save_error=self.on_save_error)
+            if self.on_save_error == "raise":
+                raise
             return False
-        request = None
-        if self._channel is not None:
-            request = self._channel.current_request()
-            if request is not None:
-                self._channel.mark_handled(request.request_id)
-        self._log("checkpoint_save_started", step=step, path=path, reason=reason, format=KIND)
-        self.engine.save_checkpoint(self.root, tag=tag, client_state={"elastrain_step": step}, save_latest=False)
-        if self.rank == 0:
-            state = {"format": 1, "step": step, "objects": {n: o.state_dict() for n, o in self._extras.items()}}
-            self.storage.write_atomic(os.path.join(path, STATE_FILE), json.dumps(state).encode())
-        # DeepSpeed's last barrier means every rank's torch.save returned; make this rank's files durable.
-        names = self._group.broadcast(self._checkpoint_files(path) if self.rank == 0 else None)
-        for name in names:
-            if self._wrote(name):
-                _fsync_file(os.path.join(path, name))
-        mine = layout.manifest(path, layout.share(names, self.rank, self.world_size), self.verify_checksums)
-        parts = self._group.all_gather(mine)
-        ok = True
-        if self.rank == 0:
-            entries: dict[str, layout.FileEntry] = {}
-            for part in parts:
-                entries.update(part)
-            fsync_dir(path)
-            extra = {"zero_stage": int(self.engine.zero_optimization_stage()), "deepspeed_tag": tag}
-            marker = layout.CommitMarker(step=step, world_size=self.world_size, files=entries, kind=KIND, extra=extra)
-            try:
-                layout.write_commit_marker(path, marker)
-            except OSError as e:
-                self._log("checkpoint_save_failed", logging.ERROR, step=step, error=str(e))
-                ok = False
-        if not self._group.broadcast(ok):
-            raise CheckpointError(f"{path}: rank 0 could not write the commit marker")
-        self._last_saved_step = step
         total = time.perf_counter() - t0
-        self._log("checkpoint_committed", step=step, path=path, total_s=total, format=KIND)
-        if request is not None and self._channel is not None and self._is_local_leader:
-            self._channel.ack(request.request_id, step, path)
-        if self.rank == 0:
-            self._purge()
+        request_id = request.request_id if request else None
+        self._log("checkpoint_committed", step=step, path=path, total_s=total, format=KIND, request=request_id)
+        self._trigger.committed(step, path, time.time())  # synchronous: training waited for the commit
         return True
 
-    def _prepare_step_dir(self, step: int, path: str) -> bool:
-        """Rank 0: whether to save into ``path``; removes a leftover of a killed or rejected save there."""
-        if not os.path.exists(path):
-            return True
-        if step not in self._bad_steps and os.path.exists(os.path.join(path, layout.MARKER)):
-            self._log("checkpoint_save_skipped", step_dir=path, why="already committed; never overwritten")
-            return False
-        self._log("checkpoint_purged", removed=path, why="incomplete or rejected leftover; replaced")
-        layout.remove_step_dir(path, self.storage)
-        return True
+    def _write_and_commit(self, step: int, path: str) -> None:
+        tag = os.path.basename(path)
+        error: str | None = None
+        report: dict[str, layout.FileEntry] | None = None
+        try:
+            with self._io_timeouts():
+                self.engine.save_checkpoint(
+                    self.root, tag=tag, client_state={"elastrain_step": step}, save_latest=False
+                )
+            report = {}
+            if self.rank == 0:
+                state = {"format": 1, "step": step, "objects": {n: o.state_dict() for n, o in self._extras.items()}}
+                data = json.dumps(state).encode()
+                self.storage.write_atomic(os.path.join(path, STATE_FILE), data)
+                report[STATE_FILE] = entry_of(data)
+            # DeepSpeed's last barrier means every rank's torch.save returned; make this rank's files durable.
+            for name in self._checkpoint_files(path):
+                if name != STATE_FILE and self._wrote(name):
+                    report[name] = fsync_and_checksum(os.path.join(path, name), self.verify_checksums)
+            if self.rank == 0:
+                fsync_dir(path)
+        except Exception as e:  # DeepSpeed raises assorted types; every rank reports its own
+            error = f"{type(e).__name__}: {e}"
+        expected = self._checkpoint_files(path) if self.rank == 0 and error is None else None
+        extra = {"zero_stage": int(self.engine.zero_optimization_stage()), "deepspeed_tag": tag}
+        self._commit.commit(step, path, report, error, expected=expected, extra=extra)
 
     def _checkpoint_files(self, path: str) -> list[str]:
         """Every file of the DeepSpeed checkpoint in ``path`` (not the universal cache, not the marker)."""
         return [
             f
             for f in self.storage.walk_files(path)
-            if f != layout.MARKER and not f.startswith((ds_universal.UNIVERSAL + "/", ".universal-"))
+            if f not in PROTOCOL_FILES and not f.startswith((ds_universal.UNIVERSAL + "/", ".universal-"))
         ]
 
     def _wrote(self, name: str) -> bool:
@@ -242,78 +265,61 @@ class DeepSpeedCheckpointer:
             return self.rank == 0
         return int(m.group(1)) == int(getattr(self.engine, "global_rank", self.rank))
 
-    def _purge(self) -> None:
-        layout.purge_and_log(self.root, self.keep_last, self._bad_steps, self.storage, self._log)
-
     # -- restoring -------------------------------------------------------------------------------
     def restore(self) -> DeepSpeedRestoreInfo | None:
         """Load the newest complete checkpoint every rank verified, at any world size; ``None`` if none."""
         t0 = time.perf_counter()
-        dirs: list[layout.StepDir] = self._group.broadcast(
-            layout.list_step_dirs(self.root, self.storage) if self.rank == 0 else None
+        read_crc = (lambda name, entry: True) if self.verify_checksums else (lambda name, entry: False)
+        info = self._commit.restore(lambda d, marker: self._load_step(d, marker, t0), read_crc)
+        if info is None:
+            self._log("checkpoint_restored", step=None, path=self.root, why="no complete checkpoint; starting fresh")
+            return None
+        self._trigger.started(info.step)
+        self._log(
+            "checkpoint_restored",
+            step=info.step,
+            path=info.path,
+            world_size=f"{info.world_size}->{self.world_size}",
+            universal=info.universal,
+            seconds=info.seconds,
+            format=KIND,
         )
-        for d in reversed(dirs):
-            if not d.committed:
-                self._log("checkpoint_skipped", path=d.path, why="no commit marker (a save that never finished)")
-                continue
-            problem = self._verify(d.path, self.verify_checksums)
-            if problem is not None:
-                self._reject(d, problem)
-                continue
-            marker = layout.read_commit_marker(d.path, self.storage)
-            if marker.kind != KIND:
-                raise CheckpointMismatchError(
-                    f"{d.path} is a {marker.kind!r} checkpoint, not a DeepSpeed one: give the DeepSpeed run its "
-                    "own --checkpoint-dir"
-                )
-            stage = int(self.engine.zero_optimization_stage())
-            universal = marker.world_size != self.world_size or marker.extra.get("zero_stage", stage) != stage
-            load_dir, tag = self.root, os.path.basename(d.path)
-            if universal:
-                converted = self._universal(d, marker)
-                if converted is None:
-                    continue
-                load_dir, tag = d.path, ds_universal.UNIVERSAL
-            self._load(load_dir, tag, universal, d.path)
-            self._apply_extras(d.path)
-            self._last_saved_step = marker.step
-            info = DeepSpeedRestoreInfo(
-                step=marker.step,
-                path=d.path,
-                world_size=marker.world_size,
-                universal=universal,
-                seconds=time.perf_counter() - t0,
-            )
-            self._log(
-                "checkpoint_restored",
-                step=info.step,
-                path=info.path,
-                world_size=f"{info.world_size}->{self.world_size}",
-                universal=universal,
-                seconds=info.seconds,
-                format=KIND,
-            )
-            if self.rank == 0:
-                self._purge()
-            self._group.barrier()
-            return info
-        self._log("checkpoint_restored", step=None, path=self.root, why="no complete checkpoint; starting fresh")
-        return None
+        self._io.barrier()
+        return info
 
-    def _reject(self, d: layout.StepDir, problem: str) -> None:
-        self._bad_steps.add(d.step)
-        self._log("checkpoint_fallback", logging.WARNING, bad=d.path, reason=problem)
+    def _load_step(self, d: layout.StepDir, marker: layout.CommitMarker, t0: float) -> DeepSpeedRestoreInfo | None:
+        if marker.kind != KIND:
+            raise CheckpointMismatchError(
+                f"{d.path} is a {marker.kind!r} checkpoint, not a DeepSpeed one: give the DeepSpeed run its "
+                "own --checkpoint-dir"
+            )
+        stage = int(self.engine.zero_optimization_stage())
+        universal = marker.world_size != self.world_size or marker.extra.get("zero_stage", stage) != stage
+        load_dir, tag = self.root, os.path.basename(d.path)
+        if universal:
+            if self._universal(d, marker) is None:
+                return None
+            load_dir, tag = d.path, ds_universal.UNIVERSAL
+        self._load(load_dir, tag, universal, d.path)
+        self._apply_extras(d.path)
+        return DeepSpeedRestoreInfo(
+            step=marker.step,
+            path=d.path,
+            world_size=marker.world_size,
+            universal=universal,
+            seconds=time.perf_counter() - t0,
+        )
 
-    def _verify(self, path: str, checksum: bool) -> str | None:
-        """Every rank checks its share of ``path``'s files against its marker; the first problem found."""
+    def _verify_universal(self, path: str) -> str | None:
+        """Every rank checks its share of the converted folder's files (lengths) against its marker."""
         problem: str | None = None
         try:
-            layout.verify_step(path, checksum, self.rank, self.world_size, self.storage)
+            layout.verify_step(path, False, self.rank, self.world_size, self.storage)
         except CheckpointCorruptError as e:
             problem = str(e)
         except OSError as e:
             problem = f"{path}: {type(e).__name__}: {e}"
-        return next((p for p in self._group.all_gather(problem) if p is not None), None)
+        return self._commit.agree(problem)
 
     def _universal(self, d: layout.StepDir, marker: layout.CommitMarker) -> str | None:
         """Rank 0 converts (or finds the cached conversion); every rank verifies it. Its path, or None."""
@@ -337,9 +343,9 @@ class DeepSpeedCheckpointer:
                 )
         error = self._slow.broadcast(error)
         if error is None:
-            error = self._verify(str(ds_universal.universal_dir(d.path)), checksum=False)
+            error = self._verify_universal(str(ds_universal.universal_dir(d.path)))
         if error is not None:
-            self._reject(d, error)
+            self._commit.reject(d, error)
             return None
         return str(ds_universal.universal_dir(d.path))
 
@@ -349,16 +355,17 @@ class DeepSpeedCheckpointer:
         config.load_universal_checkpoint = universal
         error: str | None = None
         try:
-            load_path, _ = self.engine.load_checkpoint(load_dir, tag=tag)
+            with self._io_timeouts():
+                load_path, _ = self.engine.load_checkpoint(load_dir, tag=tag)
             if load_path is None:
                 error = f"{where}: DeepSpeed found nothing to load in {os.path.join(load_dir, tag)}"
         except Exception as e:  # DeepSpeed raises assorted types; every rank reports its own
             error = f"{where}: DeepSpeed load failed on rank {self.rank}: {type(e).__name__}: {e}"
         finally:
             config.load_universal_checkpoint = previous
-        errors = [e for e in self._group.all_gather(error) if e is not None]
-        if errors:
-            raise CheckpointMismatchError(errors[0])
+        error = self._commit.agree(error)
+        if error is not None:
+            raise CheckpointMismatchError(error)
 
     def _apply_extras(self, path: str) -> None:
         try:
@@ -378,12 +385,5 @@ class DeepSpeedCheckpointer:
     def close(self) -> None:
         """Release the checkpointer's process groups."""
         self._group.destroy()
+        self._io.destroy()
         self._slow.destroy()
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

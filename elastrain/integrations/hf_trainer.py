@@ -24,10 +24,13 @@ What each part does:
   consumes the next ``global_batch`` positions of the stream whoever the workers are, and the
   Trainer's skip is turned off.
 * **Complete checkpoints.** The callback commits every ``checkpoint-N`` folder the Trainer writes
-  with an elastrain commit marker (:mod:`elastrain.checkpoint.layout`) once every rank's files are
-  on disk, and keeps the newest ``keep_last`` committed ones (the Trainer's own rotation, which may
-  delete the last complete checkpoint before the new one is complete, is turned off).
-  ``resume_from()`` returns the newest checkpoint every rank verified, or ``None``.
+  through elastrain's one commit protocol (:mod:`elastrain.checkpoint.commit`): every rank fsyncs and
+  checksums the files it wrote, rank 0 writes the commit marker from their reports, and the newest
+  ``keep_last`` committed ones are kept (the Trainer's own rotation, which may delete the last
+  complete checkpoint before the new one is complete, is turned off). A commit that fails raises
+  :class:`~elastrain.errors.CheckpointSaveError`. ``resume_from()`` returns the newest checkpoint
+  every rank verified, or ``None``. The launcher's save requests go through the one save schedule
+  (:mod:`elastrain.checkpoint.schedule`).
 * **Continuous metrics.** The global step continues from the checkpoint; the callback writes the
   Trainer's logs to ``metrics.jsonl`` (:mod:`elastrain.metrics`) keyed by global step, and keeps
   ``state.epoch`` the true dataset epoch.
@@ -40,6 +43,7 @@ import logging
 import math
 import os
 import re
+import time
 import uuid
 from collections.abc import Sized
 from dataclasses import dataclass
@@ -50,18 +54,22 @@ from torch.utils.data import Dataset
 from transformers import TrainerCallback
 
 from elastrain.checkpoint import layout
+from elastrain.checkpoint.commit import PROTOCOL_FILES, Commit, entry_of, fsync_and_checksum
+from elastrain.checkpoint.dcp_io import check_crc
+from elastrain.checkpoint.group import Group
+from elastrain.checkpoint.schedule import SaveReason, SaveSchedule, SaveTrigger
 from elastrain.checkpoint.storage import LocalStorage, fsync_dir
 from elastrain.control import ControlChannel
 from elastrain.data import epoch_order
 from elastrain.env import WorkerEnv
-from elastrain.errors import CheckpointCorruptError, CheckpointError, ScalingError
+from elastrain.errors import CheckpointError, ScalingError
 from elastrain.integrations.trainer_batch import trainer_batch
 from elastrain.log import configure, lifecycle
 from elastrain.metrics import METRICS_FILENAME, EventsFile, MetricsWriter
 
 KIND = "hf-trainer"
 STATE_FILE = "elastrain-state.json"
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+TRAINER_NAMING = layout.Naming("checkpoint-", 0)
 _RNG_FILE = re.compile(r"^rng_state_(\d+)\.pth$")
 
 
@@ -125,6 +133,7 @@ class ElasticTrainerRun:
         keep_last: int = 2,
         seed: int = 0,
         shuffle: bool = True,
+        hold_after_request_s: float = 5.0,
     ) -> None:
         configure()
         self.env = WorkerEnv.from_environ()
@@ -146,6 +155,9 @@ class ElasticTrainerRun:
         self.seed = seed
         self.shuffle = shuffle
         self.storage = LocalStorage()
+        self.schedule = SaveSchedule(hold_after_request_s=hold_after_request_s)  # the Trainer's save_steps rule
+        self._commit: Commit | None = None
+        self._sync: Group | None = None
         self._resume: Resume | None = None
         self._resolved = False
         self._view: StreamView | None = None
@@ -177,17 +189,38 @@ class ElasticTrainerRun:
         self._view = _LazyStreamView(self, train_dataset)
         return self._view
 
+    # -- the commit protocol (created once torch.distributed is up) -----------------------------------
+    def protocol(self) -> Commit:
+        """The commit protocol over an I/O group (``--io-timeout``); collective the first time."""
+        if self._commit is None or (not self._commit.group.distributed and _distributed()):
+            group = Group(None, self.env.io_timeout_s)
+            self._commit = Commit(
+                self.root,
+                self.storage,
+                group,
+                kind=KIND,
+                generation=self.env.generation,
+                naming=TRAINER_NAMING,
+                keep_last=self.keep_last,
+                log=self._log,
+            )
+        return self._commit
+
+    def sync_group(self) -> Group:
+        """The group on which ranks agree to honour a save request (``--collective-timeout``)."""
+        if self._sync is None or (not self._sync.distributed and _distributed()):
+            self._sync = Group(None, self.env.collective_timeout_s)
+        return self._sync
+
+    def _log(self, event: str, level: int = logging.INFO, **fields: Any) -> None:
+        rank = self._commit.rank if self._commit is not None else self.env.rank
+        if rank == 0 or level >= logging.WARNING:
+            lifecycle(event, level=level, rank=rank, format=KIND, **fields)
+
     # -- resuming ----------------------------------------------------------------------------------
     def checkpoints(self) -> list[layout.StepDir]:
         """The Trainer's ``checkpoint-N`` folders, oldest first; ``committed`` means elastrain's marker exists."""
-        out = []
-        for name in self.storage.listdir(self.root):
-            m = _CHECKPOINT_RE.match(name)
-            path = os.path.join(self.root, name)
-            if m and os.path.isdir(path):
-                committed = os.path.exists(os.path.join(path, layout.MARKER))
-                out.append(layout.StepDir(step=int(m.group(1)), path=path, committed=committed))
-        return sorted(out, key=lambda d: d.step)
+        return layout.list_step_dirs(self.root, self.storage, TRAINER_NAMING)
 
     def resume_from(self) -> str | None:
         """The newest checkpoint every rank verified (pass it to ``trainer.train``); ``None`` to start fresh.
@@ -196,39 +229,36 @@ class ElasticTrainerRun:
         """
         if self._resolved:
             return self._resume.path if self._resume else None
-        rank, world = _rank_world()
-        for d in reversed(self.checkpoints()):
-            if not d.committed:
-                if rank == 0:
-                    lifecycle("checkpoint_skipped", path=d.path, why="no commit marker (a save that never finished)")
-                continue
+        proto = self.protocol()
+
+        def load(d: layout.StepDir, marker: layout.CommitMarker) -> Resume | None:
             problem: str | None = None
+            cursor = 0
             try:
-                marker = layout.verify_step(d.path, True, rank, world, self.storage)
-            except CheckpointCorruptError as e:
-                problem = str(e)
-            problems = [p for p in _all_gather(problem) if p is not None]
-            if problems:
-                if rank == 0:
-                    lifecycle("checkpoint_fallback", logging.WARNING, bad=d.path, reason=problems[0])
-                continue
-            state = json.loads(self.storage.read_bytes(os.path.join(d.path, STATE_FILE)))
-            self._resume = Resume(d.path, marker.step, int(state["cursor"]), marker.world_size)
-            break
+                data = self.storage.read_bytes(os.path.join(d.path, STATE_FILE))
+                check_crc(data, marker.files.get(STATE_FILE), f"{d.path}/{STATE_FILE}")
+                cursor = int(json.loads(data)["cursor"])
+            except (OSError, ValueError, KeyError, TypeError, CheckpointError) as e:
+                problem = f"{d.path}: {type(e).__name__}: {e}"
+            problem = proto.agree(problem)
+            if problem is not None:
+                proto.reject(d, problem)
+                return None
+            return Resume(d.path, marker.step, cursor, marker.world_size)
+
+        self._resume = proto.restore(load)
         self._resolved = True
-        if rank == 0:
-            r = self._resume
-            lifecycle(
-                "checkpoint_restored",
-                step=r.step if r else None,
-                path=r.path if r else self.root,
-                world_size=f"{r.world_size if r else 'none'}->{world}",
-                cursor=r.cursor if r else 0,
-                global_batch=self.global_batch,
-                micro_batch=self.micro_batch,
-                accumulation=self.accumulation,
-                format=KIND,
-            )
+        r = self._resume
+        self._log(
+            "checkpoint_restored",
+            step=r.step if r else None,
+            path=r.path if r else self.root,
+            world_size=f"{r.world_size if r else 'none'}->{proto.world_size}",
+            cursor=r.cursor if r else 0,
+            global_batch=self.global_batch,
+            micro_batch=self.micro_batch,
+            accumulation=self.accumulation,
+        )
         return self._resume.path if self._resume else None
 
     @property
@@ -245,34 +275,37 @@ class ElasticTrainerRun:
 
     # -- committing --------------------------------------------------------------------------------
     def commit(self, step: int, trainer_epoch: float | None = None) -> str:
-        """Commit ``checkpoint-<step>`` after the Trainer wrote it (collective); its path."""
-        path = os.path.join(self.root, f"checkpoint-{step}")
-        rank, world = _rank_world()
-        for name in self.storage.walk_files(path) if os.path.isdir(path) else []:
-            m = _RNG_FILE.match(os.path.basename(name))
-            mine = int(m.group(1)) == rank if m else rank == 0
-            if mine and name != layout.MARKER:
-                _fsync_file(os.path.join(path, name))
-        _barrier()
-        if rank == 0:
-            cursor = self.cursor_at(step)
-            state = {"format": 1, "step": step, "cursor": cursor, "global_batch": self.global_batch}
-            state["world_size"] = world
-            self.storage.write_atomic(os.path.join(path, STATE_FILE), json.dumps(state).encode())
-            entries = layout.manifest(path, checksum=True, storage=self.storage)
-            fsync_dir(path)
-            layout.write_commit_marker(
-                path, layout.CommitMarker(step=step, world_size=world, files=entries, kind=KIND), self.storage
-            )
-            lifecycle("checkpoint_committed", step=step, path=path, cursor=cursor, format=KIND)
-            self._purge()
-        _barrier()
-        return path
+        """Commit ``checkpoint-<step>`` after the Trainer wrote it (collective); its path.
 
-    def _purge(self) -> None:
-        for d in layout.retention_plan(self.checkpoints(), self.keep_last):
-            layout.remove_step_dir(d.path, self.storage)
-            lifecycle("checkpoint_purged", removed=d.path, why="retention" if d.committed else "incomplete")
+        Raises :class:`~elastrain.errors.CheckpointSaveError` naming the path and the cause if any
+        rank could not make its files durable or the marker could not be written.
+        """
+        proto = self.protocol()
+        path = os.path.join(self.root, TRAINER_NAMING.name(step))
+        rank, world = proto.rank, proto.world_size
+        report: dict[str, layout.FileEntry] = {}
+        error: str | None = None
+        expected: list[str] | None = None
+        cursor = self.cursor_at(step)
+        try:
+            names = [n for n in self.storage.walk_files(path) if n not in PROTOCOL_FILES and n != STATE_FILE]
+            for name in names:
+                m = _RNG_FILE.match(os.path.basename(name))
+                if (int(m.group(1)) == rank) if m else rank == 0:
+                    report[name] = fsync_and_checksum(os.path.join(path, name))
+            if rank == 0:
+                state = {"format": 1, "step": step, "cursor": cursor, "global_batch": self.global_batch}
+                state["world_size"] = world
+                data = json.dumps(state).encode()
+                self.storage.write_atomic(os.path.join(path, STATE_FILE), data)
+                report[STATE_FILE] = entry_of(data)
+                fsync_dir(path)
+                expected = [*names, STATE_FILE]
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+        proto.commit(step, path, report, error, expected=expected)
+        self._log("checkpoint_committed", step=step, path=path, cursor=cursor)
+        return path
 
 
 class _LazyStreamView(StreamView):
@@ -307,7 +340,20 @@ class ElasticCallback(TrainerCallback):
         self.run = run
         self._metrics: MetricsWriter | None = None
         self._channel = ControlChannel(run.env.control_dir) if run.env.control_dir else None
-        self._request_id: int | None = None
+        self._trigger: SaveTrigger | None = None
+        self._requested = False
+
+    def trigger(self) -> SaveTrigger:
+        if self._trigger is None:
+            sync = self.run.sync_group()
+            self._trigger = SaveTrigger(
+                self.run.schedule,
+                self._channel,
+                sync.all_max if sync.distributed else None,
+                is_local_leader=self.run.env.local_rank == 0,
+                log=self.run._log,
+            )
+        return self._trigger
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         rank, world = _rank_world()
@@ -316,6 +362,7 @@ class ElasticCallback(TrainerCallback):
                 f"the Trainer resumed at step {state.global_step} but elastrain's checkpoint is at step "
                 f"{self.run.start_step}: pass resume_from_checkpoint=elastic.resume_from() to trainer.train"
             )
+        self.trigger().started(state.global_step)
         if rank == 0:
             segment = uuid.uuid4().hex[:12]
             self._metrics = MetricsWriter(os.path.join(self.run.root, METRICS_FILENAME), segment, state.global_step)
@@ -329,22 +376,21 @@ class ElasticCallback(TrainerCallback):
         view = self.run._view
         if view is not None and view.num_samples:
             state.epoch = self.run.cursor_at(state.global_step) / view.num_samples
-        if self._channel is not None:
-            pending = self._channel.pending()
-            asked = _all_max(int(pending is not None))
-            if asked:
-                request = self._channel.current_request()
-                self._request_id = request.request_id if request else None
-                control.should_save = True
+        # Interval saves are the Trainer's own (save_steps); the trigger adds the launcher's requests.
+        if self._channel is not None and self.trigger().check(state.global_step) is SaveReason.REQUEST:
+            self.trigger().claim()
+            self._requested = True
+            control.should_save = True
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        path = self.run.commit(state.global_step)
-        if self._channel is not None and self._request_id is not None:
-            if self.run.env.local_rank == 0:
-                self._channel.ack(self._request_id, state.global_step, path)
-            else:
-                self._channel.mark_handled(self._request_id)
-            self._request_id = None
+        step = state.global_step
+        path = self.run.commit(step)
+        trigger = self.trigger()
+        trigger.started(step)
+        trigger.committed(step, path, time.time())  # the Trainer saves synchronously
+        if self._requested:
+            self._requested = False
+            trigger.hold(step)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if self._metrics is not None and logs:
@@ -353,33 +399,11 @@ class ElasticCallback(TrainerCallback):
             self._metrics.log(state.global_step, world_size=world, **values)
 
 
-# -- small collectives that also work without torch.distributed ----------------------------------------
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _all_max(value: int) -> int:
-    return max(int(v) for v in _all_gather(value))
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

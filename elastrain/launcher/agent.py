@@ -226,6 +226,7 @@ class ElastrainAgent(LocalElasticAgent):
             checkpoint_dir=self._options.checkpoint_dir,
             control_dir=str(self.control.directory),
             collective_timeout_s=self._options.collective_timeout_s,
+            io_timeout_s=self._options.io_timeout_s,
             generation=getattr(spec.rdzv_handler, "generation", None),
         )
         old = self._previous_world_size

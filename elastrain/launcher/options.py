@@ -19,6 +19,7 @@ from torch.distributed.argparse_util import env
 from torch.distributed.elastic.multiprocessing import Std
 from torch.distributed.run import get_args_parser
 
+from elastrain.env import DEFAULT_IO_TIMEOUT_S
 from elastrain.errors import UsageError
 from elastrain.preemption.monitor import parse_watchers
 
@@ -39,6 +40,8 @@ class ElastrainOptions:
     """How long the agent waits for that checkpoint to commit before it restarts anyway."""
     collective_timeout_s: float = 30.0
     """Timeout for workers' collectives (ELASTRAIN_COLLECTIVE_TIMEOUT); bounds a hang on a frozen peer."""
+    io_timeout_s: float = DEFAULT_IO_TIMEOUT_S
+    """Timeout for workers' collectives that wait on storage (ELASTRAIN_IO_TIMEOUT): checkpoint saves and loads."""
     preemption_watchers: str = "none"
     """Cloud preemption notices to watch: none, auto, or a list of azure,aws,gcp."""
     metadata_endpoint: str | None = None
@@ -51,6 +54,8 @@ class ElastrainOptions:
             raise UsageError("--save-timeout", f"must be >= 0 seconds, got {self.save_timeout_s}")
         if self.collective_timeout_s <= 0:
             raise UsageError("--collective-timeout", f"must be > 0 seconds, got {self.collective_timeout_s}")
+        if not self.io_timeout_s > 0:
+            raise UsageError("--io-timeout", f"must be > 0 seconds, got {self.io_timeout_s}")
         parse_watchers(self.preemption_watchers)
 
 
@@ -104,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="Seconds a worker's collective may wait on a peer (default: 30; gloo's own is 30 min).",
     )
     group.add_argument(
+        "--io-timeout",
+        "--io_timeout",
+        action=env,
+        type=float,
+        default=DEFAULT_IO_TIMEOUT_S,
+        help="Seconds a worker's collective may wait on storage: checkpoint writes, verification and loads "
+        f"(default: {DEFAULT_IO_TIMEOUT_S:.0f}).",
+    )
+    group.add_argument(
         "--preemption-watchers",
         "--preemption_watchers",
         action=env,
@@ -144,6 +158,7 @@ def options_from_args(args: argparse.Namespace) -> ElastrainOptions:
         save_on_change=bool(args.save_on_change),
         save_timeout_s=float(args.save_timeout),
         collective_timeout_s=float(args.collective_timeout),
+        io_timeout_s=float(args.io_timeout),
         preemption_watchers=str(args.preemption_watchers),
         metadata_endpoint=args.metadata_endpoint,
         zygote=bool(args.zygote),

@@ -66,17 +66,18 @@ class C10dStores:
             if published is not None:
                 return published
         host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
-        address = f"{host}:{port}"
         cfg_is_host = params.get_as_bool("is_host")
         try_host = cfg_is_host if cfg_is_host is not None else _matches_machine_hostname(host)
         if try_host:
             try:
-                return TCPStore(host, port, is_master=True, multi_tenant=True, timeout=self.timeout), True, address
+                store = TCPStore(host, port, is_master=True, multi_tenant=True, timeout=self.timeout)
+                # The port actually bound (--standalone asks for port 0): what the fencing claim publishes.
+                return store, True, f"{host}:{store.port}"
             except (RuntimeError, ValueError, TimeoutError):
                 if cfg_is_host:
                     raise
         try:
-            return TCPStore(host, port, is_master=False, timeout=self.timeout), False, address
+            return TCPStore(host, port, is_master=False, timeout=self.timeout), False, f"{host}:{port}"
         except (RuntimeError, ValueError, TimeoutError) as exc:
             raise RendezvousStoreLostError(
                 f"cannot reach the c10d rendezvous store at {params.endpoint} ({exc}); check --rdzv-endpoint"

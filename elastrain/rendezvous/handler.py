@@ -186,6 +186,14 @@ class _Superseded(Exception):
         self.store = store
 
 
+def _other_job(root: str, claim: fence.Claim, run_id: str) -> RendezvousError:
+    return RendezvousError(
+        f"--checkpoint-dir {root} was taken over by another job (run id {claim.run_id!r}, generation "
+        f"{claim.generation}); one checkpoint directory serves one job: give this job its own --checkpoint-dir, "
+        f"or start it with that job's --rdzv-id to join it (this one is {run_id!r})"
+    )
+
+
 class _Backoff:
     """Waits that start short and grow to a ceiling, with jitter; reset when something changes."""
 
@@ -263,6 +271,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self.generation: int | None = None
         """The fencing generation this node's world claimed (None without a checkpoint root)."""
         self._fenced_by: str | None = None
+        self._foreign: RendezvousError | None = None
         self._next_fence_check = 0.0
         self._decided: st.Change | None = None
         self._decision_fresh = False
@@ -294,6 +303,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         deadline = time.monotonic() + s.join_timeout_s
         info = st.NodeInfo(self._addr, free_port(), self._probe.port, self._standby_port)
         self._decided, self._decision_fresh, self._scale_up_seen = None, False, None
+        if self._foreign is not None:
+            raise self._foreign
         if self._fenced_by is not None:
             self._redirect(self._fenced_by, deadline)
         for _ in range(1000):
@@ -421,7 +432,13 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             # A fresh store: a job is either starting, or running elsewhere (a store founded again at the
             # original endpoint, a restarted worker-0 pod): join that job rather than found a second one.
             top = fence.newest(root)
-            if top is not None and top.store and top.store != self._store_address and self._answers(top.store):
+            if (
+                top is not None
+                and top.store
+                and top.run_id == self.get_run_id()
+                and top.store != self._store_address
+                and self._answers(top.store)
+            ):
                 self._tombstone(top.store, f"generation {top.generation} runs at {top.store}")
             got = fence.claim_fresh(root, self.get_run_id(), round_, self._store_address, state.members)
             return got.generation
@@ -442,6 +459,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             if winner is not None and winner.store == self._store_address and winner.run_id == self.get_run_id():
                 parent += 1  # our own lineage's claim, by a leader that died before recording it
                 continue
+            if winner is not None and winner.run_id and winner.run_id != self.get_run_id():
+                raise _other_job(root, winner, self.get_run_id())
             self._tombstone(winner.store if winner else "", f"generation {parent + 1} was claimed by another world")
         raise StaleGenerationError(f"could not claim a generation after {parent} in {root} (100 tries)")
 
@@ -499,6 +518,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 fence.check(self._fence_root, self.generation)
             except StaleGenerationError as exc:
                 top = fence.newest(self._fence_root)
+                if top is not None and top.run_id and top.run_id != self.get_run_id():
+                    self._foreign = _other_job(self._fence_root, top, self.get_run_id())
                 self._fenced_by = top.store if top else "unknown"
                 lifecycle("world_superseded", level=logging.WARNING, node=self.node_id, why=str(exc))
             except OSError as exc:

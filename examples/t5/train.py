@@ -79,19 +79,23 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def evaluate(net: torch.nn.Module, rouge_samples: int = 0) -> dict[str, float]:
-    """Token-weighted loss over the held-out set; ROUGE-L of greedy summaries of its first pairs."""
+def evaluate(net: torch.nn.Module, rouge_samples: int = 0, shard: tuple[int, int] = (0, 1)) -> dict[str, float]:
+    """Token-weighted loss over the held-out set; ROUGE-L of greedy summaries of its first pairs.
+
+    With ``shard=(rank, world_size)`` every rank evaluates its share of the batches and the sums are
+    all-reduced: no rank idles in a collective while another evaluates alone.
+    """
     net.eval()
-    batches = [
-        collate(pad_id)([eval_set[j] for j in range(i, min(i + 64, len(eval_set)))])
-        for i in range(0, len(eval_set), 64)
-    ]
-    total, tokens = 0.0, 0
+    rank, world_size = shard
+    starts = range(0, len(eval_set), 64)[rank::world_size]
+    batches = [collate(pad_id)([eval_set[j] for j in range(i, min(i + 64, len(eval_set)))]) for i in starts]
+    sums = torch.zeros(2, dtype=torch.float64)  # loss × tokens, tokens
     for b in batches:
         n = int((b["labels"] != -100).sum())
-        total += float(net(**model_inputs(b)).loss) * n
-        tokens += n
-    result = {"eval_loss": total / tokens}
+        sums += torch.tensor([float(net(**model_inputs(b)).loss) * n, n], dtype=torch.float64)
+    if world_size > 1:
+        torch.distributed.all_reduce(sums)
+    result = {"eval_loss": float(sums[0] / sums[1])}
     if rouge_samples:
         b = collate(pad_id)([eval_set[i] for i in range(min(rouge_samples, len(eval_set)))])
         gen = net.generate(input_ids=b["input_ids"], attention_mask=b["attention_mask"], max_new_tokens=32)
@@ -150,8 +154,8 @@ with session:
         step.optimizer_step()  # elastrain: optimizer, data cursor, train state, checkpoint when due
         mean_loss = step.mean_loss()
         step.log(loss=mean_loss, samples=session.state.samples_seen, world_size=session.world_size, lr=step.lr)
-        if args.eval_every and step.number % args.eval_every == 0 and step.number < args.max_steps and env.rank == 0:
-            metrics = evaluate(session.module)
+        if args.eval_every and step.number % args.eval_every == 0 and step.number < args.max_steps:
+            metrics = evaluate(session.module, shard=(session.rank, session.world_size))  # on every rank
             step.log(samples=session.state.samples_seen, **metrics)
         if bar is not None:
             bar.update(1)

@@ -8,6 +8,7 @@ within fp32 tolerance at every world size.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -71,8 +72,8 @@ def test_zero2_resume_at_1_and_3_and_survive_kills_in_save_and_conversion(tmp_pa
     out = launch(2, ckpt, l2, ext, "--stage=2", "--steps=6", "--save-at", "3", "--kill-save-at=5", restarts=1)
     assert [int(e["step"]) for e in events(out, "checkpoint_committed")] == [3]
     assert (ckpt / "step-0000000005").is_dir() and not (ckpt / "step-0000000005" / "elastrain-commit.json").exists()
-    skipped = events(out, "checkpoint_skipped")
-    assert skipped and skipped[0]["path"].endswith("step-0000000005")
+    skipped = events(out, "checkpoint_fallback")
+    assert skipped and skipped[0]["bad"].endswith("step-0000000005") and "no commit marker" in skipped[0]["reason"]
     first, resumed = losses(l2, attempt=0), losses(l2, attempt=1)
     assert sorted(first) == [1, 2, 3, 4, 5] and sorted(resumed) == [4, 5, 6]
     assert_close(resumed, first, [4, 5])  # same world size: exact
@@ -106,18 +107,21 @@ def test_zero3_resume_at_1_and_3(tmp_path: Path) -> None:
     launch(2, ckpt, l2, ext, "--stage=3", "--steps=5", "--save-at", "3")
     reference = losses(l2)
 
-    # Both resumes start together and race to convert: one rename wins, the other uses its result.
+    # Both resumes run at once, each on its own copy of the checkpoint: one checkpoint directory serves one
+    # job (a second job on the same directory takes its fencing generation over, and the first one stops).
+    ckpt1 = tmp_path / "ckpt-ws1"
+    shutil.copytree(ckpt, ckpt1)
     env = worker_env({"TORCH_EXTENSIONS_DIR": str(ext)})
     procs = [
         subprocess.Popen(
-            launch_cmd(n, ckpt, ledger, "--stage=3", "--steps=5"),
+            launch_cmd(n, directory, ledger, "--stage=3", "--steps=5"),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
             start_new_session=True,
         )
-        for n, ledger in ((1, l1), (3, l3))
+        for n, directory, ledger in ((1, ckpt1, l1), (3, ckpt, l3))
     ]
     outs = []
     for proc in procs:

@@ -58,7 +58,7 @@ def main() -> None:
         print(f"MW_STEP t={time.time():.3f} step={step} {tag}", flush=True)
         if flags[1] > 0 and req is not None and channel is not None:
             # Every rank saved at this step (a real checkpoint); each node acks its own agent's request.
-            channel.ack(req.request_id, step, f"mem://step-{step}")
+            channel.ack(step, f"mem://step-{step}", time.time())
             print(f"MW_SAVED request={req.request_id} step={step} {tag}", flush=True)
         if flags[0] > 0:
             break

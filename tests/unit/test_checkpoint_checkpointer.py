@@ -257,3 +257,71 @@ def test_fsspec_url_round_trip() -> None:
         info = ckpt.restore()
     assert info is not None and info.path == f"{root}/{layout.step_dir_name(4)}"
     assert_same(snaps[4], fresh.snapshot())
+
+
+@pytest.mark.parametrize("on_save_error", ["raise", "warn"])
+def test_a_superseded_generation_never_commits_whatever_on_save_error_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on_save_error: str
+) -> None:
+    from elastrain.checkpoint import fence
+    from elastrain.errors import StaleGenerationError
+
+    root = tmp_path / "c"
+    assert fence.claim(str(root), fence.Claim(1, "run", 0, "")) is not None
+    monkeypatch.setenv(env_vars.GENERATION, "1")
+    job = Job()
+    with job.checkpointer(root, interval_steps=1, on_save_error=on_save_error) as ckpt:
+        job.step(1)
+        assert ckpt.save(1, blocking=True)
+        marker = layout.read_commit_marker(str(root / layout.step_dir_name(1)))
+        assert marker.generation == 1
+        assert fence.claim(str(root), fence.Claim(2, "run", 1, ""))  # a newer world took over
+        job.step(2)
+        with pytest.raises(StaleGenerationError, match="superseded by generation 2"):
+            ckpt.save(2, blocking=True)
+    assert not (root / layout.step_dir_name(2) / layout.MARKER).exists()
+
+
+def test_an_unwritable_root_fails_the_save_naming_path_and_cause(tmp_path: Path) -> None:
+    from elastrain.errors import CheckpointSaveError
+
+    root = tmp_path / "c"
+    job = Job()
+    with job.checkpointer(root, interval_steps=1) as ckpt:
+        job.step(1)
+        assert ckpt.maybe_save(1)
+        ckpt.wait()
+        root.rename(tmp_path / "moved")
+        root.write_text("a file now")  # the checkpoint root is no directory any more
+        job.step(2)
+        with pytest.raises(CheckpointSaveError, match=rf"step 2 in {root}/step-0000000002 failed: .*NotADirectory"):
+            ckpt.maybe_save(2)
+
+
+@pytest.mark.parametrize("on_save_error", ["raise", "warn"])
+def test_a_failed_background_save_surfaces_at_the_next_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, events: Events, on_save_error: str
+) -> None:
+    from elastrain.checkpoint import checkpointer
+    from elastrain.errors import CheckpointSaveError
+
+    def full_disk(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    job = Job()
+    ckpt = job.checkpointer(tmp_path, interval_steps=1, on_save_error=on_save_error)
+    monkeypatch.setattr(checkpointer, "dcp_save", full_disk)  # the writer thread's write fails
+    job.step(1)
+    assert ckpt.save(1)  # asynchronous: returns before the write
+    job.step(2)
+    if on_save_error == "raise":
+        with pytest.raises(CheckpointSaveError, match=r"step 1 in .*step-0000000001 failed: OSError: .*No space left"):
+            ckpt.maybe_save(2)
+        ckpt.close()  # nothing left to raise
+    else:
+        assert ckpt.maybe_save(2)  # step 1's failure is logged, and training goes on trying
+        ckpt.close()  # step 2 fails too: logged, not raised
+        assert ckpt.last_error is not None and "step 2" in str(ckpt.last_error)
+    failed = events.named("checkpoint_save_failed")
+    assert len(failed) == (1 if on_save_error == "raise" else 2)
+    assert "No space left" in failed[0]["error"] and failed[0]["on_save_error"] == on_save_error

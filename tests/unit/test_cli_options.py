@@ -121,6 +121,7 @@ def test_single_node_default_like_torchrun() -> None:
         (["--no-python", "no-such-command-xyz"], "training_script"),
         (["--save-timeout", "-1", SCRIPT], "--save-timeout"),
         (["--collective-timeout", "0", SCRIPT], "--collective-timeout"),
+        (["--io-timeout", "0", SCRIPT], "--io-timeout"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_flag(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -134,9 +135,11 @@ def test_bad_input_is_one_line_naming_the_flag(argv: list[str], flag: str, capsy
 def test_elastrain_options_read_pet_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PET_CHECKPOINT_DIR", "/ckpt")
     monkeypatch.setenv("PET_SAVE_TIMEOUT", "5")
+    monkeypatch.setenv("PET_IO_TIMEOUT", "900")
     opts = options_from_args(build_parser().parse_args([SCRIPT]))
     assert opts.checkpoint_dir == "/ckpt"
     assert opts.save_timeout_s == 5.0
+    assert opts.io_timeout_s == 900.0
 
 
 def test_bad_input_exit_code_and_no_traceback_in_a_real_process() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from elastrain import env as env_mod
-from elastrain.env import LaunchContext, StartReason, WorkerEnv, start_reason, to_environ
+from elastrain.env import DEFAULT_IO_TIMEOUT_S, LaunchContext, StartReason, WorkerEnv, start_reason, to_environ
 from elastrain.errors import WorkerEnvError
 
 TORCH_VARS = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
@@ -41,6 +41,7 @@ def test_round_trip_through_environment() -> None:
         checkpoint_dir="/ckpt",
         control_dir="/ctl",
         collective_timeout_s=12.5,
+        io_timeout_s=900.0,
     )
     got = WorkerEnv.from_environ({**TORCH_VARS, **to_environ(ctx)})
     assert (got.rank, got.local_rank, got.world_size, got.local_world_size, got.group_rank) == (3, 1, 4, 2, 1)
@@ -48,12 +49,14 @@ def test_round_trip_through_environment() -> None:
     assert got.previous_world_size == 6 and got.world_size_changed and got.is_restart
     assert (got.restart_count, got.failure_count, got.round, got.run_id) == (2, 1, 2, "job-1")
     assert (got.checkpoint_dir, got.control_dir, got.collective_timeout_s) == ("/ckpt", "/ctl", 12.5)
+    assert got.io_timeout_s == 900.0
     assert got.under_elastrain
 
 
 def test_without_a_launcher_is_a_single_process_world() -> None:
     got = WorkerEnv.from_environ({})
     assert (got.rank, got.world_size, got.start_reason, got.under_elastrain) == (0, 1, StartReason.FIRST_START, False)
+    assert got.io_timeout_s == DEFAULT_IO_TIMEOUT_S  # storage waits get their own, longer bound
 
 
 def test_under_plain_torchrun_uses_torch_restart_count() -> None:
@@ -67,6 +70,8 @@ def test_under_plain_torchrun_uses_torch_restart_count() -> None:
         ({"WORLD_SIZE": "x"}, "WORLD_SIZE"),
         ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2"),
         ({"ELASTRAIN_START_REASON": "bored"}, "ELASTRAIN_START_REASON"),
+        ({"ELASTRAIN_IO_TIMEOUT": "soon"}, "ELASTRAIN_IO_TIMEOUT"),
+        ({"ELASTRAIN_IO_TIMEOUT": "0"}, "ELASTRAIN_IO_TIMEOUT"),
     ],
 )
 def test_malformed_environment(environ: dict[str, str], match: str) -> None:

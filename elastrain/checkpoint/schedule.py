@@ -1,0 +1,151 @@
+"""When to save: one schedule for every checkpointer (DCP, DeepSpeed, the Trainer integration).
+
+:class:`SaveSchedule` is the policy, a frozen and validated value (intervals, hold after a request);
+:func:`decide` is the pure rule; :class:`SaveTrigger` applies them at step boundaries: it reads the
+launcher's save requests (:mod:`elastrain.control`), makes every rank agree (a rank that saw a
+request, or whose clock says the interval passed, makes all ranks save at the same step), and
+reports commits back to the launcher. A checkpointer owns one trigger; replacing
+``trigger.schedule`` changes the schedule from the next step on.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from elastrain.control import ControlChannel, SaveAck, SaveRequest, hold_for_restart
+from elastrain.errors import CheckpointError
+
+# Saved this often when neither interval is given (pass interval_seconds=math.inf for "on request only").
+DEFAULT_INTERVAL_SECONDS = 300.0
+
+
+class SaveReason(str, enum.Enum):
+    INTERVAL = "interval"
+    REQUEST = "request"
+
+
+@dataclass(frozen=True)
+class SaveSchedule:
+    """How often to save, and what to do after a save the launcher asked for."""
+
+    interval_steps: int | None = None
+    """Save every this many steps (at steps divisible by it)."""
+    interval_seconds: float | None = None
+    """Save when this many seconds passed since the last save (``math.inf``: on request only)."""
+    hold_after_request_s: float = 5.0
+    """After a requested save, hold up to this long for the restart the launcher is about to do."""
+    agree_every_steps: int = 1
+    """Agree on time-based and requested saves every this many steps (one tiny all-reduce each time)."""
+
+    def __post_init__(self) -> None:
+        if self.interval_steps is not None and self.interval_steps < 1:
+            raise CheckpointError(f"interval_steps must be >= 1, got {self.interval_steps}")
+        if self.interval_seconds is not None and not self.interval_seconds > 0:
+            raise CheckpointError(f"interval_seconds must be > 0, got {self.interval_seconds}")
+        if self.hold_after_request_s < 0:
+            raise CheckpointError(f"hold_after_request_s must be >= 0, got {self.hold_after_request_s}")
+        if self.agree_every_steps < 1:
+            raise CheckpointError(f"sync_every_steps must be >= 1, got {self.agree_every_steps}")
+
+    @classmethod
+    def default(
+        cls, interval_steps: int | None = None, interval_seconds: float | None = None, **more: Any
+    ) -> SaveSchedule:
+        """With neither interval given, every :data:`DEFAULT_INTERVAL_SECONDS`."""
+        if interval_steps is None and interval_seconds is None:
+            interval_seconds = DEFAULT_INTERVAL_SECONDS
+        return cls(interval_steps=interval_steps, interval_seconds=interval_seconds, **more)
+
+    @property
+    def timed(self) -> bool:
+        return self.interval_seconds is not None and math.isfinite(self.interval_seconds)
+
+    def steps_due(self, step: int) -> bool:
+        return self.interval_steps is not None and step % self.interval_steps == 0
+
+    def seconds_due(self, since_save_s: float) -> bool:
+        return self.interval_seconds is not None and since_save_s >= self.interval_seconds
+
+
+def decide(
+    schedule: SaveSchedule, step: int, last_saved_step: int | None, timed: bool, requested: bool
+) -> SaveReason | None:
+    """Pure: why to save ``step`` (``timed``/``requested`` as agreed by all ranks), or ``None``."""
+    if step == last_saved_step:
+        return None
+    if requested:
+        return SaveReason.REQUEST
+    if timed or schedule.steps_due(step):
+        return SaveReason.INTERVAL
+    return None
+
+
+class SaveTrigger:
+    """A schedule applied at step boundaries, with the launcher's requests and the ranks' agreement.
+
+    ``agree(flags)`` is the element-wise max of ``flags`` over all ranks (``None``: one process).
+    """
+
+    def __init__(
+        self,
+        schedule: SaveSchedule,
+        channel: ControlChannel | None,
+        agree: Callable[[list[int]], list[int]] | None,
+        *,
+        is_local_leader: bool = True,
+        log: Callable[..., None] | None = None,
+    ) -> None:
+        self.schedule = schedule
+        self.channel = channel
+        self._agree = agree
+        self._is_local_leader = is_local_leader
+        self._log = log or (lambda *a, **k: None)
+        self.last_saved_step: int | None = None
+        self._last_save_time = time.monotonic()
+        self._answer: SaveAck | None = None
+
+    def check(self, step: int) -> SaveReason | None:
+        """Whether to save ``step``, and why; collective when distributed (call on every rank at every step)."""
+        s = self.schedule
+        timed = s.seconds_due(time.monotonic() - self._last_save_time)
+        requested = self.channel is not None and self.channel.pending() is not None
+        if self._agree is not None and (s.timed or self.channel is not None):
+            if step % s.agree_every_steps == 0:
+                timed, requested = (bool(v) for v in self._agree([int(timed), int(requested)]))
+            else:
+                timed = requested = False
+        return decide(s, step, self.last_saved_step, timed, requested)
+
+    def claim(self) -> SaveRequest | None:
+        """The launcher's request the save starting now answers (if any), marked handled on this rank."""
+        if self.channel is None:
+            return None
+        req = self.channel.pending()
+        if req is not None:
+            self.channel.mark_handled(req.request_id)
+        return req
+
+    def started(self, step: int) -> None:
+        """A save of ``step`` started (or ``step`` was restored): the intervals count from now."""
+        self.last_saved_step = step
+        self._last_save_time = time.monotonic()
+
+    def committed(self, step: int, path: str, current_at: float) -> None:
+        """A save committed; the workers' state was that checkpoint until ``current_at`` (wall clock)."""
+        self._answer = SaveAck(step=step, checkpoint=path, current_at=current_at)
+        if self.channel is None:
+            return
+        if self._is_local_leader:
+            self.channel.ack(step, path, current_at)
+        else:
+            self.channel.answered(current_at)
+
+    def hold(self, step: int) -> None:
+        """After a requested save: wait (bounded) for the restart, answering later requests with that save."""
+        answer = self._answer if self._is_local_leader else None
+        hold_for_restart(self.schedule.hold_after_request_s, step, self._log, self.channel, answer)
