@@ -45,7 +45,7 @@ def main() -> None:
         step += 1
         print(f"PW_STEP t={time.time():.3f} step={step} {tag}", flush=True)
         if flags[1] > 0 and req is not None and channel is not None:
-            channel.ack(req.request_id, step, f"mem://step-{step}")
+            channel.ack(step, f"mem://step-{step}", time.time())
         if flags[0] > 0:
             break
         time.sleep(0.1)
