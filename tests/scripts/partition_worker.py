@@ -5,8 +5,10 @@
 
 ``world`` names the process group a step ran in (the rank-0 node picks a fresh MASTER_PORT per round),
 so a test can tell two worlds apart even if both call their round the same number. The job ends once
-the file named by PW_STOP_FILE exists. Save requests (ELASTRAIN_CONTROL_DIR) are acknowledged at once
-with a pretend checkpoint, after every rank agreed on the step, as membership_worker.py does.
+the file named by PW_STOP_FILE exists. Save requests (ELASTRAIN_CONTROL_DIR) are answered as the real
+checkpointer answers them (elastrain/checkpoint/schedule.py), with a pretend checkpoint: every rank
+agrees on the step, each node acknowledges it to its own agent, then holds for the restart and answers
+requests that arrive meanwhile (another agent saw the change later) with the same checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from elastrain.control import ControlChannel, SaveAck, hold_for_restart
+from elastrain.log import format_event
+
+HOLD_S = 5.0  # the checkpointer's default hold_after_request_s
 
 
 def main() -> None:
@@ -31,11 +38,11 @@ def main() -> None:
     )
     print(f"PW_START t={time.time():.3f} {tag}", flush=True)
     stop_file = os.environ.get("PW_STOP_FILE")
-    channel = None
-    if os.environ.get("ELASTRAIN_CONTROL_DIR"):
-        from elastrain.control import ControlChannel
+    channel = ControlChannel(os.environ["ELASTRAIN_CONTROL_DIR"]) if os.environ.get("ELASTRAIN_CONTROL_DIR") else None
 
-        channel = ControlChannel(os.environ["ELASTRAIN_CONTROL_DIR"])
+    def log(event: str, level: int, **fields: object) -> None:
+        print(format_event(event, **fields, t=round(time.time(), 3)), flush=True)
+
     step = 0
     while True:
         stop = 1.0 if (rank == 0 and stop_file and os.path.exists(stop_file)) else 0.0
@@ -44,8 +51,10 @@ def main() -> None:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         step += 1
         print(f"PW_STEP t={time.time():.3f} step={step} {tag}", flush=True)
-        if flags[1] > 0 and req is not None and channel is not None:
-            channel.ack(step, f"mem://step-{step}", time.time())
+        if flags[1] > 0 and channel is not None:
+            ack = SaveAck(step=step, checkpoint=f"mem://step-{step}", current_at=time.time())
+            channel.ack(ack.step, ack.checkpoint, ack.current_at)
+            hold_for_restart(HOLD_S, step, log, channel, ack)
         if flags[0] > 0:
             break
         time.sleep(0.1)
