@@ -44,7 +44,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, cast
 
 from torch._C._distributed_c10d import PrefixStore, Store
 from torch.distributed import DistError
@@ -89,6 +89,9 @@ class HandlerSettings:
     poll_min_s: float = 0.02
     poll_max_s: float = 0.25
     leave_timeout_s: float = 5.0
+    store_op_timeout_s: float = 10.0
+    """A store call that has not returned by then is abandoned: a TCPStore client whose packets are silently
+    dropped (a network cut) blocks in its receive forever, whatever its own timeout."""
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0:
@@ -137,6 +140,7 @@ class HandlerSettings:
             join_timeout_s=req("join_timeout", d.join_timeout_s),
             store_lost_timeout_s=req("store_lost_timeout", d.store_lost_timeout_s),
             scale_up_window_s=req("scale_up_window", d.scale_up_window_s),
+            store_op_timeout_s=req("store_op_timeout", d.store_op_timeout_s),
             claim_grace_s=num("claim_grace", None),
         )
 
@@ -227,6 +231,27 @@ class _Throttled:
         lifecycle(event, level=logging.WARNING, error=repr(exc)[:200], not_logged_since=hidden, **fields)
 
 
+def _with_deadline(op: Callable[[], _T], timeout_s: float) -> _T:
+    """``op()`` in a daemon thread; TimeoutError if it has not returned within ``timeout_s`` (it is abandoned)."""
+    box: dict[str, object] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["out"] = op()
+        except BaseException as exc:  # handed to the caller below
+            box["err"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="elastrain-store-call", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"a rendezvous store call did not return in {timeout_s}s")
+    if "err" in box:
+        raise cast(BaseException, box["err"])
+    return cast(_T, box["out"])
+
+
 class ElastrainRendezvousHandler(RendezvousHandler):
     """One node's view of the job's rendezvous (see the module docstring)."""
 
@@ -280,6 +305,9 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self._keys_on: object | None = None  # the store on which this node's liveness keys exist
         self._cached_version: int | None = None
         self._judged_last: str | None = None
+        self._wedged: object | None = None
+        self._next_reconnect = 0.0
+        self._reconnect_pause = 0.0
         self._version_at = 0.0
 
     # -- torch's RendezvousHandler ---------------------------------------------------------------
@@ -744,9 +772,49 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 backoff.sleep()  # lost a race: back off with jitter before the next try
         raise RendezvousStoreLostError("compare-and-set on the rendezvous state kept losing races (1000 tries)")
 
+    def _bounded(self, op: Callable[[], _T]) -> _T:
+        """Run one store call with a deadline (see ``store_op_timeout_s``).
+
+        A call past its deadline is left blocked in its (daemon) thread and its client is marked wedged:
+        later calls fail fast until a fresh connection to the same store answers (tried with a growing
+        pause, 1 s up to 30 s), so a long network cut neither blocks the agent nor piles up threads.
+        """
+        if self._stores is None:
+            return op()  # etcd: its client bounds every request and rides out outages (retry_timeout)
+        if self._wedged is not None and self._wedged is self._store:
+            self._reconnect()
+        try:
+            return _with_deadline(op, self._settings.store_op_timeout_s)
+        except TimeoutError:
+            self._wedged = self._store
+            lifecycle("store_call_stuck", level=logging.WARNING, store=self._store_address,
+                      waited_s=self._settings.store_op_timeout_s)  # fmt: skip
+            raise
+
+    def _reconnect(self) -> None:
+        """Replace a wedged store client by a fresh connection, or fail fast (tries back off up to 30 s)."""
+        now = time.monotonic()
+        stores = self._stores
+        if stores is None or now < self._next_reconnect:
+            raise TimeoutError(f"the rendezvous store at {self._store_address} does not answer (client wedged)")
+        self._reconnect_pause = min(30.0, max(1.0, 2 * self._reconnect_pause))
+        self._next_reconnect = now + self._reconnect_pause
+        wedged, address = self._store, self._store_address
+        timeout, deadline = self._settings.store_lost_timeout_s, self._settings.store_op_timeout_s
+        try:
+            backend, store = _with_deadline(lambda: stores.connect_to(address, timeout), deadline)
+        except STORE_ERRORS as exc:
+            raise TimeoutError(f"the rendezvous store at {address} does not answer ({exc!r:.80})") from exc
+        with self._lock:
+            if self._store is wedged:
+                self._backend, self._store, self._wedged = backend, store, None
+                self._cached_version = None
+                self._reconnect_pause = 0.0
+        lifecycle("store_reconnected", store=address)
+
     def _call(self, op: Callable[[], _T]) -> _T:
         try:
-            out = op()
+            out = self._bounded(op)
         except STORE_ERRORS as exc:
             now = time.monotonic()
             # The main and heartbeat threads both get here: read the shared field once.

@@ -287,3 +287,79 @@ def test_a_second_store_founded_for_the_same_job_joins_the_running_one(tmp_path:
         a.shutdown()
         if b is not None:
             b.shutdown()
+
+
+class _Blackhole:
+    """A TCP proxy in front of a store that can start dropping everything silently (a network cut)."""
+
+    def __init__(self, target_port: int) -> None:
+        import socket
+
+        self.drop = threading.Event()
+        self._target = target_port
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(16)
+        self.port = int(self._sock.getsockname()[1])
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self._target))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, src: object, dst: object) -> None:
+        try:
+            while chunk := src.recv(65536):  # type: ignore[attr-defined]
+                if not self.drop.is_set():
+                    dst.sendall(chunk)  # type: ignore[attr-defined]
+        except OSError:
+            return
+
+
+def test_a_store_call_into_a_network_cut_is_abandoned_and_later_calls_fail_fast() -> None:
+    """A TCPStore client whose packets are dropped blocks in its receive forever; the handler gives up in time."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from elastrain.errors import RendezvousStoreLostError
+    from elastrain.rendezvous.c10d import create_c10d_handler
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=timedelta(seconds=10))
+    hole = _Blackhole(master.port)
+    params = RendezvousParameters(
+        backend="c10d",
+        endpoint=f"127.0.0.1:{hole.port}",
+        run_id="unit",
+        min_nodes=1,
+        max_nodes=1,
+        local_addr="127.0.0.1",
+        is_host="false",
+        store_op_timeout="3",
+        **FAST,
+    )
+    a = create_c10d_handler(params)
+    assert isinstance(a, ElastrainRendezvousHandler)
+    try:
+        rendezvous_all([a])
+        a._stop_heartbeat()
+        hole.drop.set()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            a._call(lambda: a._store.get("elastrain/unit/version"))
+        # The wedged client is not used again: a bounded reconnect is tried, then the store counts as lost.
+        with pytest.raises((TimeoutError, RendezvousStoreLostError)):
+            a._call(lambda: a._store.get("elastrain/unit/version"))
+        assert time.monotonic() - started < 30  # bounded (the cut itself would block forever)
+        assert a.membership_change() is None  # the agent's tick returns instead of hanging
+    finally:
+        hole.drop.clear()
+        del master
