@@ -541,8 +541,8 @@ def test_history_finds_two_worlds_from_events_alone(tmp_path: Path) -> None:
 # -- partitions --------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.xfail(
-    reason="known product gap (issue 12): on a cut-off node a TCPStore call blocks past its timeout while packets are "
-    "silently dropped, so the cut-off side cannot act until the heal",
+    reason="not yet reliable (issue 12): with bounded store calls these pass in most runs here, but a cut-off node "
+    "can still spend the whole cut and more in repeated store failover attempts before it rejoins",
     strict=False,
 )
 def test_minority_node_cut_off_stops_and_rejoins(scenario: Callable[[int], Scenario]) -> None:
@@ -563,8 +563,8 @@ def test_minority_node_cut_off_stops_and_rejoins(scenario: Callable[[int], Scena
 
 @pytest.mark.slow
 @pytest.mark.xfail(
-    reason="known product gap (issue 12): on a cut-off node a TCPStore call blocks past its timeout while packets are "
-    "silently dropped, so the cut-off side cannot act until the heal",
+    reason="not yet reliable (issue 12): with bounded store calls these pass in most runs here, but a cut-off node "
+    "can still spend the whole cut and more in repeated store failover attempts before it rejoins",
     strict=False,
 )
 def test_store_host_cut_off_fails_over_and_rejoins(scenario: Callable[[int], Scenario]) -> None:
@@ -585,8 +585,8 @@ def test_store_host_cut_off_fails_over_and_rejoins(scenario: Callable[[int], Sce
 
 @pytest.mark.slow
 @pytest.mark.xfail(
-    reason="known product gap (issue 12): on a cut-off node a TCPStore call blocks past its timeout while packets are "
-    "silently dropped, so the cut-off side cannot act until the heal",
+    reason="not yet reliable (issue 12): with bounded store calls these pass in most runs here, but a cut-off node "
+    "can still spend the whole cut and more in repeated store failover attempts before it rejoins",
     strict=False,
 )
 def test_even_split_trains_on_at_most_one_side(scenario: Callable[[int], Scenario]) -> None:
