@@ -14,6 +14,8 @@ import signal
 
 import psutil
 
+from elastrain.env import CHAOS_TAG
+
 
 class ProcessTree:
     """One node incarnation: the root process and every descendant seen while it ran."""
@@ -61,7 +63,7 @@ class ProcessTree:
         return self.signal(signal.SIGKILL)
 
 
-TAG_VARIABLE = "ELASTRAIN_CHAOS_TAG"
+TAG_VARIABLE = CHAOS_TAG
 """Set in every node's environment; workers inherit it, so a process that escaped every tree is still found."""
 
 
