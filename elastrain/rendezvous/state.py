@@ -192,13 +192,6 @@ def remove(state: RendezvousState, nodes: Iterable[str], reason: str) -> Rendezv
     )
 
 
-def beat(state: RendezvousState, node: str) -> RendezvousState | None:
-    """Bump ``node``'s heartbeat; ``None`` if the node is not (any more) part of the job."""
-    if node not in state.heartbeats:
-        return None
-    return replace(state, heartbeats={**state.heartbeats, node: state.heartbeats[node] + 1})
-
-
 def close(state: RendezvousState) -> RendezvousState:
     return replace(state, closed=True)
 
@@ -341,7 +334,6 @@ class Observations:
     """One observer's view of heartbeats: when (by its own monotonic clock) each counter last moved."""
 
     seen: Mapping[str, tuple[int, float]] = field(default_factory=dict)
-    last_read: float | None = None
 
 
 def observe(obs: Observations, heartbeats: Mapping[str, int], now: float, stalled: bool) -> Observations:
@@ -351,15 +343,14 @@ def observe(obs: Observations, heartbeats: Mapping[str, int], now: float, stalle
     :class:`elastrain.rendezvous.liveness.TickClock`), every baseline restarts at ``now``: its own gap
     is no evidence that the others stopped.
     """
-    reset = stalled
     seen: dict[str, tuple[int, float]] = {}
     for node, counter in heartbeats.items():
         prev = obs.seen.get(node)
-        if prev is None or reset or prev[0] != counter:
+        if prev is None or stalled or prev[0] != counter:
             seen[node] = (counter, now)
         else:
             seen[node] = prev
-    return Observations(seen=seen, last_read=now)
+    return Observations(seen=seen)
 
 
 def seeded(obs: Observations, counters: Mapping[str, int], now: float, silent_for: Mapping[str, float]) -> Observations:
@@ -375,7 +366,7 @@ def seeded(obs: Observations, counters: Mapping[str, int], now: float, silent_fo
         if silent is None or (prev is not None and prev[0] != counter):
             continue
         seen[node] = (counter, min(prev[1] if prev else now, now - silent))
-    return Observations(seen=seen, last_read=obs.last_read)
+    return Observations(seen=seen)
 
 
 def silence(obs: Observations, now: float) -> dict[str, float]:

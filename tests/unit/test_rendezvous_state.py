@@ -100,12 +100,6 @@ def test_closed_state_is_not_a_membership_change() -> None:
     assert st.change_for(st.close(formed("a")), "a", 0, 4) is None
 
 
-def test_beat_refuses_evicted_nodes() -> None:
-    s = formed("a", "b")
-    assert st.beat(s, "a") is not None and st.beat(s, "a").heartbeats["a"] == 1  # type: ignore[union-attr]
-    assert st.beat(st.remove(s, ["a"], "dead"), "a") is None
-
-
 def test_dead_nodes_by_observer_clock_never_self() -> None:
     obs = st.observe(st.Observations(), {"a": 0, "b": 0}, now=0.0, stalled=False)
     obs = st.observe(obs, {"a": 1, "b": 0}, now=0.5, stalled=False)
