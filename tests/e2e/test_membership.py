@@ -149,6 +149,11 @@ def test_node_death_leave_rejoin_and_store_failover(tmp_path: Path) -> None:
         _no_failures_counted(nodes)
 
 
+@pytest.mark.xfail(
+    reason="known race (issue 12): when b's workers fail, a's worker fails too (peer closed) and both agents wait the "
+    "same grace for a departure; if b's leave lands after a's grace, a counts the failure as its own and leaves too",
+    strict=False,
+)
 def test_spare_waits_without_restarting_the_job_and_takes_over_from_a_node_that_fails(tmp_path: Path) -> None:
     port, stop, fail_b = free_port(), tmp_path / "stop", tmp_path / "fail-b"
     ckpt = ("--checkpoint-dir", str(tmp_path / "ckpt"))
