@@ -1,4 +1,5 @@
-"""The agent ↔ worker control channel on one node: "save a checkpoint now, and tell me when it is committed".
+"""The agent ↔ worker control channel on one node: "save a checkpoint now, and tell me when it is committed",
+and, with ``--live``, "a new round formed: regroup in place" (:class:`RegroupChannel`).
 
 The agent asks before an announced membership change (SIGTERM, a preemption notice, a node waiting
 to join) so that the change costs no steps. It is a pair of small files in a per-node directory
@@ -21,6 +22,9 @@ from pathlib import Path
 
 _REQUEST = "save-request.json"
 _ACK = "save-ack.json"
+_REGROUP = "regroup.json"
+_REGROUP_ACK = "regroup-ack-{local_rank}.json"
+_LIVE = "live-{local_rank}.json"
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,53 @@ class SaveAck:
     def answers(self, request: SaveRequest) -> bool:
         """Whether this checkpoint answers ``request``: the workers had trained no further when it was made."""
         return self.current_at >= request.requested_at
+
+
+@dataclass(frozen=True)
+class RegroupNotice:
+    """The agent's word to its live workers (``--live``): a new round formed; join it without restarting.
+
+    ``ranks`` maps each local rank to its global rank in the new world; the group's store is a fresh
+    TCPStore at ``master_addr:master_port`` hosted by the new rank 0 (one per round, as at a start).
+    """
+
+    round: int
+    generation: int | None
+    world_size: int
+    group_rank: int
+    group_world_size: int
+    ranks: dict[int, int]
+    master_addr: str
+    master_port: int
+    start_reason: str
+    previous_world_size: int | None
+    announced_at: float
+
+    def to_json(self) -> dict[str, object]:
+        out = dict(self.__dict__)
+        out["ranks"] = {str(k): v for k, v in self.ranks.items()}
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> RegroupNotice:
+        raw = dict(data)
+        ranks = raw.pop("ranks")
+        if not isinstance(ranks, dict):
+            raise TypeError(f"ranks must be a mapping, got {ranks!r}")
+        generation, previous = raw["generation"], raw["previous_world_size"]
+        return cls(
+            round=int(raw["round"]),  # type: ignore[call-overload]
+            generation=None if generation is None else int(generation),  # type: ignore[call-overload]
+            world_size=int(raw["world_size"]),  # type: ignore[call-overload]
+            group_rank=int(raw["group_rank"]),  # type: ignore[call-overload]
+            group_world_size=int(raw["group_world_size"]),  # type: ignore[call-overload]
+            ranks={int(k): int(v) for k, v in ranks.items()},
+            master_addr=str(raw["master_addr"]),
+            master_port=int(raw["master_port"]),  # type: ignore[call-overload]
+            start_reason=str(raw["start_reason"]),
+            previous_world_size=None if previous is None else int(previous),  # type: ignore[call-overload]
+            announced_at=float(raw["announced_at"]),  # type: ignore[arg-type]
+        )
 
 
 def _write_atomic(path: Path, payload: dict[str, object]) -> None:
@@ -152,6 +203,96 @@ class ControlChannel:
         """Report a commit to the agent (local rank 0 only): it answers requests made until ``current_at``."""
         self.answered(current_at)
         _write_atomic(self.directory / _ACK, {"step": step, "checkpoint": checkpoint, "current_at": current_at})
+
+
+class RegroupChannel:
+    """The regroup side of one node's control directory (``--live``): notices, acks, and who can regroup.
+
+    A worker that can regroup in place says so once (:meth:`announce_live`, with its pid); the agent
+    tries a live regroup only when every local worker did, so plain torchrun scripts never wait for
+    an ack that cannot come. The agent writes one notice per round (:meth:`announce`); each worker
+    acknowledges it (:meth:`ack`) when it starts to regroup, which the agent waits for, bounded.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._last_mtime: int | None = None
+        self._last: RegroupNotice | None = None
+
+    # -- agent side -------------------------------------------------------------------------------
+    def announce(self, notice: RegroupNotice) -> None:
+        _write_atomic(self.directory / _REGROUP, notice.to_json())
+
+    def acked(self, local_rank: int, round_: int) -> bool:
+        try:
+            data = json.loads((self.directory / _REGROUP_ACK.format(local_rank=local_rank)).read_text())
+            return int(data["round"]) >= round_
+        except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+            return False
+
+    def wait_acks(self, local_ranks: list[int], round_: int, timeout_s: float, poll_s: float = 0.02) -> list[int]:
+        """Wait (bounded) until every local rank acknowledged ``round_``; the ranks that did not."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = [r for r in local_ranks if not self.acked(r, round_)]
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(poll_s)
+
+    def forget_workers(self) -> None:
+        """Before new workers start: the old workers' live announcements and acks no longer hold."""
+        for pattern in (_LIVE, _REGROUP_ACK):
+            for path in self.directory.glob(pattern.format(local_rank="*")):
+                path.unlink(missing_ok=True)
+
+    def live_pids(self) -> dict[int, int]:
+        """The workers that said they can regroup in place: local rank -> pid."""
+        out: dict[int, int] = {}
+        for path in self.directory.glob(_LIVE.format(local_rank="*")):
+            try:
+                data = json.loads(path.read_text())
+                out[int(data["local_rank"])] = int(data["pid"])
+            except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+        return out
+
+    # -- worker side ------------------------------------------------------------------------------
+    def announce_live(self, local_rank: int, pid: int) -> None:
+        _write_atomic(self.directory / _LIVE.format(local_rank=local_rank), {"local_rank": local_rank, "pid": pid})
+
+    def notice(self) -> RegroupNotice | None:
+        """The newest notice; one ``stat`` when nothing changed since the last call."""
+        path = self.directory / _REGROUP
+        try:
+            mtime = path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
+        if mtime != self._last_mtime:
+            try:
+                self._last = RegroupNotice.from_json(json.loads(path.read_text()))
+                self._last_mtime = mtime
+            except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+                return self._last  # a torn read cannot happen (atomic replace); a foreign file can
+        return self._last
+
+    def newer_than(self, round_: int) -> RegroupNotice | None:
+        notice = self.notice()
+        return notice if notice is not None and notice.round > round_ else None
+
+    def wait_newer(self, round_: int, timeout_s: float, poll_s: float = 0.02) -> RegroupNotice | None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            notice = self.newer_than(round_)
+            if notice is not None or time.monotonic() >= deadline:
+                return notice
+            time.sleep(poll_s)
+
+    def ack(self, local_rank: int, round_: int, pid: int) -> None:
+        _write_atomic(
+            self.directory / _REGROUP_ACK.format(local_rank=local_rank),
+            {"round": round_, "pid": pid, "at": time.time()},
+        )
 
 
 def hold_for_restart(

@@ -36,6 +36,9 @@ COLLECTIVE_TIMEOUT = "ELASTRAIN_COLLECTIVE_TIMEOUT"
 IO_TIMEOUT = "ELASTRAIN_IO_TIMEOUT"
 LOG_LEVEL = "ELASTRAIN_LOG_LEVEL"
 ZYGOTE = "ELASTRAIN_ZYGOTE"
+# Live reconfiguration (elastrain-run --live true): the worker regroups in place; see elastrain.live.
+LIVE = "ELASTRAIN_LIVE"
+REGROUP_TIMEOUT = "ELASTRAIN_REGROUP_TIMEOUT"
 # Set by elastrain's own launcher only: a worker that sees it knows an elastrain agent supervises it.
 AGENT_PID = "ELASTRAIN_AGENT_PID"
 
@@ -53,12 +56,16 @@ ALL_VARIABLES: tuple[str, ...] = (
     IO_TIMEOUT,
     LOG_LEVEL,
     ZYGOTE,
+    LIVE,
+    REGROUP_TIMEOUT,
     AGENT_PID,
 )
 
 
 # Collectives that wait on storage get this long unless the launcher says otherwise (--io-timeout).
 DEFAULT_IO_TIMEOUT_S = 600.0
+# A live worker whose collective broke waits this long for the agent's regroup notice (--live).
+DEFAULT_REGROUP_TIMEOUT_S = 60.0
 
 
 class StartReason(str, enum.Enum):
@@ -103,6 +110,8 @@ class LaunchContext:
     collective_timeout_s: float | None = None
     generation: int | None = None
     io_timeout_s: float | None = None
+    live: bool = False
+    regroup_timeout_s: float | None = None
 
 
 def to_environ(ctx: LaunchContext) -> dict[str, str]:
@@ -129,6 +138,33 @@ def to_environ(ctx: LaunchContext) -> dict[str, str]:
         out[GENERATION] = str(ctx.generation)
     if ctx.io_timeout_s is not None:
         out[IO_TIMEOUT] = repr(float(ctx.io_timeout_s))
+    if ctx.live:
+        out[LIVE] = "1"
+    if ctx.regroup_timeout_s is not None:
+        out[REGROUP_TIMEOUT] = repr(float(ctx.regroup_timeout_s))
+    return out
+
+
+def regrouped_environ(
+    ctx: LaunchContext, rank: int, world_size: int, group_rank: int, master_addr: str, master_port: int
+) -> dict[str, str]:
+    """The variables a live worker rewrites in its own environment after an in-place regroup.
+
+    The agent set them when it started the worker; after a regroup they would be stale, so the
+    worker (elastrain.session) replaces them and ``WorkerEnv.from_environ()`` keeps giving the
+    current rank, world size, round and fencing generation.
+    """
+    out = to_environ(ctx)
+    out.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        GROUP_RANK=str(group_rank),
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(world_size),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        TORCHELASTIC_RESTART_COUNT=str(ctx.restart_count),
+    )
     return out
 
 
@@ -182,6 +218,10 @@ class WorkerEnv:
     generation: int | None = None
     # Timeout of the collectives that wait on storage (checkpoint writes, verification, loads), --io-timeout.
     io_timeout_s: float = DEFAULT_IO_TIMEOUT_S
+    # elastrain-run --live true: membership changes regroup this worker in place (elastrain.live).
+    live: bool = False
+    # How long a live worker whose collective broke waits for the agent's regroup notice before it fails.
+    regroup_timeout_s: float = DEFAULT_REGROUP_TIMEOUT_S
 
     @property
     def is_restart(self) -> bool:
@@ -210,6 +250,7 @@ class WorkerEnv:
         timeout = e.get(COLLECTIVE_TIMEOUT)
         generation = e.get(GENERATION)
         io_timeout = e.get(IO_TIMEOUT)
+        regroup_timeout = e.get(REGROUP_TIMEOUT)
         return cls(
             rank=rank,
             local_rank=_int(e, "LOCAL_RANK", 0),
@@ -229,4 +270,6 @@ class WorkerEnv:
             under_elastrain=AGENT_PID in e,
             generation=_int(e, GENERATION) if generation else None,
             io_timeout_s=_float(e, IO_TIMEOUT) if io_timeout else DEFAULT_IO_TIMEOUT_S,
+            live=e.get(LIVE, "") == "1",
+            regroup_timeout_s=_float(e, REGROUP_TIMEOUT) if regroup_timeout else DEFAULT_REGROUP_TIMEOUT_S,
         )

@@ -18,12 +18,19 @@ timeout), wraps the model in DDP, plans the batch with a scaling policy, feeds a
 through an :class:`~elastrain.data.ElasticSampler`, restores the newest checkpoint, and after every
 optimizer step advances the train state, saves when due (or when the launcher asks) and writes the
 events and metrics files. The model is yours: anything whose batches come out of a ``collate_fn``.
+
+Under ``elastrain-run --live true`` a membership change does not restart the session's process: it
+gives up the step in flight, joins the new round's process group, agrees with the other members on
+one state (broadcast from a member, no checkpoint read) and goes on; see :mod:`elastrain.live`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
+import math
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -39,7 +46,11 @@ from elastrain.checkpoint.storage import join_path
 from elastrain.control import ControlChannel
 from elastrain.data import ElasticSampler, EpochEnd, RankStep
 from elastrain.env import WorkerEnv
-from elastrain.errors import ElastrainError
+from elastrain.errors import CheckpointSaveError, ElastrainError
+from elastrain.live.agreement import Ballot, vote
+from elastrain.live.group import GroupBrokenError
+from elastrain.live.member import LiveMember
+from elastrain.live.transfer import broadcast_state
 from elastrain.log import configure, lifecycle
 from elastrain.metrics import (
     EVENTS_FILENAME,
@@ -104,28 +115,48 @@ class Step:
         self.global_size = rank_step.global_size
         self._loss_sum: torch.Tensor | float = 0.0
         self._done = False
+        self.abandoned = False
+        """True when a membership change (live mode) gave this step up: the loop's remaining calls are no-ops."""
 
     def __iter__(self) -> Iterator[MicroBatch]:
-        model = self._session.model
         last = len(self.micro_batches) - 1
         for i, mb in enumerate(self.micro_batches):
-            # Gradients are all-reduced once per step, on the last micro-batch's backward.
-            sync = i == last or not isinstance(model, DistributedDataParallel)
-            with contextlib.nullcontext() if sync else model.no_sync():  # type: ignore[operator]
+            if self.abandoned:
+                return
+            # Gradients are all-reduced once per step, on the last micro-batch's backward. The model is
+            # looked up each time, never held: a regroup replaces the DDP wrapper during the step.
+            with self._sync_context(sync=i == last):
                 yield mb
+
+    def _sync_context(self, sync: bool) -> contextlib.AbstractContextManager[Any]:
+        model = self._session.model
+        if sync or not isinstance(model, DistributedDataParallel):
+            return contextlib.nullcontext()
+        return model.no_sync()
 
     def backward(self, loss: torch.Tensor, mb: MicroBatch) -> None:
         """``(loss × mb.loss_scale).backward()`` for a loss that is the mean over ``mb``'s samples (or tokens)."""
+        if self.abandoned:
+            return
         scaled = loss * mb.loss_scale
         self._loss_sum = self._loss_sum + scaled.detach().to(torch.float64)  # no device sync per micro-batch
-        scaled.backward()  # type: ignore[no-untyped-call]
+        try:
+            scaled.backward()  # type: ignore[no-untyped-call]
+        except RuntimeError as exc:
+            self._session._collective_broke(exc, self, group_error=True)
 
     def mean_loss(self) -> float:
         """The step's loss averaged over all its samples on all ranks (a collective: call it on every rank)."""
         # On the model's device: nccl reduces CUDA tensors only.
+        if self.abandoned:
+            return math.nan
         total = torch.as_tensor(self._loss_sum, dtype=torch.float64, device=self._session.device).reshape(1)
         if self._session.distributed:
-            dist.all_reduce(total)
+            try:
+                self._session._all_reduce(total)
+            except GroupBrokenError as exc:
+                self._session._collective_broke(exc, None, group_error=True)
+                return math.nan
         return float(total.item()) / self._session.world_size
 
     def optimizer_step(self) -> None:
@@ -133,11 +164,13 @@ class Step:
         if self._done:
             raise SessionError(f"optimizer_step() called twice for step {self.number}")
         self._done = True
-        self._session._finish(self)
+        if not self.abandoned:
+            self._session._finish(self)
 
     def log(self, **values: Any) -> None:
         """Record metrics at this step's global number (rank 0 writes; tensors become floats)."""
-        self._session.log(self.number, **values)
+        if not self.abandoned:
+            self._session.log(self.number, **values)
 
 
 class Session:
@@ -249,6 +282,9 @@ class Session:
         self._steps_rerun = 0
         # Rank 0 watches the launcher's save requests only to record them as events; the checkpointer acts on them.
         self._control = ControlChannel(self.env.control_dir) if self.env.control_dir and self.rank == 0 else None
+        # elastrain-run --live true: membership changes move this process to the next round (elastrain.live).
+        self.live: LiveMember | None = None
+        self._collect_garbage = False
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _default_device(self) -> torch.device:
@@ -275,6 +311,8 @@ class Session:
             return self
         self._started = True
         configure()
+        if self._live_mode():
+            return self._start_live()
         self._init_process_group()
         self.module.to(self.device)
         if self.distributed and self._use_ddp:
@@ -381,6 +419,8 @@ class Session:
             self._tensorboard = None
         if self.rank == 0 and self._started:
             self.events.record("finish" if save else "stop", step=self.state.step, samples_seen=self.state.samples_seen)
+        if self.live is not None:
+            self.live.close()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
@@ -417,6 +457,13 @@ class Session:
         """The next step's micro-batches (already loaded) and LR; the loop calls it via ``for step in session``."""
         if self._current is not None and not self._current._done:
             raise SessionError(f"step {self._current.number} is not finished: call step.optimizer_step() first")
+        if self.live is not None:
+            if self.live.pending_notice() is not None:
+                self._regroup(None)  # an announced change (a node joins, or leaves before our collective broke)
+            if self._collect_garbage:
+                # The replaced DDP wrapper's reducer must be gone (its autograd hooks with it) before a backward.
+                self._collect_garbage = False
+                gc.collect()
         sampler = self._require_sampler()
         rank_step = next(self._steps, None) if self._steps is not None else None
         if rank_step is None:
@@ -431,7 +478,11 @@ class Session:
         non_blocking = bool(self._loader_kwargs["pin_memory"]) and self.device.type == "cuda"
         if self.device.type != "cpu":
             datas = [move_to(d, self.device, non_blocking) for d in datas]
-        scales = self._loss_scales(rank_step, datas)
+        try:
+            scales = self._loss_scales(rank_step, datas)
+        except GroupBrokenError as exc:
+            self._collective_broke(exc, None, group_error=True)
+            return self.next_step()  # re-planned for the new world, from the agreed data position
         micro = [MicroBatch(d, idx, s) for d, idx, s in zip(datas, rank_step.micro_batches, scales, strict=True)]
         lr = self._apply_lr()
         self._current = Step(self, rank_step, micro, lr)
@@ -443,7 +494,7 @@ class Session:
         counts = [int(self.token_count(d)) for d in datas]
         total = torch.tensor([sum(counts)], dtype=torch.int64, device=self.device)
         if self.distributed:
-            dist.all_reduce(total)
+            self._all_reduce(total)
         return [loss_scale(c, self.world_size, int(total.item())) for c in counts]
 
     def _lr_for_next_step(self) -> float | None:
@@ -479,7 +530,13 @@ class Session:
         sampler.commit(step.rank_step)
         self.state.advance(step.global_size, sampler.epoch)
         request = self._control.pending() if self._control is not None else None
-        if self.checkpointer is not None and self.checkpointer.maybe_save(self.state.step):
+        try:
+            saved = self.checkpointer is not None and self.checkpointer.maybe_save(self.state.step)
+        except (RuntimeError, dist.DistError, CheckpointSaveError) as exc:
+            # The step is applied on this rank; the regroup's vote decides whether the world keeps it.
+            self._collective_broke(exc, None, group_error=False)
+            return
+        if self.checkpointer is not None and saved:
             if self._metrics is not None:
                 self._metrics.checkpointed(self.state.step)  # object stores: no restorable step's points lost
             # A save the launcher asked for announces a membership change: a preemption notice, a node leaving.
@@ -503,3 +560,207 @@ class Session:
         if self.sampler is None:
             raise SessionError("the session is not started: use `with Session(...) as session:` or session.start()")
         return self.sampler
+
+    # -- live mode (elastrain-run --live true) ------------------------------------------------------
+    def _live_mode(self) -> bool:
+        return self.env.live and self.env.under_elastrain and bool(self.env.control_dir) and not dist.is_initialized()
+
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        if self.live is not None:
+            self.live.group.all_reduce(tensor)
+        else:
+            dist.all_reduce(tensor)
+
+    def _start_live(self) -> Session:
+        """start() in live mode: join the round, then agree on state exactly as a regroup does."""
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.live = LiveMember(self.env, backend)
+        self.live.join_first()
+        self.distributed = self._owns_group = True
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.module.to(self.device)
+        self.plan = plan(self.config, self.world_size)
+        self.sampler = ElasticSampler(self.dataset, self.plan, self.rank, **self._sampler_kwargs)  # type: ignore[arg-type]
+        self._enter_world(has_state=False, started=time.monotonic())
+        self.live.ready()
+        return self
+
+    def _statefuls(self) -> dict[str, Any]:
+        """The small state that travels with the model and optimizer: train state, data position, and the
+        script's own ``Stateful`` extras."""
+        out: dict[str, Any] = {"train_state": self.state, "sampler": self._require_sampler()}
+        for name, obj in self._extra_state.items():
+            if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+                out[name] = obj
+        return out
+
+    def _enter_world(self, has_state: bool, started: float) -> None:
+        """Everything a live worker does once it is in a new round's group (first start or regroup):
+        checkpointer, agreed state, DDP, batch plan, events. Collective, in this order, on every member."""
+        sampler = self._require_sampler()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._control = ControlChannel(self.env.control_dir) if self.env.control_dir and self.rank == 0 else None
+        sampler.plan = plan(self.config, self.world_size)
+        sampler.rank = self.rank
+        if self._checkpoint_dir:
+            self.checkpointer = Checkpointer(directory=self._checkpoint_dir, **self._ckpt_kwargs)
+            self.checkpointer.register(
+                model=self.module,
+                optimizer=self.optimizer,
+                train_state=self.state,
+                sampler=sampler,
+                **self._extra_state,
+            )
+        held = self.state.step
+        agreement = vote(Ballot(has_state, held), self.device)
+        sent = 0
+        self.restored = None
+        if agreement.from_checkpoint:
+            if self.checkpointer is not None:
+                self.restored = self.checkpointer.restore()
+            else:
+                lifecycle(
+                    "checkpoints_disabled", level=logging.WARNING, why="no checkpoint_dir and no --checkpoint-dir"
+                )
+        elif agreement.source is not None:
+            sent = broadcast_state(agreement.source, self.module, self.optimizer, self._statefuls(), self.device)
+        if self._use_ddp:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            ddp = DistributedDataParallel(self.module, device_ids=ids, **self._ddp_kwargs)
+            if self.live is not None:
+                ddp.register_comm_hook(None, self.live.group.comm_hook)
+            self.model = ddp
+        self.plan = plan(self.config, self.world_size, self.state.reference_world_size or self.world_size)
+        sampler.plan = self.plan
+        self._loader = self._steps = self._batches = None  # the next step starts at the agreed position
+        self._current = None
+        previous = self.state.world_size
+        changed = self.state.start(self.world_size, lr_scale=self.plan.lr_scale)
+        self.segment = self._agree_on_segment()
+        self._reopen_metrics(
+            agreement.step if agreement.step is not None else (self.restored.step if self.restored else 0)
+        )
+        if self.rank != 0:
+            return
+        took = round(time.monotonic() - started, 3)
+        fields: dict[str, Any] = {
+            "round": self.env.round,
+            "world_size": f"{previous if previous is not None else 'none'}->{self.world_size}",
+            "step": self.state.step,
+            "source": agreement.source,
+            "rolled_back": held - self.state.step if has_state else 0,
+            "ranks_ahead": ",".join(map(str, agreement.ahead)) or None,
+            "receivers": len(agreement.receivers),
+            "bytes": sent,
+            "took_s": took,
+        }
+        if has_state:
+            lifecycle("regrouped", **fields)
+            self.events.record("regroup", **fields)
+        else:
+            self.events.record(
+                "start",
+                world_size=self.world_size,
+                start_reason=self.env.start_reason.value,
+                restart_count=self.env.restart_count,
+                round=self.env.round,
+                generation=self.env.generation,
+                restored_step=self.restored.step if self.restored else None,
+                checkpoint=self.restored.path if self.restored else None,
+                state_from=None if agreement.source is None else f"rank {agreement.source}",
+                samples_seen=self.state.samples_seen,
+                epoch=sampler.epoch,
+                cursor=sampler.position.cursor,
+            )
+            if self.restored is not None:
+                self.events.record(
+                    "restore", step=self.restored.step, path=self.restored.path, steps_rerun=self._steps_rerun
+                )
+        if changed is not None:
+            self.events.record("world_size_changed", old=changed, new=self.world_size, step=self.state.step)
+            lifecycle(
+                "rescale",
+                world_size=f"{changed}->{self.world_size}",
+                global_batch=self.plan.global_batch,
+                micro_batch=self.plan.micro_batch,
+                accumulation=self.plan.accumulation,
+                step=self.state.step,
+            )
+
+    def _reopen_metrics(self, restored_step: int) -> None:
+        """A new segment starts at every entry into a world; rank 0 (perhaps a new one) opens it."""
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+        if self.rank == 0:
+            self._open_metrics(restored_step)
+        else:
+            self.events = EventsFile(None)
+
+    def _collective_broke(self, exc: BaseException, step: Step | None, group_error: bool) -> None:
+        """A collective failed: in live mode, regroup (giving ``step`` up), else raise ``exc``.
+
+        ``group_error``: the error came from the training group, so it is known to be a broken group; any
+        other error is taken for one only if the agent announces a regroup within the regroup timeout.
+        """
+        if self.live is None or (group_error and not self.live.group.broken.is_set()):
+            raise exc
+        self._regroup(exc)
+        if step is not None:
+            step.abandoned = True
+
+    def _regroup(self, cause: BaseException | None) -> None:
+        """Move to the agent's next round (waiting, bounded, for its notice when ``cause`` broke a collective)."""
+        live = self.live
+        if live is None:
+            raise SessionError("internal: regroup outside live mode")
+        timeout = self.env.regroup_timeout_s if cause is not None else 0.0
+        notice = live.wait_notice(live.round, timeout)
+        if notice is None:
+            lifecycle("regroup_notice_missing", level=logging.WARNING, waited_s=timeout, error=repr(cause)[:200])
+            if cause is not None:
+                raise cause
+            return
+        started = time.monotonic()
+        lifecycle(
+            "regroup_started",
+            round=f"{live.round}->{notice.round}",
+            step=self.state.step,
+            cause=type(cause).__name__ if cause is not None else "notice",
+        )
+        self._leave_world()
+        for attempt in range(1, 11):
+            try:
+                self.env = live.move_to(notice)
+                self._enter_world(has_state=True, started=started)
+                self._collect_garbage = True
+                return
+            except (RuntimeError, dist.DistError, TimeoutError) as exc:
+                # A member of the announced round failed too: wait for the round after it.
+                lifecycle(
+                    "regroup_failed", level=logging.WARNING, round=notice.round, attempt=attempt, error=repr(exc)[:200]
+                )
+                self._leave_world()
+                nxt = live.wait_notice(notice.round, self.env.regroup_timeout_s)
+                if nxt is None:
+                    raise
+                notice = nxt
+        raise SessionError("no regroup succeeded in 10 rounds in a row")
+
+    def _leave_world(self) -> None:
+        """Drop everything bound to the current group: checkpointer (its save in flight is given up), DDP."""
+        if self.checkpointer is not None:
+            checkpointer, self.checkpointer = self.checkpointer, None
+            try:
+                checkpointer.close()
+            except (ElastrainError, RuntimeError, dist.DistError) as exc:
+                lifecycle("checkpoint_abandoned", level=logging.WARNING, error=repr(exc)[:200])
+        self.model = self.module
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.live is not None:
+            self.live.group.leave()

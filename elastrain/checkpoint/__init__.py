@@ -43,6 +43,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'elastrain.checkpoint' has no attribute {name!r}")
     return getattr(importlib.import_module(f"elastrain.checkpoint.{module}"), name)
 
+
 __all__ = [
     "Checkpointer",
     "CommitMarker",

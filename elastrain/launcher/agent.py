@@ -12,6 +12,12 @@ and in ``_monitor_workers``, where membership changes become restarts that use n
   collective with a frozen peer are killed that way too;
 * before restarting for a node that waits to join, and before leaving, the agent asks its workers for
   a checkpoint through the control channel (bounded by ``--save-timeout``).
+
+With ``--live true``, a membership change whose local workers are all alive and said they can regroup
+(scripts that use :class:`elastrain.session.Session`) does not restart them: the agent completes the
+new round, writes a regroup notice to the control channel and waits (bounded) for every local worker
+to acknowledge it; the workers join the new round's group in place (:mod:`elastrain.live`). Workers
+that cannot, or do not acknowledge in time, are restarted into the same round (the fallback).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 
-from elastrain.control import ControlChannel
+from elastrain.control import ControlChannel, RegroupChannel, RegroupNotice
 from elastrain.env import ZYGOTE, LaunchContext, start_reason, to_environ
 from elastrain.errors import NodeLeftError
 from elastrain.launcher import zygote
@@ -42,6 +48,10 @@ RENDEZVOUS_ATTEMPTS = 20
 
 # A SIGTERM (pod deletion, spot notice by signal) leaves within this many seconds at most.
 SIGTERM_LEAVE_DEADLINE_S = 25.0
+
+# --live: a worker stuck in a collective that cannot be given up waits at most --collective-timeout;
+# the agent waits that long plus this margin for its acknowledgement before it restarts it instead.
+REGROUP_ACK_MARGIN_S = 10.0
 
 
 def _handler_round(handler: Any, fallback: int) -> int:
@@ -87,6 +97,7 @@ class ElastrainAgent(LocalElasticAgent):
         self._rounds_seen = 0
         self._context: LaunchContext | None = None
         self.control = ControlChannel(tempfile.mkdtemp(prefix="elastrain-control-"))
+        self.regroup = RegroupChannel(self.control.directory)
         self._leave_lock = threading.Lock()
         self._leave_reason: str | None = None
         self._left = threading.Event()
@@ -182,7 +193,7 @@ class ElastrainAgent(LocalElasticAgent):
             change = _membership_change(handler)
             if change is not None:
                 lifecycle("membership_changed", cause=str(change), kind=change.kind.value, workers="healthy")
-                if change.kind is ChangeKind.SCALE_UP:
+                if change.kind is ChangeKind.SCALE_UP and not self._live_capable(worker_group):
                     # torch's loop restarts the workers right after this tick (num_nodes_waiting gives the
                     # same decision), so the save answers before any restart: no step is dropped.
                     self._checkpoint_before_change(f"scale-up: {change}", self._options.save_timeout_s)
@@ -251,6 +262,8 @@ class ElastrainAgent(LocalElasticAgent):
             collective_timeout_s=self._options.collective_timeout_s,
             io_timeout_s=self._options.io_timeout_s,
             generation=getattr(spec.rdzv_handler, "generation", None),
+            live=self._options.live,
+            regroup_timeout_s=self._regroup_timeout_s() if self._options.live else None,
         )
         old = self._previous_world_size
         lifecycle(
@@ -278,6 +291,7 @@ class ElastrainAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._raise_if_left()
+        self.regroup.forget_workers()  # the new workers say again whether they can regroup
         with zygote.forking_from(self._zygote):
             pids: dict[int, Any] = super()._start_workers(worker_group)
         # torch's process context installs its own signal handlers on every start; SIGTERM is ours.
@@ -293,6 +307,9 @@ class ElastrainAgent(LocalElasticAgent):
         return pids
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        if self._live_capable(worker_group):
+            self._regroup_live(worker_group)
+            return
         lifecycle(
             "workers_restarting",
             level=logging.WARNING,
@@ -301,3 +318,68 @@ class ElastrainAgent(LocalElasticAgent):
         )
         self._workers_running = False
         super()._restart_workers(worker_group)
+
+    # -- live reconfiguration (--live) -------------------------------------------------------------
+    def _regroup_timeout_s(self) -> float:
+        """How long a live worker waits for a regroup notice after its collective broke: the time a
+        departure takes to show in the rendezvous, plus a round, bounded like the rest by the options."""
+        return self._options.collective_timeout_s + 2 * REGROUP_ACK_MARGIN_S
+
+    def _live_capable(self, worker_group: WorkerGroup) -> bool:
+        """Live mode is on, the workers are running and healthy, and every one said it can regroup."""
+        if not self._options.live or self._worker_failed or not self._workers_running:
+            return False
+        if worker_group.state is not WorkerState.HEALTHY:
+            return False
+        local_ranks = {w.local_rank for w in worker_group.workers}
+        return bool(local_ranks) and local_ranks <= set(self.regroup.live_pids())
+
+    def _regroup_live(self, worker_group: WorkerGroup) -> None:
+        """Form the new round and move the running workers into it; restart them only if they do not answer."""
+        started = time.monotonic()
+        old_world_size = self._previous_world_size
+        self._rendezvous(worker_group)
+        ctx = self._context
+        if ctx is None or not worker_group.workers:
+            raise RuntimeError("internal: a completed rendezvous left no launch context")
+        notice = RegroupNotice(
+            round=ctx.round,
+            generation=ctx.generation,
+            world_size=worker_group.workers[0].world_size,
+            group_rank=int(worker_group.group_rank or 0),
+            group_world_size=int(worker_group.group_world_size or 1),
+            ranks={w.local_rank: w.global_rank for w in worker_group.workers},
+            master_addr=str(worker_group.master_addr),
+            master_port=int(worker_group.master_port or 0),
+            start_reason=ctx.start_reason.value,
+            previous_world_size=old_world_size,
+            announced_at=time.time(),
+        )
+        self.regroup.announce(notice)
+        lifecycle("regroup_announced", round=notice.round, world_size=f"{old_world_size}->{notice.world_size}")
+        wait_s = self._options.collective_timeout_s + REGROUP_ACK_MARGIN_S
+        missing = self.regroup.wait_acks(sorted(notice.ranks), notice.round, wait_s)
+        if not missing:
+            worker_group.state = WorkerState.HEALTHY
+            lifecycle(
+                "workers_regrouped",
+                round=notice.round,
+                world_size=f"{old_world_size}->{notice.world_size}",
+                took_s=round(time.monotonic() - started, 3),
+            )
+            return
+        # Fallback: today's restart, into the round just formed (the other nodes' workers wait in it).
+        lifecycle(
+            "regroup_fallback",
+            level=logging.WARNING,
+            round=notice.round,
+            unanswered_local_ranks=",".join(map(str, missing)),
+            waited_s=wait_s,
+        )
+        self._workers_running = False
+        self._stop_workers(worker_group)
+        worker_group.state = WorkerState.STOPPED
+        ids = self._start_workers(worker_group)
+        for local_rank, worker_id in ids.items():
+            worker_group.workers[local_rank].id = worker_id
+        worker_group.state = WorkerState.HEALTHY

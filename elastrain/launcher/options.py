@@ -48,6 +48,8 @@ class ElastrainOptions:
     """Base URL of the instance metadata service (default: each cloud's own; tests point it at 127.0.0.1)."""
     zygote: bool = False
     """Fork workers from a per-node process that already imported torch (cuts worker start by the import)."""
+    live: bool = False
+    """Regroup workers in place on a membership change (Session scripts); others keep the restart path."""
 
     def __post_init__(self) -> None:
         if self.save_timeout_s < 0:
@@ -140,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="Fork workers from a per-node process that already imported torch, so a restart does not pay "
         "the import again (python scripts and -m modules only; default: false).",
     )
+    group.add_argument(
+        "--live",
+        action=env,
+        type=_str_to_bool,
+        default=False,
+        help="Live reconfiguration: on a membership change, workers that use elastrain's Session regroup in "
+        "place (no restart, no checkpoint read); workers that cannot, or do not answer in time, are "
+        "restarted as without it (default: false).",
+    )
     # Positionals must stay last for argparse.REMAINDER; torch's parser added them already.
     _move_positionals_last(parser)
     return parser
@@ -162,6 +173,7 @@ def options_from_args(args: argparse.Namespace) -> ElastrainOptions:
         preemption_watchers=str(args.preemption_watchers),
         metadata_endpoint=args.metadata_endpoint,
         zygote=bool(args.zygote),
+        live=bool(args.live),
     )
 
 

@@ -391,9 +391,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 deadline = now + s.join_timeout_s
                 if not standby_logged:
                     standby_logged = True
-                    lifecycle(
-                        "standby", node=self.node_id, round=state.round, members=len(live), max_nodes=max_nodes
-                    )
+                    lifecycle("standby", node=self.node_id, round=state.round, members=len(live), max_nodes=max_nodes)
             ready_since = (now if ready_since is None else ready_since) if len(state.joining) >= min_nodes else None
             ready_for = 0.0 if ready_since is None else now - ready_since
             if st.can_complete(state, min_nodes, max_nodes, ready_for, s.last_call_s):
@@ -433,9 +431,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             after = self._update(lambda cur: st.record_generation(cur, round_, generation))
             if after.round != round_:
                 raise _RoundLost()
-            lifecycle(
-                "generation_claimed", generation=generation, round=round_, store=self._store_address, root=root
-            )
+            lifecycle("generation_claimed", generation=generation, round=round_, store=self._store_address, root=root)
         backoff = _Backoff(self._settings.poll_min_s, self._settings.poll_max_s)
         while True:
             cur = self._read_cached()

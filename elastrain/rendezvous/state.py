@@ -319,9 +319,7 @@ def store_successors(state: RendezvousState) -> list[str]:
     return [n for n in order if n != state.store_host and n in state.nodes and state.nodes[n].standby_port]
 
 
-def after_store_failover(
-    state: RendezvousState, new_host: str, how: Departure = Departure.SILENT
-) -> RendezvousState:
+def after_store_failover(state: RendezvousState, new_host: str, how: Departure = Departure.SILENT) -> RendezvousState:
     """The state the successor seeds its new store with: the old host is gone, ``new_host`` hosts."""
     return replace(remove(state, [state.store_host], how.value), store_host=new_host)
 

@@ -1,0 +1,67 @@
+"""One agreed state after a regroup: which step the new world continues from, and who sends it.
+
+A peer that dies inside an all-reduce can leave the survivors one step apart: one got every
+contribution and applied step ``k + 1``, another's collective failed at step ``k``. Every member
+reports whether it holds training state in memory and the last step it completed; the world continues
+from the *smallest* step among the members that hold state (every one of them completed it, and it
+is what an uninterrupted run had at that step), sent by the lowest rank at that step to all others
+(:mod:`elastrain.live.transfer`). A member ahead of it rolls back; a member with no state (a restarted
+or joining node) receives it. With no state anywhere, the world loads the newest checkpoint.
+:func:`decide` is the pure rule; :func:`vote` is the collective around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Ballot:
+    """One member's report: whether it holds state in memory, and the last step it completed."""
+
+    has_state: bool
+    step: int
+
+
+@dataclass(frozen=True)
+class Agreement:
+    step: int | None
+    """The step every member continues from (None: nobody holds state; load the checkpoint)."""
+    source: int | None
+    """The rank that sends it (None with ``step``)."""
+    behind: tuple[int, ...] = ()
+    """Members that hold state at an earlier step than another member (it completed more)."""
+    ahead: tuple[int, ...] = ()
+    """Members that roll back: they completed a step beyond the agreed one."""
+    receivers: tuple[int, ...] = ()
+    """Members with no state in memory."""
+
+    @property
+    def from_checkpoint(self) -> bool:
+        return self.source is None
+
+
+def decide(ballots: list[Ballot]) -> Agreement:
+    """Pure: the agreement for the members' ballots (index = rank)."""
+    holders = [(r, b.step) for r, b in enumerate(ballots) if b.has_state]
+    receivers = tuple(r for r, b in enumerate(ballots) if not b.has_state)
+    if not holders:
+        return Agreement(step=None, source=None, receivers=receivers)
+    step = min(s for _, s in holders)
+    top = max(s for _, s in holders)
+    source = min(r for r, s in holders if s == step)
+    ahead = tuple(r for r, s in holders if s > step)
+    behind = tuple(r for r, s in holders if s < top)
+    return Agreement(step=step, source=source, behind=behind, ahead=ahead, receivers=receivers)
+
+
+def vote(mine: Ballot, device: torch.device) -> Agreement:
+    """Every member's ballot, gathered on the current default group (collective), and the agreement."""
+    world = dist.get_world_size()
+    local = torch.tensor([int(mine.has_state), mine.step], dtype=torch.int64, device=device)
+    gathered = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(gathered, local)
+    return decide([Ballot(bool(int(t[0])), int(t[1])) for t in gathered])

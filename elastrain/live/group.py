@@ -1,0 +1,171 @@
+"""The training process group of a live worker: joined per round, left without waiting for dead peers.
+
+Each round gets its own TCPStore (hosted by the round's rank 0 at the port the agent announced, as a
+fresh start does) and its own default process group. DDP's gradient all-reduce goes through
+:meth:`TrainingGroup.comm_hook`, which hands DDP a future of ours: when the agent's regroup notice
+arrives while a rank waits in a collective that a live-but-departed peer will never join, the
+watchdog (:mod:`elastrain.live.watchdog`) fails those futures and the training thread gets out at
+once. gloo cannot be aborted (pytorch#130345): the abandoned operation stays in gloo's thread until
+its timeout, and a process that exits while one is pending is aborted by gloo, so
+:meth:`TrainingGroup.drain` waits for them (bounded) before the process ends.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket, PrefixStore, TCPStore
+
+from elastrain.errors import ElastrainError
+from elastrain.log import lifecycle
+
+
+class GroupBrokenError(ElastrainError):
+    """A collective of the training group failed or was given up: the worker regroups."""
+
+
+class _Pending:
+    """One collective handed out as a future: completed by gloo, or failed by :meth:`TrainingGroup.abort`."""
+
+    def __init__(self, work: torch.futures.Future[Any], out: torch.futures.Future[Any], result: Any) -> None:
+        self.work = work
+        self.out = out
+        self.result = result
+        self.lock = threading.Lock()
+
+    def settle(self, error: BaseException | None) -> bool:
+        """Complete ``out`` once: with the result, or with ``error``; False if it was settled before."""
+        with self.lock:
+            if self.out.done():
+                return False
+            if error is None:
+                self.out.set_result(self.result)
+            else:
+                self.out.set_exception(error)
+            return True
+
+
+class TrainingGroup:
+    """The default process group of the current round, and the collectives handed out on it."""
+
+    def __init__(self, backend: str, timeout_s: float | None) -> None:
+        self.backend = backend
+        self.timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        self.round: int | None = None
+        self.broken = threading.Event()
+        self._lock = threading.Lock()
+        self._pending: list[_Pending] = []
+        self._abandoned: list[_Pending] = []
+        self._graveyard: list[Any] = []  # stores and groups of left rounds that gloo may still use
+        self._store: Any = None
+
+    # -- joining and leaving ----------------------------------------------------------------------
+    def join(self, round_: int, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+        """Init the default process group of ``round_`` (collective over the round's members)."""
+        started = time.monotonic()
+        timeout = self.timeout or timedelta(minutes=30)
+        store = TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout)
+        dist.init_process_group(
+            self.backend,
+            store=PrefixStore(f"elastrain/live/round{round_}/", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=self.timeout,
+        )
+        self._store = store
+        self.round = round_
+        self.broken.clear()
+        lifecycle(
+            "group_joined",
+            round=round_,
+            rank=rank,
+            world_size=world_size,
+            master=f"{master_addr}:{master_port}",
+            took_s=round(time.monotonic() - started, 3),
+        )
+
+    def leave(self) -> None:
+        """Leave the current round's group without waiting for its peers (some may be dead)."""
+        self.abort(GroupBrokenError("the worker left the round's group"))
+        with self._lock:
+            self._abandoned.extend(p for p in self._pending if not p.work.done())
+            self._pending.clear()
+        with self._lock:
+            self.round = None
+        if dist.is_initialized():
+            world = dist.group.WORLD
+            self._graveyard.append(world)  # never destructed while gloo may still run its abandoned work
+            dist.destroy_process_group()
+        if self._store is not None:
+            self._graveyard.append(self._store)
+            self._store = None
+        gc.collect()  # the old DDP reducer's autograd hooks go with it
+
+    def drain(self, timeout_s: float) -> None:
+        """Before the process exits: wait (bounded) for gloo to finish the collectives given up on."""
+        deadline = time.monotonic() + timeout_s
+        left = [p for p in self._abandoned if not p.work.done()]
+        if left:
+            lifecycle("group_draining", pending=len(left), up_to_s=timeout_s)
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = [p for p in left if not p.work.done()]
+        if left:
+            lifecycle("group_drain_timeout", level=logging.WARNING, pending=len(left))
+        self._abandoned = left
+
+    # -- collectives ------------------------------------------------------------------------------
+    def _hand_out(self, work: dist.Work, result: Any) -> torch.futures.Future[Any]:
+        fut = work.get_future()
+        out: torch.futures.Future[Any] = torch.futures.Future()
+        pending = _Pending(fut, out, result)
+        with self._lock:
+            self._pending = [p for p in self._pending if not p.out.done()]
+            self._pending.append(pending)
+
+        def done(f: torch.futures.Future[Any]) -> None:
+            try:
+                f.value()
+            except Exception as exc:  # gloo's error for this collective: the group is broken
+                self.broken.set()
+                pending.settle(GroupBrokenError(f"collective failed: {exc}"))
+                return
+            pending.settle(None)
+
+        fut.add_done_callback(done)
+        return out
+
+    def comm_hook(self, state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """DDP's gradient average over the current group, as a future :meth:`abort` can fail."""
+        tensor = bucket.buffer()
+        tensor.div_(dist.get_world_size())
+        return self._hand_out(dist.all_reduce(tensor, async_op=True), tensor)
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        """A blocking all-reduce that :meth:`abort` can give up; raises :class:`GroupBrokenError`."""
+        out = self._hand_out(dist.all_reduce(tensor, op=op, async_op=True), tensor)
+        try:
+            result: torch.Tensor = out.wait()
+        except GroupBrokenError:
+            raise
+        except RuntimeError as exc:
+            raise GroupBrokenError(f"collective failed: {exc}") from exc
+        return result
+
+    def abort(self, error: BaseException, only_round: int | None = None) -> int:
+        """Fail every collective still pending (any thread), if the group is still in ``only_round``
+        (when given); how many were."""
+        with self._lock:
+            if only_round is not None and self.round != only_round:
+                return 0
+            pending = [p for p in self._pending if not p.out.done()]
+        if pending:
+            self.broken.set()  # before any waiter wakes up: it asks whether the group broke
+        return sum(1 for p in pending if p.settle(error))

@@ -1,0 +1,97 @@
+"""A live worker's membership: which round it is in, the agent's notices, and its training group.
+
+:class:`LiveMember` is what :class:`elastrain.session.Session` holds in live mode. It joins the
+round the worker was started into, tells the agent that this worker can regroup in place, and on a
+notice moves the process group to the next round: environment variables rewritten (so that
+``WorkerEnv.from_environ()`` and the checkpointer see the current rank, world size and fencing
+generation), the old group left, the new one joined.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from elastrain.control import RegroupChannel, RegroupNotice
+from elastrain.env import GENERATION, PREVIOUS_WORLD_SIZE, LaunchContext, StartReason, WorkerEnv, regrouped_environ
+from elastrain.live.group import TrainingGroup
+from elastrain.live.watchdog import Watchdog
+from elastrain.log import lifecycle
+
+
+class LiveMember:
+    def __init__(self, env: WorkerEnv, backend: str) -> None:
+        if not env.control_dir:
+            raise ValueError("live mode needs the agent's control directory (ELASTRAIN_CONTROL_DIR)")
+        self.env = env
+        self.channel = RegroupChannel(env.control_dir)
+        self.group = TrainingGroup(backend, env.collective_timeout_s)
+        self.round = env.round
+        self.regroups = 0
+        self._watchdog: Watchdog | None = None
+
+    def join_first(self) -> None:
+        """Join the round this worker was started into (collective over its members)."""
+        self.group.join(
+            self.round,
+            self.env.rank,
+            self.env.world_size,
+            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            int(os.environ.get("MASTER_PORT", "29500")),
+        )
+        self._watchdog = Watchdog(self.channel, self.group, self.round)
+
+    def ready(self) -> None:
+        """The worker is training: from now on the agent regroups it in place instead of restarting it."""
+        self.channel.announce_live(self.env.local_rank, os.getpid())
+
+    def pending_notice(self) -> RegroupNotice | None:
+        return self.channel.newer_than(self.round)
+
+    def wait_notice(self, after_round: int, timeout_s: float) -> RegroupNotice | None:
+        return self.channel.wait_newer(after_round, timeout_s)
+
+    def move_to(self, notice: RegroupNotice) -> WorkerEnv:
+        """Acknowledge ``notice``, leave the current group, and join the notice's; the new WorkerEnv."""
+        self.channel.ack(self.env.local_rank, notice.round, os.getpid())
+        started = time.monotonic()
+        self.group.leave()
+        ctx = LaunchContext(
+            run_id=self.env.run_id,
+            restart_count=notice.round,
+            failure_count=self.env.failure_count,
+            start_reason=StartReason(notice.start_reason),
+            previous_world_size=notice.previous_world_size,
+            round=notice.round,
+            checkpoint_dir=self.env.checkpoint_dir,
+            control_dir=self.env.control_dir,
+            events_file=self.env.events_file,
+            collective_timeout_s=self.env.collective_timeout_s,
+            generation=notice.generation,
+            io_timeout_s=self.env.io_timeout_s,
+            live=True,
+            regroup_timeout_s=self.env.regroup_timeout_s,
+        )
+        rank = notice.ranks[self.env.local_rank]
+        os.environ.update(
+            regrouped_environ(ctx, rank, notice.world_size, notice.group_rank, notice.master_addr, notice.master_port)
+        )
+        if notice.generation is None:
+            os.environ.pop(GENERATION, None)
+        if notice.previous_world_size is None:
+            os.environ.pop(PREVIOUS_WORLD_SIZE, None)
+        self.env = WorkerEnv.from_environ()
+        self.round = notice.round
+        if self._watchdog is not None:
+            self._watchdog.watch_round(notice.round)
+        self.group.join(notice.round, rank, notice.world_size, notice.master_addr, notice.master_port)
+        self.regroups += 1
+        lifecycle("group_moved", round=notice.round, rank=rank, took_s=round(time.monotonic() - started, 3))
+        return self.env
+
+    def close(self) -> None:
+        """Before the process ends: stop the watchdog, and let gloo finish what was given up (bounded)."""
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
+        self.group.drain((self.env.collective_timeout_s or 30.0) + 5.0)
