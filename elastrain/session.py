@@ -630,7 +630,9 @@ class Session:
             ids = [self.device.index] if self.device.type == "cuda" else None
             ddp = DistributedDataParallel(self.module, device_ids=ids, **self._ddp_kwargs)
             if self.live is not None:
-                ddp.register_comm_hook(None, self.live.group.comm_hook)
+                group = self.live.group
+                # A lambda: DDP rejects a hook whose annotations are strings (from __future__ import annotations).
+                ddp.register_comm_hook(None, lambda state, bucket: group.comm_hook(state, bucket))
             self.model = ddp
         self.plan = plan(self.config, self.world_size, self.state.reference_world_size or self.world_size)
         sampler.plan = self.plan

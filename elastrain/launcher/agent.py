@@ -338,7 +338,10 @@ class ElastrainAgent(LocalElasticAgent):
         """Form the new round and move the running workers into it; restart them only if they do not answer."""
         started = time.monotonic()
         old_world_size = self._previous_world_size
+        ids = {w.local_rank: w.id for w in worker_group.workers}
         self._rendezvous(worker_group)
+        for worker in worker_group.workers:  # the same processes, in the new round's ranks
+            worker.id = ids.get(worker.local_rank)
         ctx = self._context
         if ctx is None or not worker_group.workers:
             raise RuntimeError("internal: a completed rendezvous left no launch context")
@@ -379,7 +382,7 @@ class ElastrainAgent(LocalElasticAgent):
         self._workers_running = False
         self._stop_workers(worker_group)
         worker_group.state = WorkerState.STOPPED
-        ids = self._start_workers(worker_group)
-        for local_rank, worker_id in ids.items():
+        started_ids = self._start_workers(worker_group)
+        for local_rank, worker_id in started_ids.items():
             worker_group.workers[local_rank].id = worker_id
         worker_group.state = WorkerState.HEALTHY

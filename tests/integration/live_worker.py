@@ -1,0 +1,100 @@
+"""A Session job for the live-reconfiguration tests: prints its pid, a state hash per step and after regroups.
+
+Lines (rank-tagged, parsed by tests/integration/test_live_regroup.py):
+  LW_START rank= ws= pid= round=
+  LW_STEP  rank= ws= step= hash= samples=
+  LW_AGREED rank= ws= step= hash= regroups=
+  LW_DONE  rank= step= samples= hash=
+With LW_DIE_AT_STEP=N and LW_DIE_NODE=<group rank>: that node's worker SIGKILLs its agent and itself in the
+middle of step N's backward (from a gradient hook), between the all-reduces of DDP's buckets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+
+import torch
+from torch.utils.data import TensorDataset
+
+from elastrain.session import Session
+
+
+def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().numpy().tobytes())
+    for idx, st in sorted(optimizer.state_dict()["state"].items()):
+        for key, v in sorted(st.items()):
+            h.update(f"{idx}.{key}".encode())
+            h.update(v.detach().contiguous().numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+    return h.hexdigest()[:16]
+
+
+def main() -> None:
+    max_steps = int(os.environ.get("LW_MAX_STEPS", "60"))
+    sleep = float(os.environ.get("LW_SLEEP", "0.05"))
+    die_at = int(os.environ.get("LW_DIE_AT_STEP", "0"))
+    die_node = int(os.environ.get("LW_DIE_NODE", "-1"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(4096, 16, generator=g), torch.randn(4096, 1, generator=g))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    session = Session(
+        model,
+        optimizer,
+        data,
+        global_batch=24,
+        micro_batch=4,
+        max_steps=max_steps,
+        save_every_steps=int(os.environ.get("LW_SAVE_EVERY", "1000000")),
+        ddp_kwargs={"bucket_cap_mb": 0.005},  # several buckets: a death can fall between their all-reduces
+    )
+    dying = {"armed": False}
+
+    def die(grad: torch.Tensor) -> torch.Tensor:
+        if dying["armed"]:
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return grad
+
+    model[0].weight.register_hook(die)  # the first layer's gradient comes last: after later buckets' all-reduce
+    with session:
+        rank = session.rank
+        group_rank = int(os.environ.get("GROUP_RANK", "0"))
+        print(f"LW_START rank={rank} ws={session.world_size} pid={os.getpid()} round={session.env.round}", flush=True)
+        seen_regroups = 0
+        for step in session:
+            live = session.live
+            if live is not None and live.regroups != seen_regroups:
+                seen_regroups = live.regroups
+                print(
+                    f"LW_AGREED rank={session.rank} ws={session.world_size} step={session.state.step} "
+                    f"hash={state_hash(model, optimizer)} regroups={seen_regroups}",
+                    flush=True,
+                )
+            dying["armed"] = step.number == die_at and group_rank == die_node
+            for mb in step:
+                x, y = mb.data
+                step.backward(torch.nn.functional.mse_loss(session.model(x), y), mb)
+            step.optimizer_step()
+            if not step.abandoned:
+                print(
+                    f"LW_STEP rank={session.rank} ws={session.world_size} step={session.state.step} "
+                    f"hash={state_hash(model, optimizer)} samples={session.state.samples_seen}",
+                    flush=True,
+                )
+            time.sleep(sleep)
+        print(
+            f"LW_DONE rank={session.rank} step={session.state.step} samples={session.state.samples_seen} "
+            f"hash={state_hash(model, optimizer)}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
