@@ -5,6 +5,7 @@ Lines (rank-tagged, parsed by tests/integration/test_live_regroup.py):
   LW_STEP  rank= ws= step= hash= samples=
   LW_AGREED rank= ws= step= hash= regroups=
   LW_DONE  rank= step= samples= hash=
+With LW_STOP_AT_WS=W: every rank stops LW_EXTRA_STEPS steps after the world first reaches W workers.
 With LW_DIE_AT_STEP=N and LW_DIE_NODE=<group rank>: that node's worker SIGKILLs its agent and itself in the
 middle of step N's backward (from a gradient hook), between the all-reduces of DDP's buckets.
 """
@@ -39,8 +40,13 @@ def main() -> None:
     sleep = float(os.environ.get("LW_SLEEP", "0.05"))
     die_at = int(os.environ.get("LW_DIE_AT_STEP", "0"))
     die_node = int(os.environ.get("LW_DIE_NODE", "-1"))
+    stop_at_ws = int(os.environ.get("LW_STOP_AT_WS", "0"))
+    extra = int(os.environ.get("LW_EXTRA_STEPS", "10"))
+    stop_at: int | None = None
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)
+    )
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(4096, 16, generator=g), torch.randn(4096, 1, generator=g))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -77,6 +83,10 @@ def main() -> None:
                     f"hash={state_hash(model, optimizer)} regroups={seen_regroups}",
                     flush=True,
                 )
+            if stop_at_ws and stop_at is None and session.world_size >= stop_at_ws:
+                stop_at = session.state.step + extra
+            if stop_at is not None and session.state.step >= stop_at:
+                break
             dying["armed"] = step.number == die_at and group_rank == die_node
             for mb in step:
                 x, y = mb.data
