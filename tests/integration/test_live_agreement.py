@@ -1,0 +1,63 @@
+"""Agreed state and given-up collectives with real gloo groups (elastrain.live), several processes."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from support import PYTHON, free_port, kill_tree, worker_env
+
+WORKER = str(Path(__file__).resolve().parent / "live_agreement_worker.py")
+
+
+def _fields(line: str) -> dict[str, str]:
+    return dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
+
+
+def _run_ranks(*args: str, world: int, timeout: float = 60.0) -> list[str]:
+    procs = [
+        subprocess.Popen(
+            [PYTHON, WORKER, args[0], str(rank), str(world), *args[1:]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=worker_env(),
+            start_new_session=True,
+        )
+        for rank in range(world)
+    ]
+    outs: list[str] = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    return outs
+
+
+def _lines(outs: list[str], prefix: str) -> list[dict[str, str]]:
+    return [_fields(line) for out in outs for line in out.splitlines() if line.startswith(prefix + " ")]
+
+
+def test_a_rank_ahead_rolls_back_and_a_rank_without_state_receives_it() -> None:
+    outs = _run_ranks("agree", str(free_port()), world=3)
+    at_k = {x["rank"]: x["hash"] for x in _lines(outs, "AT_K")}
+    agreed = _lines(outs, "AGREED")
+    assert len(agreed) == 3, outs
+    # Step 5 (rank 0 applied 6; rank 2 had nothing), sent by rank 1, the lowest rank at step 5.
+    assert {(a["step"], a["source"]) for a in agreed} == {("5", "1")}, agreed
+    # Bit-identical everywhere, and equal to the state every rank had at step 5.
+    assert {a["hash"] for a in agreed} == {at_k["1"]} == set(at_k.values()), (agreed, at_k)
+    assert len({x["hash"] for x in _lines(outs, "NEXT")}) == 1, outs
+
+
+def test_a_collective_a_departed_peer_never_joins_is_given_up_and_the_process_exits_cleanly() -> None:
+    outs = _run_ranks("abort", str(free_port()), str(free_port()), world=2)
+    given_up = _lines(outs, "ABORT")
+    assert [g["result"] for g in given_up] == ["given_up"], outs
+    assert {r["sum"] for r in _lines(outs, "ROUND1")} == {"3"}, outs  # the next round's group works
+    assert len(_lines(outs, "EXIT")) == 2, outs  # and both exit 0 (checked in _run_ranks)
