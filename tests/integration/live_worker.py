@@ -5,6 +5,7 @@ Lines (rank-tagged, parsed by tests/integration/test_live_regroup.py):
   LW_STEP  rank= ws= step= hash= samples=
   LW_AGREED rank= ws= step= hash= regroups=
   LW_DONE  rank= step= samples= hash=
+With LW_STOP_FILE=path: once the file exists, it holds a step number at which every rank stops.
 With LW_STOP_AT_WS=W: every rank stops LW_EXTRA_STEPS steps after the world first reaches W workers.
 With LW_DIE_AT_STEP=N and LW_DIE_NODE=<group rank>: that node's worker SIGKILLs its agent and itself in the
 middle of step N's backward (from a gradient hook), between the all-reduces of DDP's buckets.
@@ -43,6 +44,7 @@ def main() -> None:
     stop_at_ws = int(os.environ.get("LW_STOP_AT_WS", "0"))
     extra = int(os.environ.get("LW_EXTRA_STEPS", "10"))
     stop_at: int | None = None
+    stop_file = os.environ.get("LW_STOP_FILE", "")
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)
@@ -85,6 +87,8 @@ def main() -> None:
                 )
             if stop_at_ws and stop_at is None and session.world_size >= stop_at_ws:
                 stop_at = session.state.step + extra
+            if stop_file and stop_at is None and os.path.exists(stop_file):
+                stop_at = int(open(stop_file).read())  # noqa: SIM115 - tiny test file
             if stop_at is not None and session.state.step >= stop_at:
                 break
             dying["armed"] = step.number == die_at and group_rank == die_node

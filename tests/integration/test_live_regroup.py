@@ -9,12 +9,15 @@ step, and the job ends with every sample of every step learnt from once.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import signal
 import time
 from pathlib import Path
 
 import pytest
-from support import elastrain_cmd, free_port, reaped, spawn
+from support import elastrain_cmd, free_port, kill_tree, reaped, spawn, wait_for
 
 from elastrain.log import parse_event_line
 
@@ -168,6 +171,45 @@ def test_a_joining_node_gets_the_state_by_broadcast_and_nobody_restarts(tmp_path
     assert len({x["hash"] for x in agreed}) == 1, detail
     done = [line for n in nodes for line in n.lines("LW_DONE")]
     assert len(done) == 3 and len({d["hash"] for d in done}) == 1 and len({d["step"] for d in done}) == 1, detail
+
+
+def test_a_frozen_node_is_evicted_and_the_survivors_get_out_of_their_collective_at_once(tmp_path: Path) -> None:
+    """SIGSTOP: the peer's sockets stay open, so only the agent's regroup notice ends the survivors' all-reduce."""
+    env = {"LW_MAX_STEPS": "100000", "LW_SLEEP": "0.02", "LW_STOP_AT_WS": "0", "LW_EXTRA_STEPS": "0"}
+    port = free_port()
+    nodes = [Node(name, tmp_path, port, "2:3", {**env, "LW_STOP_FILE": str(tmp_path / "stop")}) for name in "abc"]
+    a, b, c = nodes
+    with reaped(*(n.proc for n in nodes)):
+        try:
+            wait_for(lambda: len(c.lines("LW_STEP")) >= 5, BOUND, what="three nodes training")
+            victims = [c.proc.pid, int(c.lines("LW_START")[0]["pid"])]
+            for pid in victims:
+                os.kill(pid, signal.SIGSTOP)
+            wait_for(lambda: all(n.lines("LW_AGREED") for n in (a, b)), BOUND, what="the survivors to regroup")
+            kill_tree(c.proc.pid)
+            for pid in victims:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)  # a stopped process dies of SIGKILL without being continued
+
+            def at_two() -> list[int]:
+                return [int(s["step"]) for n in (a, b) for s in n.lines("LW_STEP") if s["ws"] == "2"]
+
+            wait_for(lambda: len(at_two()) >= 6, BOUND, what="the survivors to train at world size 2")
+            tmp = tmp_path / "stop.tmp"
+            tmp.write_text(str(max(at_two()) + 30))
+            tmp.replace(tmp_path / "stop")
+            for n in (a, b):
+                n.proc.wait(timeout=BOUND)
+        finally:
+            detail = "\n".join(n.dump() for n in nodes)
+    for n in (a, b):
+        assert n.proc.returncode == 0, detail
+        assert len(n.lines("LW_START")) == 1 and n.events("workers_regrouped"), detail
+        assert not n.events("regroup_fallback") and not n.events("workers_restarting"), detail
+    agreed = [line for n in (a, b) for line in n.lines("LW_AGREED")]
+    assert len({x["hash"] for x in agreed}) == 1 and {x["ws"] for x in agreed} == {"2"}, detail
+    done = [line for n in (a, b) for line in n.lines("LW_DONE")]
+    assert len(done) == 2 and len({d["hash"] for d in done}) == 1, detail
 
 
 pytestmark = pytest.mark.slow
