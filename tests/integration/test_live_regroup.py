@@ -200,8 +200,9 @@ def test_a_frozen_node_is_evicted_and_the_survivors_get_out_of_their_collective_
             tmp.replace(tmp_path / "stop")
             for n in (a, b):
                 n.proc.wait(timeout=BOUND)
-        finally:
-            detail = "\n".join(n.dump() for n in nodes)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n" + "\n".join(n.dump() for n in nodes)) from None
+    detail = "\n".join(n.dump() for n in nodes)
     for n in (a, b):
         assert n.proc.returncode == 0, detail
         assert len(n.lines("LW_START")) == 1 and n.events("workers_regrouped"), detail
