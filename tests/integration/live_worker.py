@@ -99,7 +99,7 @@ def main() -> None:
             if not step.abandoned:
                 print(
                     f"LW_STEP rank={session.rank} ws={session.world_size} step={session.state.step} "
-                    f"hash={state_hash(model, optimizer)} samples={session.state.samples_seen}",
+                    f"hash={state_hash(model, optimizer)} samples={session.state.samples_seen} t={time.time():.3f}",
                     flush=True,
                 )
             time.sleep(sleep)
