@@ -177,7 +177,10 @@ def test_a_frozen_node_is_evicted_and_the_survivors_get_out_of_their_collective_
     """SIGSTOP: the peer's sockets stay open, so only the agent's regroup notice ends the survivors' all-reduce."""
     env = {"LW_MAX_STEPS": "100000", "LW_SLEEP": "0.02", "LW_STOP_AT_WS": "0", "LW_EXTRA_STEPS": "0"}
     port = free_port()
-    nodes = [Node(name, tmp_path, port, "2:3", {**env, "LW_STOP_FILE": str(tmp_path / "stop")}) for name in "abc"]
+    nodes = []
+    for name in "abc":  # a starts first and hosts the c10d store; c (frozen below) hosts nothing
+        nodes.append(Node(name, tmp_path, port, "2:3", {**env, "LW_STOP_FILE": str(tmp_path / "stop")}))
+        time.sleep(0.5)
     a, b, c = nodes
     with reaped(*(n.proc for n in nodes)):
         try:
