@@ -52,6 +52,8 @@ SIGTERM_LEAVE_DEADLINE_S = 25.0
 # --live: a worker stuck in a collective that cannot be given up waits at most --collective-timeout;
 # the agent waits that long plus this margin for its acknowledgement before it restarts it instead.
 REGROUP_ACK_MARGIN_S = 10.0
+# A worker restarted by the fallback needs this long to import torch and join; live members wait for it.
+COLD_START_ALLOWANCE_S = 30.0
 
 
 def _handler_round(handler: Any, fallback: int) -> int:
@@ -321,9 +323,9 @@ class ElastrainAgent(LocalElasticAgent):
 
     # -- live reconfiguration (--live) -------------------------------------------------------------
     def _regroup_timeout_s(self) -> float:
-        """How long a live worker waits for a regroup notice after its collective broke: the time a
-        departure takes to show in the rendezvous, plus a round, bounded like the rest by the options."""
-        return self._options.collective_timeout_s + 2 * REGROUP_ACK_MARGIN_S
+        """How long a live worker waits for a regroup notice after its collective broke, and for the members
+        of a new round to join it: the agent's wait for acknowledgements, plus a restarted worker's cold start."""
+        return self._options.collective_timeout_s + REGROUP_ACK_MARGIN_S + COLD_START_ALLOWANCE_S
 
     def _live_capable(self, worker_group: WorkerGroup) -> bool:
         """Live mode is on, the workers are running and healthy, and every one said it can regroup."""

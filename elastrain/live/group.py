@@ -55,9 +55,12 @@ class _Pending:
 class TrainingGroup:
     """The default process group of the current round, and the collectives handed out on it."""
 
-    def __init__(self, backend: str, timeout_s: float | None) -> None:
+    def __init__(self, backend: str, timeout_s: float | None, join_timeout_s: float | None = None) -> None:
         self.backend = backend
         self.timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        # Joining waits for every member of the round, which may include a worker the agent restarted
+        # (the fallback): longer than a collective, as long as a cold start.
+        self.join_timeout = timedelta(seconds=join_timeout_s) if join_timeout_s else self.timeout
         self.round: int | None = None
         self.broken = threading.Event()
         self._lock = threading.Lock()
@@ -70,15 +73,17 @@ class TrainingGroup:
     def join(self, round_: int, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
         """Init the default process group of ``round_`` (collective over the round's members)."""
         started = time.monotonic()
-        timeout = self.timeout or timedelta(minutes=30)
-        store = TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout)
+        join = self.join_timeout or timedelta(minutes=30)
+        store = TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=join)
         dist.init_process_group(
             self.backend,
             store=PrefixStore(f"elastrain/live/round{round_}/", store),
             rank=rank,
             world_size=world_size,
-            timeout=self.timeout,
+            timeout=join,
         )
+        if self.timeout is not None:
+            dist.distributed_c10d._set_pg_timeout(self.timeout)  # collectives: --collective-timeout
         self._store = store
         self.round = round_
         self.broken.clear()

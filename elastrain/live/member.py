@@ -25,7 +25,7 @@ class LiveMember:
             raise ValueError("live mode needs the agent's control directory (ELASTRAIN_CONTROL_DIR)")
         self.env = env
         self.channel = RegroupChannel(env.control_dir)
-        self.group = TrainingGroup(backend, env.collective_timeout_s)
+        self.group = TrainingGroup(backend, env.collective_timeout_s, join_timeout_s=env.regroup_timeout_s)
         self.round = env.round
         self.regroups = 0
         self._watchdog: Watchdog | None = None

@@ -7,6 +7,7 @@ Lines (rank-tagged, parsed by tests/integration/test_live_regroup.py):
   LW_DONE  rank= step= samples= hash=
 With LW_STOP_FILE=path: once the file exists, it holds a step number at which every rank stops.
 With LW_STOP_AT_WS=W: every rank stops LW_EXTRA_STEPS steps after the world first reaches W workers.
+With LW_HANG_NODE=g, LW_HANG_AT_STEP=N: that node's worker sleeps LW_HANG_S in its first round's step N.
 With LW_DIE_AT_STEP=N and LW_DIE_NODE=<group rank>: that node's worker SIGKILLs its agent and itself in the
 middle of step N's backward (from a gradient hook), between the all-reduces of DDP's buckets.
 """
@@ -45,6 +46,9 @@ def main() -> None:
     extra = int(os.environ.get("LW_EXTRA_STEPS", "10"))
     stop_at: int | None = None
     stop_file = os.environ.get("LW_STOP_FILE", "")
+    hang_node = int(os.environ.get("LW_HANG_NODE", "-1"))
+    hang_at = int(os.environ.get("LW_HANG_AT_STEP", "0"))
+    hang_s = float(os.environ.get("LW_HANG_S", "60"))
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)
@@ -91,6 +95,9 @@ def main() -> None:
                 stop_at = int(open(stop_file).read())  # noqa: SIM115 - tiny test file
             if stop_at is not None and session.state.step >= stop_at:
                 break
+            if hang_node == group_rank and step.number == hang_at and session.env.round == 0:
+                print(f"LW_HANG rank={session.rank} step={step.number}", flush=True)
+                time.sleep(hang_s)  # deaf to the regroup notice: the agent must restart this worker
             dying["armed"] = step.number == die_at and group_rank == die_node
             for mb in step:
                 x, y = mb.data

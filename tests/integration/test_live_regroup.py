@@ -31,7 +31,9 @@ def _fields(line: str) -> dict[str, str]:
 
 
 class Node:
-    def __init__(self, name: str, tmp: Path, port: int, nnodes: str, env: dict[str, str]) -> None:
+    def __init__(
+        self, name: str, tmp: Path, port: int, nnodes: str, env: dict[str, str], collective_timeout: float = 20
+    ) -> None:
         self.name = name
         self.log = tmp / f"{name}.log"
         cmd = elastrain_cmd(
@@ -52,7 +54,7 @@ class Node:
             "--live",
             "true",
             "--collective-timeout",
-            "20",
+            str(collective_timeout),
             SCRIPT,
         )
         self.proc = spawn(cmd, self.log, env=env)
@@ -213,6 +215,54 @@ def test_a_frozen_node_is_evicted_and_the_survivors_get_out_of_their_collective_
     agreed = [line for n in (a, b) for line in n.lines("LW_AGREED")]
     assert len({x["hash"] for x in agreed}) == 1 and {x["ws"] for x in agreed} == {"2"}, detail
     done = [line for n in (a, b) for line in n.lines("LW_DONE")]
+    assert len(done) == 2 and len({d["hash"] for d in done}) == 1, detail
+
+
+def test_a_worker_that_does_not_answer_the_notice_is_restarted_into_the_round_and_gets_the_state(
+    tmp_path: Path,
+) -> None:
+    """The fallback: node b's worker is deaf (asleep in the script) when c dies; b's agent restarts it into the
+    round that a's live worker already joined, and it receives a's state by broadcast."""
+    # Whichever node gets group rank 1 is deaf at step 8; the node at group rank 2 is killed meanwhile.
+    env = {
+        "LW_MAX_STEPS": "100000",
+        "LW_SLEEP": "0.02",
+        "LW_HANG_NODE": "1",
+        "LW_HANG_AT_STEP": "8",
+        "LW_HANG_S": "120",
+    }
+    port = free_port()
+    nodes = []
+    for name in "abc":
+        nodes.append(Node(name, tmp_path, port, "2:3", {**env, "LW_STOP_FILE": str(tmp_path / "stop")}, 5))
+        time.sleep(0.5)
+    with reaped(*(n.proc for n in nodes)):
+        try:
+            wait_for(lambda: all(n.lines("LW_START") for n in nodes), BOUND, what="three workers")
+            by_rank = {n.lines("LW_START")[0]["rank"]: n for n in nodes}
+            deaf, victim, live = by_rank["1"], by_rank["2"], by_rank["0"]
+            wait_for(lambda: bool(deaf.lines("LW_HANG")), BOUND, what="the deaf worker to fall asleep")
+            kill_tree(victim.proc.pid)
+            wait_for(lambda: bool(live.lines("LW_AGREED")), BOUND, what="the live worker to regroup")
+
+            def at_two() -> list[int]:
+                return [int(s["step"]) for n in (live, deaf) for s in n.lines("LW_STEP") if s["ws"] == "2"]
+
+            wait_for(lambda: len(at_two()) >= 6, BOUND, what="both to train at world size 2")
+            tmp = tmp_path / "stop.tmp"
+            tmp.write_text(str(max(at_two()) + 30))
+            tmp.replace(tmp_path / "stop")
+            for n in (live, deaf):
+                n.proc.wait(timeout=BOUND)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n" + "\n".join(n.dump() for n in nodes)) from None
+    detail = "\n".join(n.dump() for n in nodes)
+    assert live.proc.returncode == 0 and deaf.proc.returncode == 0, detail
+    assert len(live.lines("LW_START")) == 1 and live.events("workers_regrouped"), detail
+    assert deaf.events("regroup_fallback") and len(deaf.lines("LW_START")) == 2, detail
+    regrouped = live.events("regrouped")
+    assert regrouped and regrouped[0]["receivers"] == "1", detail  # the restarted worker got the state from a
+    done = [line for n in (live, deaf) for line in n.lines("LW_DONE")]
     assert len(done) == 2 and len({d["hash"] for d in done}) == 1, detail
 
 
