@@ -155,7 +155,8 @@ class Step:
             try:
                 self._session._all_reduce(total)
             except GroupBrokenError as exc:
-                self._session._collective_broke(exc, None, group_error=True)
+                # Before optimizer_step() the step is given up; after it, the vote decides whether it stands.
+                self._session._collective_broke(exc, None if self._done else self, group_error=True)
                 return math.nan
         return float(total.item()) / self._session.world_size
 

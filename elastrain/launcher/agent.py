@@ -104,6 +104,7 @@ class ElastrainAgent(LocalElasticAgent):
         self._leave_reason: str | None = None
         self._left = threading.Event()
         self._workers_running = False
+        self._workers_exited = False
         # Started now, so that torch is imported while the first rendezvous runs.
         self._zygote = zygote.Zygote() if options.zygote else None
 
@@ -188,6 +189,7 @@ class ElastrainAgent(LocalElasticAgent):
                 # A peer died, left or was evicted: our workers' collective broke because of it.
                 lifecycle("membership_changed", level=logging.WARNING, cause=str(change), workers="failed")
                 self._worker_failed = False
+                self._workers_exited = True  # nothing left to regroup in place
                 return RunResult(state=WorkerState.HEALTHY)
             self._worker_failed = True
             return result
@@ -294,6 +296,7 @@ class ElastrainAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._raise_if_left()
         self.regroup.forget_workers()  # the new workers say again whether they can regroup
+        self._workers_exited = False
         with zygote.forking_from(self._zygote):
             pids: dict[int, Any] = super()._start_workers(worker_group)
         # torch's process context installs its own signal handlers on every start; SIGTERM is ours.
@@ -329,7 +332,7 @@ class ElastrainAgent(LocalElasticAgent):
 
     def _live_capable(self, worker_group: WorkerGroup) -> bool:
         """Live mode is on, the workers are running and healthy, and every one said it can regroup."""
-        if not self._options.live or self._worker_failed or not self._workers_running:
+        if not self._options.live or self._worker_failed or self._workers_exited or not self._workers_running:
             return False
         if worker_group.state is not WorkerState.HEALTHY:
             return False
