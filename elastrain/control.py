@@ -25,6 +25,7 @@ _ACK = "save-ack.json"
 _REGROUP = "regroup.json"
 _REGROUP_ACK = "regroup-ack-{local_rank}.json"
 _LIVE = "live-{local_rank}.json"
+_BROKEN = "broken-{local_rank}.json"
 
 
 @dataclass(frozen=True)
@@ -240,9 +241,19 @@ class RegroupChannel:
                 return missing
             time.sleep(poll_s)
 
+    def broken_round(self) -> int | None:
+        """The newest round in which a local worker reported a broken collective (:meth:`report_broken`)."""
+        rounds: list[int] = []
+        for path in self.directory.glob(_BROKEN.format(local_rank="*")):
+            try:
+                rounds.append(int(json.loads(path.read_text())["round"]))
+            except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+        return max(rounds, default=None)
+
     def forget_workers(self) -> None:
         """Before new workers start: the old workers' live announcements and acks no longer hold."""
-        for pattern in (_LIVE, _REGROUP_ACK):
+        for pattern in (_LIVE, _REGROUP_ACK, _BROKEN):
             for path in self.directory.glob(pattern.format(local_rank="*")):
                 path.unlink(missing_ok=True)
 
@@ -287,6 +298,10 @@ class RegroupChannel:
             if notice is not None or time.monotonic() >= deadline:
                 return notice
             time.sleep(poll_s)
+
+    def report_broken(self, local_rank: int, round_: int) -> None:
+        """A collective of ``round_`` failed in this worker: the agent probes its peers now, not at their timeout."""
+        _write_atomic(self.directory / _BROKEN.format(local_rank=local_rank), {"round": round_, "at": time.time()})
 
     def ack(self, local_rank: int, round_: int, pid: int) -> None:
         _write_atomic(

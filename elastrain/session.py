@@ -723,7 +723,10 @@ class Session:
         if live is None:
             raise SessionError("internal: regroup outside live mode")
         timeout = self.env.regroup_timeout_s if cause is not None else 0.0
-        notice = live.wait_notice(live.round, timeout)
+        notice = live.pending_notice()
+        if notice is None and cause is not None:
+            live.report_broken()  # the agent probes its peers at once
+            notice = live.wait_notice(live.round, timeout)
         if notice is None:
             lifecycle("regroup_notice_missing", level=logging.WARNING, waited_s=timeout, error=repr(cause)[:200])
             if cause is not None:
@@ -757,13 +760,20 @@ class Session:
 
     def _leave_world(self) -> None:
         """Drop everything bound to the current group: checkpointer (its save in flight is given up), DDP."""
+        started = time.monotonic()
         if self.checkpointer is not None:
             checkpointer, self.checkpointer = self.checkpointer, None
             try:
                 checkpointer.close()
             except (ElastrainError, RuntimeError, dist.DistError) as exc:
                 lifecycle("checkpoint_abandoned", level=logging.WARNING, error=repr(exc)[:200])
+        checkpointer_s = time.monotonic() - started
         self.model = self.module
         self.optimizer.zero_grad(set_to_none=True)
         if self.live is not None:
             self.live.group.leave()
+        lifecycle(
+            "world_left",
+            checkpointer_s=round(checkpointer_s, 3),
+            took_s=round(time.monotonic() - started, 3),
+        )

@@ -105,6 +105,7 @@ class ElastrainAgent(LocalElasticAgent):
         self._left = threading.Event()
         self._workers_running = False
         self._workers_exited = False
+        self._probed_round: int | None = None
         # Started now, so that torch is imported while the first rendezvous runs.
         self._zygote = zygote.Zygote() if options.zygote else None
 
@@ -194,6 +195,7 @@ class ElastrainAgent(LocalElasticAgent):
             self._worker_failed = True
             return result
         if result.state is WorkerState.HEALTHY:
+            self._probe_if_a_worker_broke(handler)
             change = _membership_change(handler)
             if change is not None:
                 lifecycle("membership_changed", cause=str(change), kind=change.kind.value, workers="healthy")
@@ -329,6 +331,20 @@ class ElastrainAgent(LocalElasticAgent):
         """How long a live worker waits for a regroup notice after its collective broke, and for the members
         of a new round to join it: the agent's wait for acknowledgements, plus a restarted worker's cold start."""
         return self._options.collective_timeout_s + REGROUP_ACK_MARGIN_S + COLD_START_ALLOWANCE_S
+
+    def _probe_if_a_worker_broke(self, handler: Any) -> None:
+        """--live: a worker whose collective broke stays alive and says so; probe the peers now (a dead
+        peer's refused probe is found at the next heartbeat tick instead of after its timeout)."""
+        if not self._options.live or self._context is None:
+            return
+        broken = self.regroup.broken_round()
+        if broken is None or broken < self._context.round or broken == self._probed_round:
+            return
+        self._probed_round = broken
+        probe = getattr(handler, "probe_peers", None)
+        if callable(probe):
+            probe()
+            lifecycle("peers_probed", round=broken, why="a worker's collective broke")
 
     def _live_capable(self, worker_group: WorkerGroup) -> bool:
         """Live mode is on, the workers are running and healthy, and every one said it can regroup."""

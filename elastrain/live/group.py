@@ -12,7 +12,6 @@ its timeout, and a process that exits while one is pending is aborted by gloo, s
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -111,7 +110,6 @@ class TrainingGroup:
         if self._store is not None:
             self._graveyard.append(self._store)
             self._store = None
-        gc.collect()  # the old DDP reducer's autograd hooks go with it
 
     def drain(self, timeout_s: float) -> None:
         """Before the process exits: wait (bounded) for gloo to finish the collectives given up on."""

@@ -48,6 +48,9 @@ class LiveMember:
     def pending_notice(self) -> RegroupNotice | None:
         return self.channel.newer_than(self.round)
 
+    def report_broken(self) -> None:
+        self.channel.report_broken(self.env.local_rank, self.round)
+
     def wait_notice(self, after_round: int, timeout_s: float) -> RegroupNotice | None:
         return self.channel.wait_newer(after_round, timeout_s)
 
