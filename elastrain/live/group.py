@@ -133,11 +133,14 @@ class TrainingGroup:
             self._pending = [p for p in self._pending if not p.out.done()]
             self._pending.append(pending)
 
+        broken = self.broken  # not self: a callback must never hold the last reference to a process group,
+        # whose destructor would then run on gloo's own thread and join it (std::system_error, abort)
+
         def done(f: torch.futures.Future[Any]) -> None:
             try:
                 f.value()
             except Exception as exc:  # gloo's error for this collective: the group is broken
-                self.broken.set()
+                broken.set()
                 pending.settle(GroupBrokenError(f"collective failed: {exc}"))
                 return
             pending.settle(None)
