@@ -2,7 +2,7 @@
 
 Lines (rank-tagged, parsed by tests/integration/test_live_regroup.py):
   LW_START rank= ws= pid= round=
-  LW_STEP  rank= ws= step= hash= samples=
+  LW_STEP  rank= ws= step= hash= samples= cursor= t=
   LW_AGREED rank= ws= step= hash= regroups=
   LW_DONE  rank= step= samples= hash=
 With LW_STOP_FILE=path: once the file exists, it holds a step number at which every rank stops.
@@ -106,7 +106,8 @@ def main() -> None:
             if not step.abandoned:
                 print(
                     f"LW_STEP rank={session.rank} ws={session.world_size} step={session.state.step} "
-                    f"hash={state_hash(model, optimizer)} samples={session.state.samples_seen} t={time.time():.3f}",
+                    f"hash={state_hash(model, optimizer)} samples={session.state.samples_seen} "
+                    f"cursor={session.sampler.position.cursor if session.sampler else -1} t={time.time():.3f}",
                     flush=True,
                 )
             time.sleep(sleep)

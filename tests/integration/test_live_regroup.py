@@ -154,6 +154,10 @@ def test_sigkill_inside_backward_regroups_in_place_with_the_uninterrupted_state(
     }, detail
     steps = sorted(int(s["step"]) for n in survivors for s in n.lines("LW_STEP") if s["rank"] == "0")
     assert steps == list(range(1, max_steps + 1)), detail  # no step computed twice on rank 0, none skipped
+    # Every step, before and after the regroup, took the next GLOBAL_BATCH samples of the stream (one epoch here).
+    for n in nodes:
+        for s in n.lines("LW_STEP"):
+            assert int(s["cursor"]) == GLOBAL_BATCH * int(s["step"]), (s, detail)
 
 
 def test_a_joining_node_gets_the_state_by_broadcast_and_nobody_restarts(tmp_path: Path) -> None:
