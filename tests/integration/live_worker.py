@@ -9,7 +9,8 @@ With LW_STOP_FILE=path: once the file exists, it holds a step number at which ev
 With LW_STOP_AT_WS=W: every rank stops LW_EXTRA_STEPS steps after the world first reaches W workers.
 With LW_HANG_NODE=g, LW_HANG_AT_STEP=N: that node's worker sleeps LW_HANG_S in its first round's step N.
 With LW_DIE_AT_STEP=N and LW_DIE_NODE=<group rank>: that node's worker SIGKILLs its agent and itself in the
-middle of step N's backward (from a gradient hook), between the all-reduces of DDP's buckets.
+middle of step N's backward (from the gradient hook of layer LW_DIE_LAYER: 0, 2 or 3), between DDP's bucket
+all-reduces.
 """
 
 from __future__ import annotations
@@ -74,7 +75,12 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return grad
 
-    model[0].weight.register_hook(die)  # the first layer's gradient comes last: after later buckets' all-reduce
+    # Which layer's gradient triggers the death: the first layer's comes last in backward, after the later
+    # buckets' all-reduces were launched; the last layer's comes first, before any.
+    # LW_DIE_LAYER=-1: after the whole backward (every all-reduce done), before optimizer_step().
+    die_layer = int(os.environ.get("LW_DIE_LAYER", "0"))
+    if die_layer >= 0:
+        model[die_layer].weight.register_hook(die)
     with session:
         rank = session.rank
         group_rank = int(os.environ.get("GROUP_RANK", "0"))
@@ -102,6 +108,8 @@ def main() -> None:
             for mb in step:
                 x, y = mb.data
                 step.backward(torch.nn.functional.mse_loss(session.model(x), y), mb)
+            if die_layer < 0 and dying["armed"]:
+                die(torch.zeros(1))
             step.optimizer_step()
             if not step.abandoned:
                 print(
