@@ -363,22 +363,28 @@ class Session:
                     saved_world_size=self.restored.world_size,
                     steps_rerun=self._steps_rerun,
                 )
-            lr = self._lr_for_next_step()
-            fields: dict[str, Any] = {
-                "world_size": f"{previous if previous is not None else 'none'}->{self.world_size}",
-                "policy": self.plan.policy.value,
-                "global_batch": self.plan.global_batch,
-                "micro_batch": self.plan.micro_batch,
-                "accumulation": self.plan.accumulation,
-                # With no LR policy or schedule the script's own LR (or scheduler) stands.
-                "lr": f"{lr if lr is not None else self.optimizer.param_groups[0]['lr']:.6g}",
-                "step": self.state.step,
-            }
-            lifecycle("rescale" if changed is not None else "batch_plan", **fields)
-            if changed is not None:
-                self.events.record("world_size_changed", old=changed, new=self.world_size, step=self.state.step)
-                self.events.record("rescale", **fields)
+            self._log_plan(previous, changed)
         return self
+
+    def _log_plan(self, previous: int | None, changed: int | None) -> None:
+        """Rank 0: the batch plan in force (a lifecycle line), and the world-size change and rescale events."""
+        if self.plan is None:
+            return
+        lr = self._lr_for_next_step()
+        fields: dict[str, Any] = {
+            "world_size": f"{previous if previous is not None else 'none'}->{self.world_size}",
+            "policy": self.plan.policy.value,
+            "global_batch": self.plan.global_batch,
+            "micro_batch": self.plan.micro_batch,
+            "accumulation": self.plan.accumulation,
+            # With no LR policy or schedule the script's own LR (or scheduler) stands.
+            "lr": f"{lr if lr is not None else self.optimizer.param_groups[0]['lr']:.6g}",
+            "step": self.state.step,
+        }
+        lifecycle("rescale" if changed is not None else "batch_plan", **fields)
+        if changed is not None:
+            self.events.record("world_size_changed", old=changed, new=self.world_size, step=self.state.step)
+            self.events.record("rescale", **fields)
 
     def _agree_on_segment(self) -> str:
         token = [uuid.uuid4().hex[:12]]
@@ -679,18 +685,13 @@ class Session:
             )
             if self.restored is not None:
                 self.events.record(
-                    "restore", step=self.restored.step, path=self.restored.path, steps_rerun=self._steps_rerun
+                    "restore",
+                    step=self.restored.step,
+                    path=self.restored.path,
+                    saved_world_size=self.restored.world_size,
+                    steps_rerun=self._steps_rerun,
                 )
-        if changed is not None:
-            self.events.record("world_size_changed", old=changed, new=self.world_size, step=self.state.step)
-            lifecycle(
-                "rescale",
-                world_size=f"{changed}->{self.world_size}",
-                global_batch=self.plan.global_batch,
-                micro_batch=self.plan.micro_batch,
-                accumulation=self.plan.accumulation,
-                step=self.state.step,
-            )
+        self._log_plan(previous, changed)
 
     def _reopen_metrics(self, restored_step: int) -> None:
         """A new segment starts at every entry into a world; rank 0 (perhaps a new one) opens it."""
