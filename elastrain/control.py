@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastrain.env import LIVE, ROUND
+
 _REQUEST = "save-request.json"
 _ACK = "save-ack.json"
 _REGROUP = "regroup.json"
@@ -330,9 +332,15 @@ def hold_for_restart(
     if seconds <= 0:
         return
     log("checkpoint_hold", logging.INFO, step=step, up_to_s=seconds)
+    # --live: the change may come as a regroup in place rather than a restart; then holding is over.
+    regroup = RegroupChannel(channel.directory) if channel is not None and os.environ.get(LIVE) == "1" else None
+    current_round = int(os.environ.get(ROUND, "0") or 0)
     deadline = time.monotonic() + seconds
     while (left := deadline - time.monotonic()) > 0:
         time.sleep(min(poll_s, left))
+        if regroup is not None and regroup.newer_than(current_round) is not None:
+            log("checkpoint_hold_over", logging.INFO, step=step, why="regroup in place")
+            return
         if channel is not None and channel.pending() is not None:
             now = time.time()
             if answer is not None:
