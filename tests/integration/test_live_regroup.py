@@ -32,7 +32,14 @@ def _fields(line: str) -> dict[str, str]:
 
 class Node:
     def __init__(
-        self, name: str, tmp: Path, port: int, nnodes: str, env: dict[str, str], collective_timeout: float = 20
+        self,
+        name: str,
+        tmp: Path,
+        port: int,
+        nnodes: str,
+        env: dict[str, str],
+        collective_timeout: float = 20,
+        extra: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         self.log = tmp / f"{name}.log"
@@ -55,6 +62,7 @@ class Node:
             "true",
             "--collective-timeout",
             str(collective_timeout),
+            *extra,
             SCRIPT,
         )
         self.proc = spawn(cmd, self.log, env=env)
@@ -272,6 +280,47 @@ def test_a_worker_that_does_not_answer_the_notice_is_restarted_into_the_round_an
     assert regrouped and regrouped[0]["receivers"] == "1", detail  # the restarted worker got the state from a
     done = [line for n in (live, deaf) for line in n.lines("LW_DONE")]
     assert len(done) == 2 and len({d["hash"] for d in done}) == 1, detail
+
+
+def test_a_node_leaving_on_sigterm_costs_no_step(tmp_path: Path) -> None:
+    """An announced change: the leaver's checkpoint request makes every rank save at one step boundary, the
+    survivors stop holding when the regroup notice comes, and go on from exactly that step."""
+    env = {"LW_MAX_STEPS": "100000", "LW_SLEEP": "0.02", "LW_SAVE_EVERY": "50", "LW_STOP_FILE": str(tmp_path / "stop")}
+    port = free_port()
+    nodes = []
+    for name in "abc":
+        nodes.append(Node(name, tmp_path, port, "2:3", env, extra=("--checkpoint-dir", str(tmp_path / "ckpt"))))
+        time.sleep(0.5)
+    a, b, c = nodes
+    with reaped(*(n.proc for n in nodes)):
+        try:
+            wait_for(lambda: len(a.lines("LW_STEP")) >= 10, BOUND, what="three nodes training")
+            c.proc.send_signal(signal.SIGTERM)
+            assert c.proc.wait(timeout=BOUND) == 0
+            wait_for(lambda: all(n.lines("LW_AGREED") for n in (a, b)), BOUND, what="the survivors to regroup")
+
+            def at_two() -> list[int]:
+                return [int(s["step"]) for n in (a, b) for s in n.lines("LW_STEP") if s["ws"] == "2"]
+
+            wait_for(lambda: len(at_two()) >= 6, BOUND, what="the survivors to train at world size 2")
+            tmp = tmp_path / "stop.tmp"
+            tmp.write_text(str(max(at_two()) + 20))
+            tmp.replace(tmp_path / "stop")
+            for n in (a, b):
+                n.proc.wait(timeout=BOUND)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n" + "\n".join(n.dump() for n in nodes)) from None
+    detail = "\n".join(n.dump() for n in nodes)
+    assert c.events("agent_left"), detail
+    for n in (a, b):
+        assert n.proc.returncode == 0 and len(n.lines("LW_START")) == 1, detail
+        assert n.events("workers_regrouped") and not n.events("regroup_fallback"), detail
+    agreed = [line for n in (a, b) for line in n.lines("LW_AGREED")]
+    assert len({x["hash"] for x in agreed}) == 1, detail
+    steps = [int(s["step"]) for n in nodes for s in n.lines("LW_STEP") if s["rank"] == "0"]
+    assert sorted(steps) == list(range(1, max(steps) + 1)), detail  # no step computed twice, none skipped
+    regrouped = [e for n in (a, b) for e in n.events("regrouped")]
+    assert regrouped and regrouped[0]["rolled_back"] == "0", detail
 
 
 pytestmark = pytest.mark.slow
