@@ -13,6 +13,7 @@ its timeout, and a process that exits while one is pending is aborted by gloo, s
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -24,6 +25,17 @@ from torch._C._distributed_c10d import GradBucket, PrefixStore, TCPStore
 
 from elastrain.errors import ElastrainError
 from elastrain.log import lifecycle
+
+
+def _wait_listening(addr: str, port: int, timeout_s: float, poll_s: float = 0.005) -> None:
+    """Until something accepts connections at ``addr:port`` (bounded; TCPStore's own timeout follows)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((addr, port), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(poll_s)
 
 
 class GroupBrokenError(ElastrainError):
@@ -73,6 +85,10 @@ class TrainingGroup:
         """Init the default process group of ``round_`` (collective over the round's members)."""
         started = time.monotonic()
         join = self.join_timeout or timedelta(minutes=30)
+        if rank != 0:
+            # The new rank 0 starts the round's store while the others start to connect: a client that
+            # finds no server backs off randomly (measured 0.7 s here); wait for the port instead.
+            _wait_listening(master_addr, master_port, join.total_seconds())
         store = TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=join)
         dist.init_process_group(
             self.backend,
