@@ -199,16 +199,18 @@ class ElastrainAgent(LocalElasticAgent):
         if not isinstance(grace, float):
             return None
         deadline = time.monotonic() + grace
-        probe = getattr(handler, "probe_peers", None)
-        if callable(probe):
-            probe()  # a peer whose agent died is found at the next heartbeat tick, not after its timeout
+        # Peers that report later learn that theirs is an echo of ours; every peer is probed at the next tick.
+        report = getattr(handler, "report_worker_failure", None)
+        if callable(report):
+            report()
         while True:
             self._raise_if_fatal(handler)
             change = _membership_change(handler)
             if change is not None:
                 return change
-            store_failing = bool(getattr(handler, "store_failing", False))
-            if time.monotonic() >= deadline and not store_failing:
+            # Pending while the store fails or a peer has not beaten since (bounded by the handler).
+            pending = bool(getattr(handler, "verdict_pending", False))
+            if time.monotonic() >= deadline and not pending:
                 return None
             time.sleep(0.05)
 
