@@ -31,7 +31,7 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 
 from elastrain.control import ControlChannel
 from elastrain.env import ZYGOTE, LaunchContext, start_reason, to_environ
-from elastrain.errors import NodeLeftError
+from elastrain.errors import FATAL_EXIT_CODES, NodeLeftError
 from elastrain.launcher import zygote
 from elastrain.launcher.options import ElastrainOptions
 from elastrain.log import lifecycle
@@ -169,6 +169,10 @@ class ElastrainAgent(LocalElasticAgent):
         handler = worker_group.spec.rdzv_handler
         self._raise_if_fatal(handler)
         result: RunResult = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._fatal_exit(result):
+            self._worker_failed = True
+            self._remaining_restarts = 0  # torch's loop then ends this node: launch.py announces the leave
+            return result
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             change = self._wait_for_membership_change(handler)
             if change is not None:
@@ -187,6 +191,19 @@ class ElastrainAgent(LocalElasticAgent):
                     # same decision), so the save answers before any restart: no step is dropped.
                     self._checkpoint_before_change(f"scale-up: {change}", self._options.save_timeout_s)
         return result
+
+    def _fatal_exit(self, result: RunResult) -> bool:
+        """Whether a worker exited with EX_USAGE or EX_CONFIG: a bad setting that no restart can fix."""
+        fatal = {r: f.exitcode for r, f in result.failures.items() if f.exitcode in FATAL_EXIT_CODES}
+        if fatal:
+            lifecycle(
+                "worker_config_error",
+                level=logging.ERROR,
+                ranks=",".join(str(r) for r in sorted(fatal)),
+                exit_codes=",".join(str(c) for c in sorted(set(fatal.values()))),
+                why="a worker exited with EX_USAGE (64) or EX_CONFIG (78): restarting cannot help, this node leaves",
+            )
+        return bool(fatal)
 
     def _raise_if_fatal(self, handler: Any) -> None:
         fatal = getattr(handler, "fatal_error", None)
