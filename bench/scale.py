@@ -173,6 +173,32 @@ class Agent:
                 out.append(len(out))
         return out or [-1]
 
+    def events_after(self, wall: float) -> list[dict[str, str]]:
+        """elastrain's event lines logged at or after ``wall`` (time.time()), in order."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        parsed = (parse_event_line(line) for line in text.splitlines())
+        return [e for e in parsed if e is not None and float(e.get("t", 0.0)) >= wall]
+
+
+def breakdown(survivors: list[Agent], killed_at: float) -> str:
+    """Where the time from a SIGKILL to the new round went, from the survivors' own event times: the first
+    eviction, the last survivor to notice, the last to re-join, and the first and last to see the round done."""
+
+    def first(a: Agent, event: str) -> float | None:
+        return next((float(e["t"]) - killed_at for e in a.events_after(killed_at) if e.get("event") == event), None)
+
+    def spread(event: str) -> tuple[float, float] | None:
+        times = [t for t in (first(a, event) for a in survivors) if t is not None]
+        return (min(times), max(times)) if len(times) == len(survivors) else None
+
+    dead = [t for t in (first(a, "node_dead") for a in survivors) if t is not None]
+    parts = [f"evicted {min(dead):.2f} s" if dead else "evicted ?"]
+    for event, label in (("membership_changed", "noticed"), ("rendezvous_joined", "re-joined"),
+                         ("rendezvous_done", "round done")):  # fmt: skip
+        got = spread(event)
+        parts.append(f"{label} {got[0]:.2f}-{got[1]:.2f} s" if got else f"{label} ?")
+    return "after the SIGKILL: " + ", ".join(parts)
+
 
 @dataclass
 class Row:
@@ -244,10 +270,10 @@ def agents_of(backend: str, n: int, store: Store, tmp: Path, wave: int) -> Itera
                 a.proc.wait(timeout=10)
 
 
-def measure(backend: str, n: int, wave: int, idle_s: float, cap: float) -> Row:
+def measure(backend: str, n: int, wave: int, idle_s: float, cap: float, keep: Path | None = None) -> Row:
     row = Row(backend, n)
     store = BACKENDS[backend][1]()
-    tmp = Path(tempfile.mkdtemp(prefix="elastrain-scale-"))
+    tmp = Path(tempfile.mkdtemp(prefix="elastrain-scale-", dir=keep))
     try:
         with agents_of(backend, n, store, tmp, wave) as (agents, _started):
             first = _wait(lambda: all(0 in a.rounds() for a in agents), cap)
@@ -264,6 +290,7 @@ def measure(backend: str, n: int, wave: int, idle_s: float, cap: float) -> Row:
             victim = agents[n // 2]
             survivors = [a for a in agents if a is not victim]
             last = max(max(a.rounds()) for a in survivors)
+            killed_at = time.time()
             for p in _tree(victim.proc.pid):
                 with contextlib.suppress(psutil.NoSuchProcess):
                     p.send_signal(signal.SIGKILL)
@@ -271,10 +298,14 @@ def measure(backend: str, n: int, wave: int, idle_s: float, cap: float) -> Row:
             row.kill_to_round_s = took
             if took is None:
                 row.notes.append(f"no new round within {cap:.0f}s of the SIGKILL")
+            elif backend.startswith("elastrain"):
+                time.sleep(0.5)  # the last lines reach the logs
+                row.notes.append(breakdown(survivors, killed_at))
         return row
     finally:
         store.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if keep is None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _fmt(v: float | None, unit: str = "", digits: int = 2) -> str:
@@ -328,6 +359,7 @@ def main() -> None:
     p.add_argument("--backends", default=",".join(BACKENDS), help="Backends (" + ",".join(BACKENDS) + ").")
     p.add_argument("--wave", type=int, default=8, help="Agents started per wave, 2 s apart (8).")
     p.add_argument("--idle", type=float, default=10.0, help="Seconds of idle measurement (10).")
+    p.add_argument("--keep-logs", type=Path, default=None, help="Keep the agents' logs in a folder under this one.")
     p.add_argument("--cap", type=float, default=300.0, help="Give up waiting for a round after this (300 s).")
     args = p.parse_args()
     rows: list[Row] = []
@@ -336,7 +368,7 @@ def main() -> None:
             raise SystemExit(f"bench/scale.py: error: --backends: unknown {backend!r} (known: {', '.join(BACKENDS)})")
     for n in (int(x) for x in args.sizes.split(",")):
         for backend in args.backends.split(","):
-            row = measure(backend, n, args.wave, args.idle, args.cap)
+            row = measure(backend, n, args.wave, args.idle, args.cap, args.keep_logs)
             rows.append(row)
             print(table([row]).splitlines()[-1], flush=True)
     print()

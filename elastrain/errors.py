@@ -5,6 +5,12 @@ Messages say what to change: the flag, file or key to fix.
 
 from __future__ import annotations
 
+# Exit codes (sysexits.h) by which a worker says that restarting it cannot help: its node leaves the job at
+# once, without using --max-restarts or waiting for peers (see elastrain.launcher.agent).
+EX_USAGE = 64
+EX_CONFIG = 78
+FATAL_EXIT_CODES = frozenset({EX_USAGE, EX_CONFIG})
+
 
 class ElastrainError(Exception):
     """Base of every error elastrain raises on purpose."""

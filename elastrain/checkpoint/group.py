@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -9,6 +11,32 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+_exit_hook_registered = False
+
+
+def _destroy_process_groups_at_exit() -> None:
+    """Destroy the process groups while the interpreter is still whole.
+
+    A process that ends with gloo groups alive can abort (SIGABRT) during interpreter finalisation:
+    gloo's threads still hold work objects whose tensors need the GIL to be freed (pytorch#179291,
+    not merged). Scripts rarely call ``destroy_process_group`` (the Trainer does not), so every process
+    that builds a :class:`Group` destroys them at exit.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.destroy_process_group()
+    except (RuntimeError, ValueError) as exc:  # a group already broken by a peer: nothing left to free cleanly
+        log.warning("destroying the process groups at exit failed: %s", exc)
+
+
+def _register_exit_hook() -> None:
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_destroy_process_groups_at_exit)
+        _exit_hook_registered = True
 
 
 class Group:
@@ -25,6 +53,7 @@ class Group:
         if not self.distributed:
             self.rank, self.world_size = 0, 1
             return
+        _register_exit_hook()
         ranks = None if parent is None else dist.get_process_group_ranks(parent)
         timeout = timedelta(seconds=timeout_s) if timeout_s else None
         self.pg = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)

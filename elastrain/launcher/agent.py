@@ -37,7 +37,7 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 
 from elastrain.control import ControlChannel, RegroupChannel, RegroupNotice
 from elastrain.env import ZYGOTE, LaunchContext, start_reason, to_environ
-from elastrain.errors import NodeLeftError
+from elastrain.errors import FATAL_EXIT_CODES, NodeLeftError
 from elastrain.launcher import zygote
 from elastrain.launcher.options import ElastrainOptions
 from elastrain.log import lifecycle
@@ -184,6 +184,10 @@ class ElastrainAgent(LocalElasticAgent):
         handler = worker_group.spec.rdzv_handler
         self._raise_if_fatal(handler)
         result: RunResult = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._fatal_exit(result):
+            self._worker_failed = True
+            self._remaining_restarts = 0  # torch's loop then ends this node: launch.py announces the leave
+            return result
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             change = self._wait_for_membership_change(handler)
             if change is not None:
@@ -205,6 +209,19 @@ class ElastrainAgent(LocalElasticAgent):
                     self._checkpoint_before_change(f"scale-up: {change}", self._options.save_timeout_s)
         return result
 
+    def _fatal_exit(self, result: RunResult) -> bool:
+        """Whether a worker exited with EX_USAGE or EX_CONFIG: a bad setting that no restart can fix."""
+        fatal = {r: f.exitcode for r, f in result.failures.items() if f.exitcode in FATAL_EXIT_CODES}
+        if fatal:
+            lifecycle(
+                "worker_config_error",
+                level=logging.ERROR,
+                ranks=",".join(str(r) for r in sorted(fatal)),
+                exit_codes=",".join(str(c) for c in sorted(set(fatal.values()))),
+                why="a worker exited with EX_USAGE (64) or EX_CONFIG (78): restarting cannot help, this node leaves",
+            )
+        return bool(fatal)
+
     def _raise_if_fatal(self, handler: Any) -> None:
         fatal = getattr(handler, "fatal_error", None)
         if isinstance(fatal, BaseException):
@@ -216,16 +233,18 @@ class ElastrainAgent(LocalElasticAgent):
         if not isinstance(grace, float):
             return None
         deadline = time.monotonic() + grace
-        probe = getattr(handler, "probe_peers", None)
-        if callable(probe):
-            probe()  # a peer whose agent died is found at the next heartbeat tick, not after its timeout
+        # Peers that report later learn that theirs is an echo of ours; every peer is probed at the next tick.
+        report = getattr(handler, "report_worker_failure", None)
+        if callable(report):
+            report()
         while True:
             self._raise_if_fatal(handler)
             change = _membership_change(handler)
             if change is not None:
                 return change
-            store_failing = bool(getattr(handler, "store_failing", False))
-            if time.monotonic() >= deadline and not store_failing:
+            # Pending while the store fails or a peer has not beaten since (bounded by the handler).
+            pending = bool(getattr(handler, "verdict_pending", False))
+            if time.monotonic() >= deadline and not pending:
                 return None
             time.sleep(0.05)
 

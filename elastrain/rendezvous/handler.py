@@ -309,6 +309,11 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self._next_reconnect = 0.0
         self._reconnect_pause = 0.0
         self._version_at = 0.0
+        # After this node's workers fail: until when it watches every member's heartbeat, the counters it
+        # first read in that window, and the members whose counter moved since (alive, so no excuse).
+        self._failure_watch_until = 0.0
+        self._watch_first: dict[str, int] = {}
+        self._watch_moved: set[str] = set()
 
     # -- torch's RendezvousHandler ---------------------------------------------------------------
     def get_backend(self) -> str:
@@ -587,9 +592,48 @@ class ElastrainRendezvousHandler(RendezvousHandler):
     def store_failing(self) -> bool:
         return self._store_failing_since is not None
 
+    @property
+    def verdict_pending(self) -> bool:
+        """Whether a worker failure cannot be judged yet: the store fails, or (bounded by a heartbeat timeout
+        past the grace) a member of this round has not beaten since the failure. A peer frozen with ours, or
+        the job gone on without us while we were frozen, shows up as an eviction, not as our failure."""
+        if self.store_failing:
+            return True
+        if time.monotonic() >= self._failure_watch_until:
+            return False
+        state = self._cached
+        if state.round != self._round:
+            return False  # the round is over: membership_change says so
+        return any(m != self.node_id and m not in self._watch_moved for m in st.live_members(state))
+
     def probe_peers(self) -> None:
         """Probe every peer at the next heartbeat tick (the agent calls this when its workers fail)."""
         self._probe_all = True
+
+    def report_worker_failure(self) -> None:
+        """This node's workers failed: record it in the round (peers that report later know theirs is an
+        echo, see :func:`state.report_failure`) and probe every peer at the next heartbeat tick."""
+        self._probe_all = True
+        round_ = self._round
+        if round_ < 0:
+            return
+        s = self._settings
+        self._watch_first, self._watch_moved = {}, set()
+        self._failure_watch_until = time.monotonic() + self.membership_grace_s + s.heartbeat_timeout_s
+        try:
+            after = self._update(lambda cur: st.report_failure(cur, self.node_id, round_))
+        except (RendezvousError, *STORE_ERRORS) as exc:
+            self._quiet.log("failure_report_failed", exc, node=self.node_id)
+            return
+        if after.round == round_ and self.node_id in after.failed:
+            lifecycle(
+                "workers_failed",
+                level=logging.WARNING,
+                node=self.node_id,
+                round=round_,
+                order=after.failed.index(self.node_id) + 1,
+                first=after.failed[0],
+            )
 
     def membership_change(self) -> st.Change | None:
         """Why this node's current round is over; the next ``num_nodes_waiting`` answers the same."""
@@ -902,11 +946,16 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             return  # not part of the job (evicted or not joined): never judge the others
         judge = st.judge(state)
         judging = judge == self.node_id
-        if judging:
+        watching_all = read_at < self._failure_watch_until
+        if judging or watching_all:
             watched = [n for n in state.heartbeats if n != self.node_id]
         else:
             watched = [judge] if judge is not None else []
         counters = self._read_beats(watched)
+        if watching_all:
+            for n, c in counters.items():
+                if self._watch_first.setdefault(n, c) != c:
+                    self._watch_moved.add(n)
         if judging and self._judged_last != self.node_id:
             # Taking over as judge: start from the previous judge's evidence, so that many nodes vanishing
             # together (the judge among them) cost one heartbeat timeout, not one per node.
@@ -933,9 +982,12 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             and all(m in dead for m in others)
             and not gone
             and clock.stalled_within(read_at, 3 * s.heartbeat_timeout_s)
+            and not self._fence_root
         ):
             # We were frozen and now every peer looks silent: the job moved on without us (perhaps to a
-            # new store). Evicting them all would start a second world: leave instead.
+            # new store). Without a fence, evicting them all would start a second world: leave instead.
+            # With one, evicting is safe: our next round must win the next generation's claim, and if
+            # the others claimed it first we follow them to their store and join there as a newcomer.
             raise RendezvousStoreLostError(
                 f"node {self.node_id} was frozen and lost contact with every peer; it leaves the job "
                 "(the others went on without it)"

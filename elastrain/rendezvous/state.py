@@ -73,6 +73,8 @@ class RendezvousState:
     """Whether round ``round`` holds a majority of the previous round's voters (see :func:`complete`)."""
     superseded_by: str = ""
     """Set when another world won this lineage's generation claim: where that world's store is."""
+    failed: tuple[str, ...] = ()
+    """Members of ``round`` whose workers failed, in the order they reported it (see :func:`report_failure`)."""
 
 
 class Departure(str, enum.Enum):
@@ -105,6 +107,7 @@ class ChangeKind(str, enum.Enum):
     EVICTED = "evicted"  # we are no longer a member (frozen past the timeout)
     DEPARTED = "departed"  # a member died, left or failed
     REGROUP = "regroup"  # a member re-joined (its workers failed): a new round is under way
+    PEER_FAILED = "peer_failed"  # another member's workers failed first: ours broke with them
     SCALE_UP = "scale_up"  # nodes wait and the round has room for them
     FENCED = "fenced"  # another world of this job holds a newer generation
 
@@ -135,6 +138,7 @@ def encode(state: RendezvousState) -> bytes:
             "generation": [state.generation, state.generation_round],
             "majority": state.majority,
             "superseded_by": state.superseded_by,
+            "failed": list(state.failed),
         },
         separators=(",", ":"),
     ).encode()
@@ -156,6 +160,7 @@ def decode(data: bytes) -> RendezvousState:
             generation_round=int(raw.get("generation", [-1, -1])[1]),
             majority=bool(raw.get("majority", True)),
             superseded_by=str(raw.get("superseded_by", "")),
+            failed=tuple(str(n) for n in raw.get("failed", ())),
         )
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise RendezvousStateCorruptError(
@@ -260,7 +265,21 @@ def complete(state: RendezvousState, max_nodes: int) -> RendezvousState:
         nodes={k: v for k, v in state.nodes.items() if k in keep},
         heartbeats={k: v for k, v in state.heartbeats.items() if k in keep},
         majority=majority,
+        failed=(),
     )
+
+
+def report_failure(state: RendezvousState, node: str, round_: int) -> RendezvousState | None:
+    """``node``'s workers failed while it ran ``round_``; ``None`` if that changes nothing.
+
+    When one node's workers fail, its peers' workers usually fail a moment later (their collective broke),
+    and every agent sees a failure. The order of the reports tells the cause from the echoes: the first
+    reporter's failure is its own (it counts against its ``--max-restarts``); members that report later,
+    or whose workers are still healthy, re-form without counting one (:func:`change_for`).
+    """
+    if state.round != round_ or node not in state.members or node in state.failed or node in state.departed:
+        return None
+    return replace(state, failed=(*state.failed, node))
 
 
 def record_generation(state: RendezvousState, round_: int, generation: int) -> RendezvousState | None:
@@ -290,9 +309,15 @@ def change_for(state: RendezvousState, node: str, my_round: int, max_nodes: int)
     departed = [m for m in state.members if m in state.departed]
     if departed:
         return Change(ChangeKind.DEPARTED, ",".join(f"{m}({state.departed[m]})" for m in departed))
+    if state.failed[:1] == (node,):
+        # Our workers failed first: peers re-joining after theirs broke (echoes) or newcomers are no excuse;
+        # the failure is ours and counts against our --max-restarts.
+        return None
     rejoined = [m for m in state.members if m in state.joining and m != node]
     if rejoined:
         return Change(ChangeKind.REGROUP, "re-joined: " + ",".join(rejoined))
+    if state.failed and state.failed[0] != node:
+        return Change(ChangeKind.PEER_FAILED, f"the workers of {state.failed[0]} failed first")
     fit = newcomers(state)[: room(state, max_nodes)]
     if fit:
         return Change(ChangeKind.SCALE_UP, "waiting: " + ",".join(fit))

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from elastrain import WorkerEnv
 from elastrain.checkpoint.group import Group
 from elastrain.checkpoint.storage import check_shared
-from elastrain.errors import CheckpointError
+from elastrain.errors import EX_CONFIG, CheckpointError
 
 
 def main() -> int:
@@ -22,7 +22,7 @@ def main() -> int:
         check_shared(root, group)
     except CheckpointError as e:
         print(f"NOT_SHARED rank={env.rank} {e}", flush=True)
-        return 3
+        return EX_CONFIG  # a setting to fix: restarting cannot help, the node leaves at once
     finally:
         group.destroy()
         dist.destroy_process_group()

@@ -540,11 +540,6 @@ def test_history_finds_two_worlds_from_events_alone(tmp_path: Path) -> None:
 
 # -- partitions --------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="not yet reliable (issue 12): with bounded store calls these pass in most runs here, but a cut-off node "
-    "can still spend the whole cut and more in repeated store failover attempts before it rejoins",
-    strict=False,
-)
 def test_minority_node_cut_off_stops_and_rejoins(scenario: Callable[[int], Scenario]) -> None:
     sc = scenario(3)
     sc.wait_world([0, 1, 2], sc.t0, "all three nodes train in one world")
@@ -562,11 +557,6 @@ def test_minority_node_cut_off_stops_and_rejoins(scenario: Callable[[int], Scena
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="not yet reliable (issue 12): with bounded store calls these pass in most runs here, but a cut-off node "
-    "can still spend the whole cut and more in repeated store failover attempts before it rejoins",
-    strict=False,
-)
 def test_store_host_cut_off_fails_over_and_rejoins(scenario: Callable[[int], Scenario]) -> None:
     sc = scenario(3)
     sc.wait_world([0, 1, 2], sc.t0, "all three nodes train in one world")
@@ -584,11 +574,6 @@ def test_store_host_cut_off_fails_over_and_rejoins(scenario: Callable[[int], Sce
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="not yet reliable (issue 12): with bounded store calls these pass in most runs here, but a cut-off node "
-    "can still spend the whole cut and more in repeated store failover attempts before it rejoins",
-    strict=False,
-)
 def test_even_split_trains_on_at_most_one_side(scenario: Callable[[int], Scenario]) -> None:
     sc = scenario(4)
     sc.wait_world([0, 1, 2, 3], sc.t0, "all four nodes train in one world")

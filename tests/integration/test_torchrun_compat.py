@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -34,15 +36,18 @@ def stable_env(records: list[dict]) -> list[dict]:
 
 
 def launch_both(tmp_path: Path, args: list[str], env: dict[str, str] | None = None, timeout: float = 90):
-    """Run ``args`` under both launchers; ``{tmp}`` in an argument is each run's own directory."""
-    out = {}
-    for name, cmd in LAUNCHERS.items():
+    """Run ``args`` under both launchers at once; ``{tmp}`` in an argument is each run's own directory."""
+
+    def one(name: str) -> tuple[subprocess.CompletedProcess[str], list[dict], Path]:
         probe_dir = tmp_path / name
         probe_dir.mkdir(parents=True)
         full_env = {"PROBE_DIR": str(probe_dir), **(env or {})}
-        proc = run(cmd(*[a.replace("{tmp}", str(probe_dir)) for a in args]), timeout=timeout, env=full_env)
-        out[name] = (proc, starts(probe_dir), probe_dir)
-    return out
+        proc = run(LAUNCHERS[name](*[a.replace("{tmp}", str(probe_dir)) for a in args]), timeout=timeout, env=full_env)
+        return proc, starts(probe_dir), probe_dir
+
+    with ThreadPoolExecutor(max_workers=len(LAUNCHERS)) as pool:
+        futures = {name: pool.submit(one, name) for name in LAUNCHERS}
+        return {name: f.result() for name, f in futures.items()}
 
 
 def test_standalone_nproc_same_env(tmp_path: Path) -> None:

@@ -1,12 +1,15 @@
 """The rendezvous state machine under random interleavings (hypothesis stateful testing).
 
 A model of N nodes drives the pure functions of :mod:`elastrain.rendezvous.state` the way the handler
-does: nodes start, leave, die, freeze and thaw; live nodes tick (re-join when their round is over,
+does: nodes start, leave, die, freeze and thaw, and their workers fail (the node then restarts them
+or leaves, as after its own failure, unless the round shows that another member failed first); live
+nodes tick (re-join when their round is over,
 complete a round when they can) and evict dead or frozen peers. After every step the invariants hold:
 
 * a full round (``max_nodes`` live members, nothing departed) never restarts for spares;
 * every event leads to at most one new round (between two quiet points, no more rounds than events);
 * no node evicts itself;
+* a node leaves for a worker failure only if it reported the round's first one (the others' are echoes);
 * once the nodes settle, every live node is a member of the current round or a spare, and every
   member runs that round.
 """
@@ -23,6 +26,7 @@ from elastrain.rendezvous import state as st
 
 INFO = st.NodeInfo("10.0.0.1", 1, 2, 3)
 MAX_NODES = 10
+EXCUSES = {st.ChangeKind.DEPARTED, st.ChangeKind.EVICTED, st.ChangeKind.SUPERSEDED, st.ChangeKind.FENCED}
 
 
 @dataclass
@@ -33,6 +37,7 @@ class Node:
     target: int = 0
     dead: bool = False
     frozen: bool = False
+    verdict: str = ""  # after its workers failed: "restart" or "leave", unless the round is over anyway
 
 
 class RendezvousModel(RuleBasedStateMachine):
@@ -70,9 +75,19 @@ class RendezvousModel(RuleBasedStateMachine):
         me = node.ident
         s = self.s
         if node.status == "running":
-            if st.change_for(s, me, node.my_round, self.max_nodes) is not None:
+            verdict, node.verdict = node.verdict, ""
+            change = st.change_for(s, me, node.my_round, self.max_nodes)
+            if verdict and s.failed[:1] == (me,) and change is not None:
+                # The cause of a failure is excused only by a departure or a round it is no longer part of.
+                assert change.kind in EXCUSES, f"{me}'s own failure was excused by {change}: {s}"
+            if change is not None or verdict == "restart":
                 self._set(st.join(s, me, INFO))
                 node.status, node.target = "joining", self.s.round + 1
+            elif verdict == "leave":  # its own failure, past --max-restarts
+                # Only the cause leaves: a node whose failure echoed an earlier one re-forms instead.
+                assert s.failed[:1] == (me,), f"{me} left for a failure that was not its own: {s}"
+                self._set(st.remove(s, [me], f"{st.Departure.FAILED.value}:workers"))
+                self.nodes[slot] = Node()
             return
         if node.status != "joining":
             return
@@ -109,6 +124,23 @@ class RendezvousModel(RuleBasedStateMachine):
         self._event()
         self._set(st.remove(self.s, [node.ident], "left:SIGTERM"))
         self.nodes[name] = Node()
+
+    @rule(i=hs.integers(0, MAX_NODES - 1), leaves=hs.booleans(), echoed=hs.booleans())
+    def fail(self, i: int, leaves: bool, echoed: bool) -> None:
+        """A node's workers fail; ``echoed``: every running peer's workers fail with them (their collective
+        broke) and report it later, each ready to count it as its own unless the round says otherwise."""
+        name = f"n{i}"
+        node = self.nodes.get(name)
+        if node is None or node.status != "running" or name not in self._acting():
+            return
+        self._event()
+        peers = [k for k in self._acting() if k != name and self.nodes[k].status == "running"] if echoed else []
+        for slot in [name, *peers]:
+            n = self.nodes[slot]
+            reported = st.report_failure(self.s, n.ident, n.my_round)
+            if reported is not None:
+                self._set(reported)
+            n.verdict = "leave" if leaves else "restart"
 
     @rule(i=hs.integers(0, MAX_NODES - 1))
     def die(self, i: int) -> None:
@@ -189,7 +221,7 @@ class RendezvousModel(RuleBasedStateMachine):
     def full_round_never_restarts_for_spares(self) -> None:
         s = self.s
         live = st.live_members(s)
-        if s.round < 0 or s.departed or len(live) < self.max_nodes:
+        if s.round < 0 or s.departed or s.failed or len(live) < self.max_nodes:
             return
         if any(m in s.joining for m in live):
             return  # a member re-joined: a new round is under way for another reason

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from elastrain.errors import RendezvousStateCorruptError
@@ -142,3 +144,38 @@ def test_judge_is_the_first_live_member_else_the_first_joiner() -> None:
     assert st.judge(st.remove(s, ["a"], "dead")) == "b"
     assert st.judge(joined("x", "y")) == "x"
     assert st.judge(st.RendezvousState()) is None
+
+
+def test_the_first_failure_reported_is_the_cause_and_later_ones_are_its_echoes() -> None:
+    s = formed("a", "b", "c")
+    s1 = st.report_failure(s, "b", 0)
+    assert s1 is not None and s1.failed == ("b",)
+    # The first reporter counts its failure (no change excuses it); everyone else re-forms without one.
+    assert st.change_for(s1, "b", 0, 4) is None
+    for other in ("a", "c"):
+        change = st.change_for(s1, other, 0, 4)
+        assert change is not None and change.kind is st.ChangeKind.PEER_FAILED and "b" in change.detail
+    s2 = st.report_failure(s1, "a", 0)
+    assert s2 is not None and s2.failed == ("b", "a")
+    assert st.change_for(s2, "b", 0, 4) is None
+    # The echoes re-join at once; that is no excuse for the cause, nor is a newcomer.
+    assert st.change_for(st.join(st.join(s2, "a", INFO), "d", INFO), "b", 0, 4) is None
+    # Reports are idempotent, only for the current round, only by live members.
+    assert st.report_failure(s2, "a", 0) is None
+    assert st.report_failure(s2, "c", 1) is None
+    assert st.report_failure(st.remove(s2, ["c"], "dead"), "c", 0) is None
+    assert st.decode(st.encode(s2)) == s2
+    # A new round starts with a clean slate.
+    nxt = st.complete(st.join(st.join(st.join(s2, "a", INFO), "b", INFO), "c", INFO), 4)
+    assert nxt.round == 1 and nxt.failed == ()
+
+
+@pytest.mark.parametrize(
+    ("departed", "expected"),
+    [({"b": "failed:workers"}, st.ChangeKind.DEPARTED), ({}, st.ChangeKind.PEER_FAILED)],
+)
+def test_a_departure_outranks_a_failure_report(departed: dict[str, str], expected: st.ChangeKind) -> None:
+    s = st.report_failure(formed("a", "b"), "b", 0)
+    assert s is not None
+    change = st.change_for(replace(s, departed=departed), "a", 0, 4)
+    assert change is not None and change.kind is expected
