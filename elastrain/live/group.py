@@ -12,6 +12,7 @@ its timeout, and a process that exits while one is pending is aborted by gloo, s
 
 from __future__ import annotations
 
+import gc
 import logging
 import socket
 import threading
@@ -139,6 +140,11 @@ class TrainingGroup:
         if left:
             lifecycle("group_drain_timeout", level=logging.WARNING, pending=len(left))
         self._abandoned = left
+        if not left:
+            # Free the left rounds' groups now, on this thread, while the interpreter is whole (a gloo group
+            # freed during interpreter finalisation can abort the process, pytorch#179291).
+            self._graveyard.clear()
+            gc.collect()
 
     # -- collectives ------------------------------------------------------------------------------
     def _hand_out(self, work: dist.Work, result: Any) -> torch.futures.Future[Any]:
