@@ -13,6 +13,7 @@ import contextlib
 import os
 import random
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -81,35 +82,22 @@ class Node:
         return f"--- {self.name} ---\n" + self.text()[-6000:]
 
 
-def _run(
-    tmp: Path, names: list[str], env: dict[str, str], nnodes: str, late: dict[str, float] | None = None
-) -> list[Node]:
-    """Start the nodes (``late``: name -> seconds after the first start) and wait for every agent to end."""
+def _run(tmp: Path, names: list[str], env: dict[str, str], nnodes: str) -> list[Node]:
+    """Start the nodes (the first hosts the c10d store) and wait for every agent to end."""
     port = free_port()
     nodes: list[Node] = []
-    t0 = time.monotonic()
-    pending = dict(late or {})
-    procs = []
     try:
         for name in names:
-            if name in pending:
-                continue
             nodes.append(Node(name, tmp, port, nnodes, env))
-            procs.append(nodes[-1].proc)
             time.sleep(0.3)
-        deadline = t0 + BOUND
+        deadline = time.monotonic() + BOUND
         while time.monotonic() < deadline:
-            for name, after in list(pending.items()):
-                if time.monotonic() - t0 >= after:
-                    del pending[name]
-                    nodes.append(Node(name, tmp, port, nnodes, env))
-                    procs.append(nodes[-1].proc)
-            if not pending and all(n.proc.poll() is not None for n in nodes):
+            if all(n.proc.poll() is not None for n in nodes):
                 return nodes
             time.sleep(0.1)
         raise AssertionError("the job did not end in time\n" + "\n".join(n.dump() for n in nodes))
     finally:
-        with reaped(*procs):
+        with reaped(*(n.proc for n in nodes)):
             pass
 
 
@@ -174,9 +162,23 @@ def test_sigkill_inside_backward_regroups_in_place_with_the_uninterrupted_state(
 
 def test_a_joining_node_gets_the_state_by_broadcast_and_nobody_restarts(tmp_path: Path) -> None:
     env = {"LW_MAX_STEPS": "100000", "LW_SLEEP": "0.05", "LW_STOP_AT_WS": "3", "LW_EXTRA_STEPS": "15"}
-    nodes = _run(tmp_path, ["a", "b", "c"], env, "2:3", late={"c": 20.0})
+    port = free_port()
+    a = Node("a", tmp_path, port, "2:3", env)
+    time.sleep(0.5)
+    b = Node("b", tmp_path, port, "2:3", env)
+    nodes = [a, b]
+    with reaped(a.proc, b.proc):
+        try:
+            # c arrives once a and b train (their workers said they can regroup: no restart for c).
+            wait_for(lambda: all(len(n.lines("LW_STEP")) >= 3 for n in (a, b)), BOUND, what="two nodes training")
+            c = Node("c", tmp_path, port, "2:3", env)
+            nodes.append(c)
+            with reaped(c.proc):
+                for n in nodes:
+                    n.proc.wait(timeout=BOUND)
+        except (AssertionError, subprocess.TimeoutExpired) as exc:
+            raise AssertionError(f"{exc}\n" + "\n".join(n.dump() for n in nodes)) from None
     detail = "\n".join(n.dump() for n in nodes)
-    a, b, _ = nodes
     for n in nodes:
         assert n.proc.returncode == 0, detail
         assert len(n.lines("LW_START")) == 1, "a worker was restarted\n" + detail
