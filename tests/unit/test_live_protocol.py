@@ -3,6 +3,7 @@ the environment a worker rewrites after a regroup, and the --live option."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -134,3 +135,19 @@ def test_live_option_defaults_off_and_reads_pet_live(monkeypatch: pytest.MonkeyP
     assert options_from_args(parser.parse_args(["--live", "true", "train.py"])).live is True
     monkeypatch.setenv("PET_LIVE", "1")
     assert options_from_args(build_parser().parse_args(["train.py"])).live is True
+
+
+def test_the_hold_after_a_requested_save_ends_when_a_regroup_notice_arrives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from elastrain.control import ControlChannel, hold_for_restart
+    from elastrain.env import LIVE, ROUND
+
+    monkeypatch.setenv(LIVE, "1")
+    monkeypatch.setenv(ROUND, "2")
+    events: list[tuple[str, dict[str, object]]] = []
+    channel = ControlChannel(tmp_path)
+    RegroupChannel(tmp_path).announce(_notice(round_=2))  # the current round's notice does not end it
+    threading.Timer(0.2, lambda: RegroupChannel(tmp_path).announce(_notice(round_=3))).start()
+    hold_for_restart(30.0, 7, lambda event, level, **f: events.append((event, f)), channel)
+    assert events[-1] == ("checkpoint_hold_over", {"step": 7, "why": "regroup in place"})
