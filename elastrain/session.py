@@ -464,6 +464,8 @@ class Session:
         """The next step's micro-batches (already loaded) and LR; the loop calls it via ``for step in session``."""
         if self._current is not None and not self._current._done:
             raise SessionError(f"step {self._current.number} is not finished: call step.optimizer_step() first")
+        if self.checkpointer is not None:
+            self.checkpointer.hold_if_requested()  # for the restart a requested save announced
         if self.live is not None:
             if self.live.pending_notice() is not None:
                 self._regroup(None)  # an announced change (a node joins, or leaves before our collective broke)
@@ -538,7 +540,8 @@ class Session:
         self.state.advance(step.global_size, sampler.epoch)
         request = self._control.pending() if self._control is not None else None
         try:
-            saved = self.checkpointer is not None and self.checkpointer.maybe_save(self.state.step)
+            # A requested save's hold waits for the next step boundary, after the script's step.log().
+            saved = self.checkpointer is not None and self.checkpointer.maybe_save(self.state.step, hold=False)
         except (RuntimeError, dist.DistError, CheckpointSaveError) as exc:
             # The step is applied on this rank; the regroup's vote decides whether the world keeps it.
             self._collective_broke(exc, None, group_error=False)

@@ -207,6 +207,7 @@ class Checkpointer:
         self.last_result: SaveResult | None = None
         self.last_error: BaseException | None = None
         self._closed = False
+        self._hold_after: int | None = None  # a requested save whose hold the caller deferred
 
     @property
     def schedule(self) -> SaveSchedule:
@@ -237,8 +238,12 @@ class Checkpointer:
             lifecycle(event, level=level, rank=self.rank, **fields)
 
     # -- saving ----------------------------------------------------------------------------------
-    def maybe_save(self, step: int) -> bool:
-        """Call at every step boundary: save on the interval or on a pending launcher request."""
+    def maybe_save(self, step: int, hold: bool = True) -> bool:
+        """Call at every step boundary: save on the interval or on a pending launcher request.
+
+        After a requested save the training thread holds (bounded) for the restart the launcher is about to
+        do. ``hold=False`` defers that hold to :meth:`hold_if_requested`, so the caller can first record the
+        step (its metrics point) that the restart would otherwise cut off."""
         self._reap()
         reason = self._trigger.check(step)
         if reason is None:
@@ -246,9 +251,17 @@ class Checkpointer:
         if reason is SaveReason.INTERVAL:
             return self.save(step, blocking=not self.async_save, reason=reason.value)
         saved = self.save(step, blocking=True, reason=reason.value)
-        if saved:
+        if saved and hold:
             self._trigger.hold(step)
+        elif saved:
+            self._hold_after = step
         return saved
+
+    def hold_if_requested(self) -> None:
+        """The hold that ``maybe_save(step, hold=False)`` deferred, if a requested save is waiting for it."""
+        step, self._hold_after = self._hold_after, None
+        if step is not None and not self._closed:
+            self._trigger.hold(step)
 
     def save(self, step: int, blocking: bool = False, reason: str = "explicit") -> bool:
         """Save ``step`` on every rank (collective). False if that step is already saved, or (with

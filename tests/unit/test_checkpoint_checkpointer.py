@@ -227,6 +227,30 @@ def test_save_on_request_at_the_next_step_and_ack(tmp_path: Path, monkeypatch: p
     assert ack is not None and ack.step == 2 and ack.checkpoint == str(tmp_path / "c" / layout.step_dir_name(2))
 
 
+def test_a_deferred_hold_waits_for_the_next_step_boundary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Session defers the hold after a requested save until its next step, so the saved step's metrics point
+    # is written before the restart that the request announced can cut the process off.
+    control = tmp_path / "control"
+    monkeypatch.setenv(env_vars.CONTROL_DIR, str(control))
+    agent = ControlChannel(control)
+    job = Job()
+    caplog.set_level(logging.INFO, logger="elastrain")
+    with job.checkpointer(tmp_path / "c", hold_after_request_s=0.2) as ckpt:
+        job.step(1)
+        request = agent.request_save("scale-up")
+        assert ckpt.maybe_save(1, hold=False)
+        assert "event=checkpoint_hold " not in caplog.text  # saved and acked, not holding yet
+        ack = agent.wait_ack(request.request_id, timeout_s=30)
+        assert ack is not None and ack.step == 1
+        ckpt.hold_if_requested()
+        assert "event=checkpoint_hold " in caplog.text and "event=checkpoint_hold_over " in caplog.text
+        caplog.clear()
+        ckpt.hold_if_requested()  # once only
+        assert "checkpoint_hold" not in caplog.text
+
+
 def test_interval_in_seconds(tmp_path: Path) -> None:
     job = Job()
     with job.checkpointer(tmp_path, interval_seconds=0.05) as ckpt:
