@@ -322,15 +322,8 @@ class Session:
         # Batch sizes do not depend on the LR reference, so the sampler can be built before the restore.
         self.plan = plan(self.config, self.world_size)
         self.sampler = ElasticSampler(self.dataset, self.plan, self.rank, **self._sampler_kwargs)  # type: ignore[arg-type]
-        if self._checkpoint_dir:
-            self.checkpointer = Checkpointer(directory=self._checkpoint_dir, **self._ckpt_kwargs)
-            self.checkpointer.register(
-                model=self.module,
-                optimizer=self.optimizer,
-                train_state=self.state,
-                sampler=self.sampler,
-                **self._extra_state,
-            )
+        self._build_checkpointer(self.sampler)
+        if self.checkpointer is not None:
             self.restored = self.checkpointer.restore()
         else:
             lifecycle("checkpoints_disabled", level=logging.WARNING, why="no checkpoint_dir and no --checkpoint-dir")
@@ -342,29 +335,48 @@ class Session:
         restored_step = self.restored.step if self.restored else 0
         if self.rank == 0:
             self._open_metrics(restored_step)
-            self.events.record(
-                "start",
-                world_size=self.world_size,
-                start_reason=self.env.start_reason.value,
-                restart_count=self.env.restart_count,
-                round=self.env.round,
-                generation=self.env.generation,
-                restored_step=self.restored.step if self.restored else None,
-                checkpoint=self.restored.path if self.restored else None,
-                samples_seen=self.state.samples_seen,
-                epoch=self.sampler.epoch,
-                cursor=self.sampler.position.cursor,
-            )
-            if self.restored is not None:
-                self.events.record(
-                    "restore",
-                    step=self.restored.step,
-                    path=self.restored.path,
-                    saved_world_size=self.restored.world_size,
-                    steps_rerun=self._steps_rerun,
-                )
+            self._record_start()
             self._log_plan(previous, changed)
         return self
+
+    def _build_checkpointer(self, sampler: ElasticSampler) -> None:
+        """The checkpointer of this world (with a checkpoint directory), over the session's state."""
+        if not self._checkpoint_dir:
+            return
+        self.checkpointer = Checkpointer(directory=self._checkpoint_dir, **self._ckpt_kwargs)
+        self.checkpointer.register(
+            model=self.module,
+            optimizer=self.optimizer,
+            train_state=self.state,
+            sampler=sampler,
+            **self._extra_state,
+        )
+
+    def _record_start(self, **extra: Any) -> None:
+        """Rank 0: the ``start`` event of a segment, and ``restore`` when it began from a checkpoint."""
+        sampler = self._require_sampler()
+        self.events.record(
+            "start",
+            world_size=self.world_size,
+            start_reason=self.env.start_reason.value,
+            restart_count=self.env.restart_count,
+            round=self.env.round,
+            generation=self.env.generation,
+            restored_step=self.restored.step if self.restored else None,
+            checkpoint=self.restored.path if self.restored else None,
+            **extra,
+            samples_seen=self.state.samples_seen,
+            epoch=sampler.epoch,
+            cursor=sampler.position.cursor,
+        )
+        if self.restored is not None:
+            self.events.record(
+                "restore",
+                step=self.restored.step,
+                path=self.restored.path,
+                saved_world_size=self.restored.world_size,
+                steps_rerun=self._steps_rerun,
+            )
 
     def _log_plan(self, previous: int | None, changed: int | None) -> None:
         """Rank 0: the batch plan in force (a lifecycle line), and the world-size change and rescale events."""
@@ -614,15 +626,7 @@ class Session:
         self._control = ControlChannel(self.env.control_dir) if self.env.control_dir and self.rank == 0 else None
         sampler.plan = plan(self.config, self.world_size)
         sampler.rank = self.rank
-        if self._checkpoint_dir:
-            self.checkpointer = Checkpointer(directory=self._checkpoint_dir, **self._ckpt_kwargs)
-            self.checkpointer.register(
-                model=self.module,
-                optimizer=self.optimizer,
-                train_state=self.state,
-                sampler=sampler,
-                **self._extra_state,
-            )
+        self._build_checkpointer(sampler)
         held = self.state.step
         agreement = vote(Ballot(has_state, held), self.device)
         sent = 0
@@ -672,28 +676,7 @@ class Session:
             lifecycle("regrouped", **fields)
             self.events.record("regroup", **fields)
         else:
-            self.events.record(
-                "start",
-                world_size=self.world_size,
-                start_reason=self.env.start_reason.value,
-                restart_count=self.env.restart_count,
-                round=self.env.round,
-                generation=self.env.generation,
-                restored_step=self.restored.step if self.restored else None,
-                checkpoint=self.restored.path if self.restored else None,
-                state_from=None if agreement.source is None else f"rank {agreement.source}",
-                samples_seen=self.state.samples_seen,
-                epoch=sampler.epoch,
-                cursor=sampler.position.cursor,
-            )
-            if self.restored is not None:
-                self.events.record(
-                    "restore",
-                    step=self.restored.step,
-                    path=self.restored.path,
-                    saved_world_size=self.restored.world_size,
-                    steps_rerun=self._steps_rerun,
-                )
+            self._record_start(state_from=None if agreement.source is None else f"rank {agreement.source}")
         self._log_plan(previous, changed)
 
     def _reopen_metrics(self, restored_step: int) -> None:

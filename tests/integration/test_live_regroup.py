@@ -109,6 +109,20 @@ def _hashes(nodes: list[Node]) -> dict[int, set[str]]:
     return out
 
 
+def _train_at_two_then_stop(nodes: list[Node], tmp_path: Path, what: str) -> None:
+    """Wait until ``nodes`` made 6 steps at world size 2, then ask them to stop 30 steps later and wait."""
+
+    def at_two() -> list[int]:
+        return [int(s["step"]) for n in nodes for s in n.lines("LW_STEP") if s["ws"] == "2"]
+
+    wait_for(lambda: len(at_two()) >= 6, BOUND, what=what)
+    tmp = tmp_path / "stop.tmp"
+    tmp.write_text(str(max(at_two()) + 30))
+    tmp.replace(tmp_path / "stop")
+    for n in nodes:
+        n.proc.wait(timeout=BOUND)
+
+
 def test_sigkill_inside_backward_regroups_in_place_with_the_uninterrupted_state(tmp_path: Path) -> None:
     seed = random.Random().randrange(1000)
     rng = random.Random(seed)
@@ -213,16 +227,7 @@ def test_a_frozen_node_is_evicted_and_the_survivors_get_out_of_their_collective_
             for pid in victims:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)  # a stopped process dies of SIGKILL without being continued
-
-            def at_two() -> list[int]:
-                return [int(s["step"]) for n in (a, b) for s in n.lines("LW_STEP") if s["ws"] == "2"]
-
-            wait_for(lambda: len(at_two()) >= 6, BOUND, what="the survivors to train at world size 2")
-            tmp = tmp_path / "stop.tmp"
-            tmp.write_text(str(max(at_two()) + 30))
-            tmp.replace(tmp_path / "stop")
-            for n in (a, b):
-                n.proc.wait(timeout=BOUND)
+            _train_at_two_then_stop([a, b], tmp_path, "the survivors to train at world size 2")
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n" + "\n".join(n.dump() for n in nodes)) from None
     detail = "\n".join(n.dump() for n in nodes)
@@ -262,16 +267,7 @@ def test_a_worker_that_does_not_answer_the_notice_is_restarted_into_the_round_an
             wait_for(lambda: bool(deaf.lines("LW_HANG")), BOUND, what="the deaf worker to fall asleep")
             kill_tree(victim.proc.pid)
             wait_for(lambda: bool(live.lines("LW_AGREED")), BOUND, what="the live worker to regroup")
-
-            def at_two() -> list[int]:
-                return [int(s["step"]) for n in (live, deaf) for s in n.lines("LW_STEP") if s["ws"] == "2"]
-
-            wait_for(lambda: len(at_two()) >= 6, BOUND, what="both to train at world size 2")
-            tmp = tmp_path / "stop.tmp"
-            tmp.write_text(str(max(at_two()) + 30))
-            tmp.replace(tmp_path / "stop")
-            for n in (live, deaf):
-                n.proc.wait(timeout=BOUND)
+            _train_at_two_then_stop([live, deaf], tmp_path, "both to train at world size 2")
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n" + "\n".join(n.dump() for n in nodes)) from None
     detail = "\n".join(n.dump() for n in nodes)
