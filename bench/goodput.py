@@ -1,0 +1,282 @@
+"""Goodput under the issue-14 trace: the T5 example as 2 local nodes, five ways, one table.
+
+    python bench/goodput.py                          # 300 steps, all five modes (≈ 12-15 min on 2 cores)
+    python bench/goodput.py --steps 600 --modes uninterrupted,live
+
+The modes, run one after the other with the same script, data and seed:
+
+- ``uninterrupted``: ``elastrain-run``, no events (the reference of every ratio);
+- ``restart``: ``elastrain-run --zygote false --live false`` (every change restarts every worker);
+- ``restart+zygote``: ``--zygote true`` (restarted workers are forked from a process that imported torch);
+- ``live``: ``--live true`` (workers regroup in place; README "Live reconfiguration");
+- ``torchrun``: plain ``torchrun`` with the same flags and c10d rendezvous, ``--max-restarts 100``
+  (it restarts every worker on every change; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, without
+  which a returning node hangs, see FACTS).
+
+The trace (elastrain/chaos): node 1 (agent and workers) SIGKILLed once the job logged 25% of the
+steps, started again 8 s later with the same command; SIGTERMed (15 s notice) at 60%, started again
+8 s after the signal (or once it has left, if later). Node 0 hosts the c10d store and is never touched.
+
+Per mode, from the job's ``metrics.jsonl`` point records and the harness's ``timeline.json``:
+
+- stall per event: the longest time without a logged training step between that event and the next
+  (a stall that spans two events counts for both);
+- redone: completed steps logged again (a restart going back to its checkpoint, a live rollback),
+  per event, by the event before the repeat. The step in flight when a node dies is partial work
+  and is not counted, in any mode;
+- train s: first to last training step; ×: that over the uninterrupted run's;
+- goodput: samples of committed steps (the final ``samples_seen``) per node-second (each node from
+  its start to its exit), and relative to the uninterrupted run;
+- the final eval loss and ``samples_seen`` from the script's ``summary.json``.
+
+Everything stays under ``--out`` (one folder per mode: ``chaos/node-*.log``, ``metrics.jsonl``,
+``events.jsonl``, ``summary.json``; ``goodput.json`` has the table's figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+T5 = REPO / "examples" / "t5"
+sys.path[:0] = [str(REPO), str(T5), str(REPO / "bench")]
+
+from data import prepare  # noqa: E402
+from membership import free_port  # noqa: E402
+from report import Run, load_run  # noqa: E402
+
+from elastrain.chaos import (  # noqa: E402
+    Action,
+    ChaosHarness,
+    MetricsProgress,
+    Trace,
+    TraceEvent,
+    elastrain_node_command,
+)
+from elastrain.chaos.harness import new_run_id  # noqa: E402
+from elastrain.metrics import read_events  # noqa: E402
+
+GLOBAL_BATCH = 16
+VICTIM = 1  # node 0 hosts the c10d store: killing it ends a c10d job in any mode
+EVENT_LABELS = ("kill", "back", "term", "back")
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    launcher_args: tuple[str, ...] = ()
+    torchrun: bool = False
+    events: bool = True
+
+
+MODES = (
+    Mode("uninterrupted", ("--zygote", "false", "--live", "false"), events=False),
+    Mode("restart", ("--zygote", "false", "--live", "false")),
+    Mode("restart+zygote", ("--zygote", "true", "--live", "false")),
+    Mode("live", ("--live", "true")),
+    Mode("torchrun", torchrun=True),
+)
+
+
+def issue_trace(steps: int, back_s: float, notice_s: float) -> Trace:
+    """SIGKILL of node 1 at 25% of the steps, back ``back_s`` later; SIGTERM at 60%, back ``back_s`` later."""
+    return Trace(
+        nodes=2,
+        events=(
+            TraceEvent(0.0, Action.KILL, VICTIM, after_step=steps // 4),
+            TraceEvent(0.0, Action.START, VICTIM, gap_s=back_s),
+            TraceEvent(0.0, Action.TERM, VICTIM, notice_s=notice_s, after_step=steps * 6 // 10),
+            TraceEvent(0.0, Action.START, VICTIM, gap_s=back_s),
+        ),
+    )
+
+
+def node_command(mode: Mode, script: Sequence[str], port: int, run_id: str, checkpoints: Path) -> list[str]:
+    """One node's command. torchrun gets the same launcher flags: elastrain-run is a drop-in for it."""
+    if mode.torchrun:
+        cmd = elastrain_node_command(script, 2, port, run_id, ["--monitor-interval=0.1"])
+        return [sys.executable, "-m", "torch.distributed.run", *cmd[3:]]  # cmd[:3]: python -m elastrain
+    # --checkpoint-dir lets an agent ask for a save before an announced change (SIGTERM, a node joining).
+    return elastrain_node_command(script, 2, port, run_id, [*mode.launcher_args, f"--checkpoint-dir={checkpoints}"])
+
+
+@dataclass
+class Result:
+    mode: str
+    ok: bool
+    stalls: list[float | None] = field(default_factory=list)
+    redone: list[int] = field(default_factory=list)
+    train_s: float | None = None
+    node_s: float | None = None
+    samples_seen: int | None = None
+    eval_loss: float | None = None
+    restarts: int | None = None
+    rolled_back: int = 0
+    elapsed_s: float = 0.0
+
+
+def run_mode(mode: Mode, out: Path, steps: int, data_dir: Path, trace: Trace, timeout_s: float) -> Result:
+    """Run train.py as 2 local nodes under ``trace`` (or none) and measure it."""
+    out.mkdir(parents=True)
+    script = [str(T5 / "train.py"), "--preset", "tiny", "--max-steps", str(steps),
+              "--global-batch-size", str(GLOBAL_BATCH), "--seed", "0", "--data-dir", str(data_dir),
+              "--eval-every", "0", "--rouge-samples", "0", "--output-dir", str(out)]  # fmt: skip
+    port, run_id = free_port(), new_run_id()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    if mode.torchrun:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    harness = ChaosHarness(
+        trace if mode.events else Trace(nodes=2),
+        lambda _: node_command(mode, script, port, run_id, out / "checkpoints"),
+        out / "chaos",
+        env=env,
+        progress=MetricsProgress(out / "metrics.jsonl"),
+        host_port=port,
+    )
+    print(f"[goodput] {mode.name}: {steps} steps; logs in {out / 'chaos'}", flush=True)
+    chaos = harness.run(timeout_s=timeout_s, stall_s=240.0)
+    ok = chaos.succeeded and (out / "summary.json").exists()
+    result = Result(mode.name, ok, elapsed_s=round(chaos.elapsed_s, 1))
+    if (out / "metrics.jsonl").exists() and (out / "summary.json").exists():
+        measure(load_run(mode.name, out), result, out)
+    print(f"[goodput] {mode.name}: {'done' if ok else 'FAILED'} in {chaos.elapsed_s:.0f} s", flush=True)
+    return result
+
+
+def _events(run: Run) -> list[float]:
+    """Wall times of the trace's actions: kills, SIGTERMs and the starts after the first."""
+    return [
+        float(e["wall"])
+        for e in run.timeline.get("events", [])
+        if e["action"] in ("kill", "term") or (e["action"] == "start" and e.get("incarnation", 1) > 1)
+    ]
+
+
+def stalls(times: Sequence[float], events: Sequence[float], end: float) -> list[float | None]:
+    """Per event: the longest gap between consecutive step times that overlaps [event, next event)."""
+    out: list[float | None] = []
+    bounds = [*events, float("inf")]
+    ts = sorted(times)
+    for at, until in itertools.pairwise(bounds):
+        gaps = [b - a for a, b in zip([*ts, end], [*ts[1:], end], strict=False) if b > at and a < until]
+        out.append(max(gaps) if gaps else None)
+    return out
+
+
+def redone(points: Sequence[tuple[float, int]], events: Sequence[float]) -> list[int]:
+    """Completed steps logged again: ``[total, after event 1, after event 2, ...]`` (a repeat counts for
+    the latest event before it)."""
+    counts = [0] * (1 + len(events))
+    seen: set[int] = set()
+    for t, step in sorted(points):
+        if step in seen:
+            counts[0] += 1
+            latest = max((i for i, at in enumerate(events) if at <= t), default=None)
+            if latest is not None:
+                counts[1 + latest] += 1
+        seen.add(step)
+    return counts
+
+
+def measure(run: Run, result: Result, out: Path) -> None:
+    points = sorted((p[0], p[1]) for p in run.points + run.superseded)  # (time, step) of loss points
+    events = _events(run)
+    if points:
+        times = [t for t, _ in points]
+        result.stalls = stalls(times, events, times[-1])
+        result.redone = redone(points, events)
+        result.train_s = round(times[-1] - times[0], 1)
+    result.node_s = round(run.node_hours() * 3600.0, 1)
+    result.samples_seen = run.summary.get("samples_seen")
+    result.eval_loss = run.summary.get("final_eval_loss")
+    result.restarts = run.summary.get("restarts")
+    events_file = out / "events.jsonl"
+    if events_file.exists():
+        result.rolled_back = sum(int(e.get("rolled_back") or 0) for e in read_events(events_file, "regroup"))
+
+
+def _f(v: float | None, fmt: str = "{:.1f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _redone_cell(counts: Sequence[int]) -> str:
+    if not counts:
+        return "-"
+    total, *per_event = counts
+    return f"{total} ({'/'.join(map(str, per_event))})" if per_event else str(total)
+
+
+def table(results: Sequence[Result], steps: int) -> str:
+    base = next((r for r in results if r.mode == "uninterrupted" and r.ok), None)
+    head = [
+        "mode", *(f"stall {e} s" for e in EVENT_LABELS), "redone (kill/back/term/back)", "train s", "× train",
+        "goodput samples/node-s", "× goodput", "eval loss", "Δ eval", "samples_seen", "worker starts",
+    ]  # fmt: skip
+    rows = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in results:
+        goodput = r.samples_seen / r.node_s if r.samples_seen and r.node_s else None
+        base_goodput = base.samples_seen / base.node_s if base and base.samples_seen and base.node_s else None
+        exact = r.samples_seen == steps * GLOBAL_BATCH
+        delta = 100 * (r.eval_loss / base.eval_loss - 1) if base and base.eval_loss and r.eval_loss else None
+        cells = [
+            r.mode + ("" if r.ok else " (FAILED)"),
+            *(_f(s) for s in (r.stalls or [None] * len(EVENT_LABELS))),
+            _redone_cell(r.redone),
+            _f(r.train_s),
+            _f(r.train_s / base.train_s if base and base.train_s and r.train_s else None, "{:.2f}"),
+            _f(goodput, "{:.2f}"),
+            _f(goodput / base_goodput if goodput and base_goodput else None, "{:.2f}"),
+            _f(r.eval_loss, "{:.4f}"),
+            _f(delta, "{:+.2f}%"),
+            f"{r.samples_seen}" + ("" if exact or r.samples_seen is None else f" (≠ {steps * GLOBAL_BATCH})"),
+            "-" if r.restarts is None else str(r.restarts + 1),
+        ]
+        if not r.stalls and r.mode == "uninterrupted":
+            cells[1 : 1 + len(EVENT_LABELS)] = ["—"] * len(EVENT_LABELS)
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps of every run (default 300)")
+    p.add_argument("--modes", default=",".join(m.name for m in MODES), help="comma-separated subset, in order")
+    p.add_argument("--out", type=Path, default=None, help="default runs/goodput/<time>")
+    p.add_argument("--back", type=float, default=8.0, help="seconds until a node comes back (default 8)")
+    p.add_argument("--notice", type=float, default=15.0, help="seconds of notice of the SIGTERM (default 15)")
+    p.add_argument("--timeout", type=float, default=900.0, help="give up on a mode after this many seconds")
+    a = p.parse_args()
+    by_name = {m.name: m for m in MODES}
+    unknown = [n for n in a.modes.split(",") if n not in by_name]
+    if unknown:
+        p.error(f"unknown modes {unknown}; choose from {', '.join(by_name)}")
+    out = (a.out or REPO / "runs" / "goodput" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    out.mkdir(parents=True, exist_ok=False)
+    print(f"[goodput] building the code→docstring pairs and the tokenizer in {out / 'data'}", flush=True)
+    prepare(out / "data")
+    trace = issue_trace(a.steps, a.back, a.notice)
+    results = [
+        run_mode(by_name[n], out / n.replace("+", "-"), a.steps, out / "data", trace, a.timeout)
+        for n in a.modes.split(",")
+    ]
+    text = table(results, a.steps)
+    (out / "goodput.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    print(f"\n{a.steps} steps × {GLOBAL_BATCH} samples, 2 nodes; trace: kill at step {a.steps // 4}, "
+          f"back {a.back:.0f} s later; term at step {a.steps * 6 // 10}, back {a.back:.0f} s later\n")  # fmt: skip
+    print(text)
+    live = next((r for r in results if r.mode == "live"), None)
+    if live is not None and live.rolled_back:
+        print(f"\nlive: {live.rolled_back} step(s) rolled back by regroup agreement (events.jsonl)")
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
