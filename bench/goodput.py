@@ -1,6 +1,6 @@
 """Goodput under the issue-14 trace: the T5 example as 2 local nodes, five ways, one table.
 
-    python bench/goodput.py                          # 300 steps, all five modes (≈ 12-15 min on 2 cores)
+    python bench/goodput.py                          # 700 steps, all five modes (≈ 12-15 min on 2 cores)
     python bench/goodput.py --steps 600 --modes uninterrupted,live
 
 The modes, run one after the other with the same script, data and seed:
@@ -14,8 +14,14 @@ The modes, run one after the other with the same script, data and seed:
   which a returning node hangs, see FACTS).
 
 The trace (elastrain/chaos): node 1 (agent and workers) SIGKILLed once the job logged 25% of the
-steps, started again 8 s later with the same command; SIGTERMed (15 s notice) at 60%, started again
-8 s after the signal (or once it has left, if later). Node 0 hosts the c10d store and is never touched.
+steps, started again 8 s later with the same command; SIGTERMed (15 s notice) at 60% of the steps,
+but no sooner than 30 s (``--settle``) after it came back, so that it is a training member again
+(a worker's cold start here is 10-15 s), and started again 8 s after the signal (or once it has
+left, if later). Node 0 hosts the c10d store and is never touched.
+
+700 steps by default: at ~5 steps/s with 2 nodes and ~9 with one, the returning node needs
+≈ 8 + 15 s (≈ 200 steps alone) to train again, and both returns must land well before the end; the
+five modes then take ≈ 15 min here. ``--steps`` goes bigger.
 
 Per mode, from the job's ``metrics.jsonl`` point records and the harness's ``timeline.json``:
 
@@ -27,7 +33,8 @@ Per mode, from the job's ``metrics.jsonl`` point records and the harness's ``tim
 - train s: first to last training step; ×: that over the uninterrupted run's;
 - goodput: samples of committed steps (the final ``samples_seen``) per node-second (each node from
   its start to its exit), and relative to the uninterrupted run;
-- the final eval loss and ``samples_seen`` from the script's ``summary.json``.
+- the final eval loss and ``samples_seen`` from the script's ``summary.json``;
+- worker starts: worker processes the elastrain agents started (their ``workers_started`` lines).
 
 Everything stays under ``--out`` (one folder per mode: ``chaos/node-*.log``, ``metrics.jsonl``,
 ``events.jsonl``, ``summary.json``; ``goodput.json`` has the table's figures).
@@ -61,6 +68,7 @@ from elastrain.chaos import (  # noqa: E402
     TraceEvent,
     elastrain_node_command,
 )
+from elastrain.chaos.checks import workers_started  # noqa: E402
 from elastrain.chaos.harness import new_run_id  # noqa: E402
 from elastrain.metrics import read_events  # noqa: E402
 
@@ -86,14 +94,15 @@ MODES = (
 )
 
 
-def issue_trace(steps: int, back_s: float, notice_s: float) -> Trace:
-    """SIGKILL of node 1 at 25% of the steps, back ``back_s`` later; SIGTERM at 60%, back ``back_s`` later."""
+def issue_trace(steps: int, back_s: float, notice_s: float, settle_s: float) -> Trace:
+    """SIGKILL of node 1 at 25% of the steps, back ``back_s`` later; SIGTERM at 60% (and ``settle_s``
+    after the node came back at the earliest), back ``back_s`` later."""
     return Trace(
         nodes=2,
         events=(
             TraceEvent(0.0, Action.KILL, VICTIM, after_step=steps // 4),
             TraceEvent(0.0, Action.START, VICTIM, gap_s=back_s),
-            TraceEvent(0.0, Action.TERM, VICTIM, notice_s=notice_s, after_step=steps * 6 // 10),
+            TraceEvent(0.0, Action.TERM, VICTIM, notice_s=notice_s, after_step=steps * 6 // 10, gap_s=settle_s),
             TraceEvent(0.0, Action.START, VICTIM, gap_s=back_s),
         ),
     )
@@ -118,7 +127,7 @@ class Result:
     node_s: float | None = None
     samples_seen: int | None = None
     eval_loss: float | None = None
-    restarts: int | None = None
+    worker_starts: int | None = None
     rolled_back: int = 0
     elapsed_s: float = 0.0
 
@@ -146,18 +155,14 @@ def run_mode(mode: Mode, out: Path, steps: int, data_dir: Path, trace: Trace, ti
     ok = chaos.succeeded and (out / "summary.json").exists()
     result = Result(mode.name, ok, elapsed_s=round(chaos.elapsed_s, 1))
     if (out / "metrics.jsonl").exists() and (out / "summary.json").exists():
-        measure(load_run(mode.name, out), result, out)
+        measure(mode, load_run(mode.name, out), result, out)
     print(f"[goodput] {mode.name}: {'done' if ok else 'FAILED'} in {chaos.elapsed_s:.0f} s", flush=True)
     return result
 
 
-def _events(run: Run) -> list[float]:
-    """Wall times of the trace's actions: kills, SIGTERMs and the starts after the first."""
-    return [
-        float(e["wall"])
-        for e in run.timeline.get("events", [])
-        if e["action"] in ("kill", "term") or (e["action"] == "start" and e.get("incarnation", 1) > 1)
-    ]
+def _fired(run: Run) -> dict[int, float]:
+    """Trace event index -> wall time the harness fired it."""
+    return {int(e["index"]): float(e["wall"]) for e in run.timeline.get("events", []) if e["action"] == "fired"}
 
 
 def stalls(times: Sequence[float], events: Sequence[float], end: float) -> list[float | None]:
@@ -186,18 +191,21 @@ def redone(points: Sequence[tuple[float, int]], events: Sequence[float]) -> list
     return counts
 
 
-def measure(run: Run, result: Result, out: Path) -> None:
+def measure(mode: Mode, run: Run, result: Result, out: Path) -> None:
     points = sorted((p[0], p[1]) for p in run.points + run.superseded)  # (time, step) of loss points
-    events = _events(run)
+    fired = _fired(run)
+    events = [fired[i] for i in sorted(fired)]
     if points:
         times = [t for t, _ in points]
-        result.stalls = stalls(times, events, times[-1])
+        per_event = dict(zip(sorted(fired), stalls(times, events, times[-1]), strict=True))
+        result.stalls = [per_event.get(i) for i in range(len(EVENT_LABELS))] if fired else []
         result.redone = redone(points, events)
         result.train_s = round(times[-1] - times[0], 1)
     result.node_s = round(run.node_hours() * 3600.0, 1)
     result.samples_seen = run.summary.get("samples_seen")
     result.eval_loss = run.summary.get("final_eval_loss")
-    result.restarts = run.summary.get("restarts")
+    logs = sorted((out / "chaos").glob("node-*.log"))
+    result.worker_starts = len(workers_started(logs)) if logs and not mode.torchrun else None
     events_file = out / "events.jsonl"
     if events_file.exists():
         result.rolled_back = sum(int(e.get("rolled_back") or 0) for e in read_events(events_file, "regroup"))
@@ -237,7 +245,7 @@ def table(results: Sequence[Result], steps: int) -> str:
             _f(r.eval_loss, "{:.4f}"),
             _f(delta, "{:+.2f}%"),
             f"{r.samples_seen}" + ("" if exact or r.samples_seen is None else f" (≠ {steps * GLOBAL_BATCH})"),
-            "-" if r.restarts is None else str(r.restarts + 1),
+            "-" if r.worker_starts is None else str(r.worker_starts),
         ]
         if not r.stalls and r.mode == "uninterrupted":
             cells[1 : 1 + len(EVENT_LABELS)] = ["—"] * len(EVENT_LABELS)
@@ -247,11 +255,12 @@ def table(results: Sequence[Result], steps: int) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps of every run (default 300)")
+    p.add_argument("--steps", type=int, default=700, help="optimizer steps of every run (default 700)")
     p.add_argument("--modes", default=",".join(m.name for m in MODES), help="comma-separated subset, in order")
     p.add_argument("--out", type=Path, default=None, help="default runs/goodput/<time>")
     p.add_argument("--back", type=float, default=8.0, help="seconds until a node comes back (default 8)")
     p.add_argument("--notice", type=float, default=15.0, help="seconds of notice of the SIGTERM (default 15)")
+    p.add_argument("--settle", type=float, default=30.0, help="the SIGTERM waits this long after the return (30)")
     p.add_argument("--timeout", type=float, default=900.0, help="give up on a mode after this many seconds")
     a = p.parse_args()
     by_name = {m.name: m for m in MODES}
@@ -262,7 +271,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=False)
     print(f"[goodput] building the code→docstring pairs and the tokenizer in {out / 'data'}", flush=True)
     prepare(out / "data")
-    trace = issue_trace(a.steps, a.back, a.notice)
+    trace = issue_trace(a.steps, a.back, a.notice, a.settle)
     results = [
         run_mode(by_name[n], out / n.replace("+", "-"), a.steps, out / "data", trace, a.timeout)
         for n in a.modes.split(",")
