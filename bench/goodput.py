@@ -28,7 +28,7 @@ Per mode, from the job's ``metrics.jsonl`` point records and the harness's ``tim
 - stall per event: the longest time without a logged training step between that event and the next
   (a stall that spans two events counts for both);
 - redone: completed steps logged again (a restart going back to its checkpoint, a live rollback),
-  per event, by the event before the repeat. The step in flight when a node dies is partial work
+  per event: the first event after the step's first computation. The step in flight when a node dies is partial work
   and is not counted, in any mode;
 - train s: first to last training step; ×: that over the uninterrupted run's;
 - goodput: samples of committed steps (the final ``samples_seen``) per node-second (each node from
@@ -177,17 +177,18 @@ def stalls(times: Sequence[float], events: Sequence[float], end: float) -> list[
 
 
 def redone(points: Sequence[tuple[float, int]], events: Sequence[float]) -> list[int]:
-    """Completed steps logged again: ``[total, after event 1, after event 2, ...]`` (a repeat counts for
-    the latest event before it)."""
+    """Completed steps logged again: ``[total, for event 1, for event 2, ...]``. A repeat counts for
+    the first event after the step's first computation: the change that threw it away."""
     counts = [0] * (1 + len(events))
-    seen: set[int] = set()
+    first: dict[int, float] = {}
     for t, step in sorted(points):
-        if step in seen:
-            counts[0] += 1
-            latest = max((i for i, at in enumerate(events) if at <= t), default=None)
-            if latest is not None:
-                counts[1 + latest] += 1
-        seen.add(step)
+        if step not in first:
+            first[step] = t
+            continue
+        counts[0] += 1
+        cause = next((i for i, at in enumerate(events) if at > first[step]), None)
+        if cause is not None:
+            counts[1 + cause] += 1
     return counts
 
 
