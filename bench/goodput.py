@@ -152,11 +152,18 @@ def run_mode(mode: Mode, out: Path, steps: int, data_dir: Path, trace: Trace, ti
     )
     print(f"[goodput] {mode.name}: {steps} steps; logs in {out / 'chaos'}", flush=True)
     chaos = harness.run(timeout_s=timeout_s, stall_s=240.0)
-    ok = chaos.succeeded and (out / "summary.json").exists()
-    result = Result(mode.name, ok, elapsed_s=round(chaos.elapsed_s, 1))
+    print(f"[goodput] {mode.name}: {'done' if chaos.succeeded else 'FAILED'} in {chaos.elapsed_s:.0f} s", flush=True)
+    return collect(mode, out)
+
+
+def collect(mode: Mode, out: Path) -> Result:
+    """The figures of one finished mode, from what its run left in ``out``."""
+    timeline_file = out / "chaos" / "timeline.json"
+    done = json.loads(timeline_file.read_text()).get("result", {}) if timeline_file.exists() else {}
+    ok = bool(done.get("succeeded")) and (out / "summary.json").exists()
+    result = Result(mode.name, ok, elapsed_s=float(done.get("elapsed_s", 0.0)))
     if (out / "metrics.jsonl").exists() and (out / "summary.json").exists():
         measure(mode, load_run(mode.name, out), result, out)
-    print(f"[goodput] {mode.name}: {'done' if ok else 'FAILED'} in {chaos.elapsed_s:.0f} s", flush=True)
     return result
 
 
@@ -254,6 +261,10 @@ def table(results: Sequence[Result], steps: int) -> str:
     return "\n".join(rows)
 
 
+def _folder(mode: Mode) -> str:
+    return mode.name.replace("+", "-")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=700, help="optimizer steps of every run (default 700)")
@@ -262,21 +273,24 @@ def main() -> int:
     p.add_argument("--back", type=float, default=8.0, help="seconds until a node comes back (default 8)")
     p.add_argument("--notice", type=float, default=15.0, help="seconds of notice of the SIGTERM (default 15)")
     p.add_argument("--settle", type=float, default=30.0, help="the SIGTERM waits this long after the return (30)")
+    p.add_argument("--report", type=Path, default=None, help="only print the table of an earlier run's --out")
     p.add_argument("--timeout", type=float, default=900.0, help="give up on a mode after this many seconds")
     a = p.parse_args()
     by_name = {m.name: m for m in MODES}
     unknown = [n for n in a.modes.split(",") if n not in by_name]
     if unknown:
         p.error(f"unknown modes {unknown}; choose from {', '.join(by_name)}")
-    out = (a.out or REPO / "runs" / "goodput" / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    out.mkdir(parents=True, exist_ok=False)
-    print(f"[goodput] building the code→docstring pairs and the tokenizer in {out / 'data'}", flush=True)
-    prepare(out / "data")
-    trace = issue_trace(a.steps, a.back, a.notice, a.settle)
-    results = [
-        run_mode(by_name[n], out / n.replace("+", "-"), a.steps, out / "data", trace, a.timeout)
-        for n in a.modes.split(",")
-    ]
+    modes = [by_name[n] for n in a.modes.split(",")]
+    if a.report is not None:
+        out = a.report.resolve()
+        results = [collect(m, out / _folder(m)) for m in modes if (out / _folder(m)).exists()]
+    else:
+        out = (a.out or REPO / "runs" / "goodput" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+        out.mkdir(parents=True, exist_ok=False)
+        print(f"[goodput] building the code→docstring pairs and the tokenizer in {out / 'data'}", flush=True)
+        prepare(out / "data")
+        trace = issue_trace(a.steps, a.back, a.notice, a.settle)
+        results = [run_mode(m, out / _folder(m), a.steps, out / "data", trace, a.timeout) for m in modes]
     text = table(results, a.steps)
     (out / "goodput.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     print(f"\n{a.steps} steps × {GLOBAL_BATCH} samples, 2 nodes; trace: kill at step {a.steps // 4}, "
