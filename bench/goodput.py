@@ -30,6 +30,9 @@ Per mode, from the job's ``metrics.jsonl`` point records and the harness's ``tim
 - redone: completed steps logged again (a restart going back to its checkpoint, a live rollback),
   per event: the first event after the step's first computation. The step in flight when a node dies is partial work
   and is not counted, in any mode;
+- stopped s: the sum of every gap longer than 3 median steps, less a median step each (one node
+  alone steps faster than two on this machine, which flatters the wall time of a run that spent
+  a while at world size 1);
 - train s: first to last training step; ×: that over the uninterrupted run's;
 - goodput: samples of committed steps (the final ``samples_seen``) per node-second (each node from
   its start to its exit), and relative to the uninterrupted run;
@@ -128,6 +131,7 @@ class Result:
     samples_seen: int | None = None
     eval_loss: float | None = None
     worker_starts: int | None = None
+    stopped_s: float | None = None
     rolled_back: int = 0
     elapsed_s: float = 0.0
 
@@ -183,6 +187,17 @@ def stalls(times: Sequence[float], events: Sequence[float], end: float) -> list[
     return out
 
 
+def stopped(times: Sequence[float]) -> float:
+    """Seconds without a step beyond the usual: the sum of the gaps longer than 3 median steps, less a
+    median step each (on this machine one node alone steps faster than two, so wall time flatters a
+    run that trained at world size 1; this does not)."""
+    gaps = sorted(b - a for a, b in itertools.pairwise(sorted(times)))
+    if not gaps:
+        return 0.0
+    usual = gaps[len(gaps) // 2]
+    return sum(g - usual for g in gaps if g > 3 * usual)
+
+
 def redone(points: Sequence[tuple[float, int]], events: Sequence[float]) -> list[int]:
     """Completed steps logged again: ``[total, for event 1, for event 2, ...]``. A repeat counts for
     the first event after the step's first computation: the change that threw it away."""
@@ -208,6 +223,7 @@ def measure(mode: Mode, run: Run, result: Result, out: Path) -> None:
         per_event = dict(zip(sorted(fired), stalls(times, events, times[-1]), strict=True))
         result.stalls = [per_event.get(i) for i in range(len(EVENT_LABELS))] if fired else []
         result.redone = redone(points, events)
+        result.stopped_s = round(stopped(times), 1)
         result.train_s = round(times[-1] - times[0], 1)
     result.node_s = round(run.node_hours() * 3600.0, 1)
     result.samples_seen = run.summary.get("samples_seen")
@@ -233,8 +249,8 @@ def _redone_cell(counts: Sequence[int]) -> str:
 def table(results: Sequence[Result], steps: int) -> str:
     base = next((r for r in results if r.mode == "uninterrupted" and r.ok), None)
     head = [
-        "mode", *(f"stall {e} s" for e in EVENT_LABELS), "redone (kill/back/term/back)", "train s", "× train",
-        "goodput samples/node-s", "× goodput", "eval loss", "Δ eval", "samples_seen", "worker starts",
+        "mode", *(f"stall {e} s" for e in EVENT_LABELS), "redone (kill/back/term/back)", "stopped s", "train s",
+        "× train", "goodput samples/node-s", "× goodput", "eval loss", "Δ eval", "samples_seen", "worker starts",
     ]  # fmt: skip
     rows = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in results:
@@ -246,6 +262,7 @@ def table(results: Sequence[Result], steps: int) -> str:
             r.mode + ("" if r.ok else " (FAILED)"),
             *(_f(s) for s in (r.stalls or [None] * len(EVENT_LABELS))),
             _redone_cell(r.redone),
+            _f(r.stopped_s),
             _f(r.train_s),
             _f(r.train_s / base.train_s if base and base.train_s and r.train_s else None, "{:.2f}"),
             _f(goodput, "{:.2f}"),
