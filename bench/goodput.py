@@ -25,8 +25,9 @@ five modes then take ≈ 15 min here. ``--steps`` goes bigger.
 
 Per mode, from the job's ``metrics.jsonl`` point records and the harness's ``timeline.json``:
 
-- stall per event: the longest time without a logged training step between that event and the next
-  (a stall that spans two events counts for both);
+- stall per event: the longest time without a logged training step that the event caused: a gap
+  between two steps belongs to the first event fired inside it, or else to the last one fired
+  before it began (a joiner's regroup comes seconds after its node started);
 - redone: completed steps logged again (a restart going back to its checkpoint, a live rollback),
   per event: the first event after the step's first computation. The step in flight when a node dies is partial work
   and is not counted, in any mode;
@@ -176,14 +177,17 @@ def _fired(run: Run) -> dict[int, float]:
     return {int(e["index"]): float(e["wall"]) for e in run.timeline.get("events", []) if e["action"] == "fired"}
 
 
-def stalls(times: Sequence[float], events: Sequence[float], end: float) -> list[float | None]:
-    """Per event: the longest gap between consecutive step times that overlaps [event, next event)."""
-    out: list[float | None] = []
-    bounds = [*events, float("inf")]
-    ts = sorted(times)
-    for at, until in itertools.pairwise(bounds):
-        gaps = [b - a for a, b in zip([*ts, end], [*ts[1:], end], strict=False) if b > at and a < until]
-        out.append(max(gaps) if gaps else None)
+def stalls(times: Sequence[float], events: Sequence[float]) -> list[float | None]:
+    """Per event: the longest gap between consecutive step times that belongs to it. A gap belongs
+    to the first event fired inside it, or else to the last event fired before it began (a stall
+    that starts later, such as a joiner's regroup); ``None``: no step after the event."""
+    out: list[float | None] = [None] * len(events)
+    for a, b in itertools.pairwise(sorted(times)):
+        inside = [i for i, at in enumerate(events) if a < at < b]
+        before = [i for i, at in enumerate(events) if at <= a]
+        owner = inside[0] if inside else (before[-1] if before else None)
+        if owner is not None:
+            out[owner] = max(out[owner] or 0.0, b - a)
     return out
 
 
@@ -220,7 +224,7 @@ def measure(mode: Mode, run: Run, result: Result, out: Path) -> None:
     events = [fired[i] for i in sorted(fired)]
     if points:
         times = [t for t, _ in points]
-        per_event = dict(zip(sorted(fired), stalls(times, events, times[-1]), strict=True))
+        per_event = dict(zip(sorted(fired), stalls(times, events), strict=True))
         result.stalls = [per_event.get(i) for i in range(len(EVENT_LABELS))] if fired else []
         result.redone = redone(points, events)
         result.stopped_s = round(stopped(times), 1)
