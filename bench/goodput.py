@@ -282,6 +282,31 @@ def table(results: Sequence[Result], steps: int) -> str:
     return "\n".join(rows)
 
 
+def live_targets(live: Result, base: Result | None, steps: int) -> list[str]:
+    """Issue 14's "done when" for live mode, each with what was measured."""
+
+    def line(ok: bool, what: str, got: str) -> str:
+        return f"  [{'PASS' if ok else 'FAIL'}] {what}: {got}"
+
+    measured = [x for x in live.stalls if x is not None]
+    per_event = live.redone[1:] if live.redone else []
+    kills = [n for n, label in zip(per_event, EVENT_LABELS, strict=False) if label == "kill"]
+    announced = [n for n, label in zip(per_event, EVENT_LABELS, strict=False) if label != "kill"]
+    ratio = live.train_s / base.train_s if base and base.train_s and live.train_s else None
+    delta = abs(live.eval_loss / base.eval_loss - 1) if base and base.eval_loss and live.eval_loss else None
+    return [
+        "issue 14 targets, live mode:",
+        line(len(measured) == len(EVENT_LABELS) and max(measured) <= 2.0, "no stall over 2 s",
+             ", ".join(_f(x) for x in live.stalls) + " s"),
+        line(len(per_event) == len(EVENT_LABELS) and max(kills) <= 1 and not any(announced),
+             "redone <= 1 per SIGKILL, 0 for announced changes", _redone_cell(live.redone)),
+        line(ratio is not None and ratio <= 1.25, "train wall time <= 1.25x uninterrupted", _f(ratio, "{:.2f}x")),
+        line(delta is not None and delta <= 0.01, "eval loss within 1%", _f(delta and 100 * delta, "{:.2f}%")),
+        line(live.samples_seen == steps * GLOBAL_BATCH, "samples_seen exact",
+             f"{live.samples_seen} of {steps * GLOBAL_BATCH}"),
+    ]  # fmt: skip
+
+
 def _folder(mode: Mode) -> str:
     return mode.name.replace("+", "-")
 
@@ -318,8 +343,10 @@ def main() -> int:
           f"back {a.back:.0f} s later; term at step {a.steps * 6 // 10}, back {a.back:.0f} s later\n")  # fmt: skip
     print(text)
     live = next((r for r in results if r.mode == "live"), None)
-    if live is not None and live.rolled_back:
+    base = next((r for r in results if r.mode == "uninterrupted"), None)
+    if live is not None:
         print(f"\nlive: {live.rolled_back} step(s) rolled back by regroup agreement (events.jsonl)")
+        print("\n".join(live_targets(live, base, a.steps)))
     return 0 if all(r.ok for r in results) else 1
 
 
