@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 _exit_hook_registered = False
+_live_groups: weakref.WeakSet[Group] = weakref.WeakSet()
 
 
 def _destroy_process_groups_at_exit() -> None:
@@ -22,10 +24,17 @@ def _destroy_process_groups_at_exit() -> None:
     A process that ends with gloo groups alive can abort (SIGABRT) during interpreter finalisation:
     gloo's threads still hold work objects whose tensors need the GIL to be freed (pytorch#179291,
     not merged). Scripts rarely call ``destroy_process_group`` (the Trainer does not), so every process
-    that builds a :class:`Group` destroys them at exit.
+    that builds a :class:`Group` destroys them at exit. Its own groups are dropped too: the last reference
+    gone, a gloo group's destructor waits for its threads, which then cannot outlive the interpreter with
+    a finished collective (the checkpoint's last all-gather, right before the script ends) to free.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
+    for group in list(_live_groups):
+        try:
+            group.destroy()
+        except (RuntimeError, ValueError) as exc:
+            log.warning("destroying a checkpoint process group at exit failed: %s", exc)
     try:
         dist.destroy_process_group()
     except (RuntimeError, ValueError) as exc:  # a group already broken by a peer: nothing left to free cleanly
@@ -57,6 +66,7 @@ class Group:
         ranks = None if parent is None else dist.get_process_group_ranks(parent)
         timeout = timedelta(seconds=timeout_s) if timeout_s else None
         self.pg = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        _live_groups.add(self)
         self.rank = dist.get_rank(self.pg)
         self.world_size = dist.get_world_size(self.pg)
 
