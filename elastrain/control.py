@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from elastrain.env import LIVE, ROUND
 
@@ -28,6 +29,9 @@ _REGROUP = "regroup.json"
 _REGROUP_ACK = "regroup-ack-{local_rank}.json"
 _LIVE = "live-{local_rank}.json"
 _BROKEN = "broken-{local_rank}.json"
+# What reading one of the channel's files can raise: gone, foreign, or not of the expected shape.
+_UNREADABLE = (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError)
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,16 @@ class RegroupNotice:
         )
 
 
+def _poll(get: Callable[[], _T], done: Callable[[_T], bool], timeout_s: float, poll_s: float) -> _T:
+    """``get()`` every ``poll_s`` until ``done`` says its value will do or ``timeout_s`` passed; the last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = get()
+        if done(value) or time.monotonic() >= deadline:
+            return value
+        time.sleep(poll_s)
+
+
 def _write_atomic(path: Path, payload: dict[str, object]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(payload))
@@ -142,7 +156,7 @@ class ControlChannel:
             return SaveAck(
                 step=int(data["step"]), checkpoint=str(data["checkpoint"]), current_at=float(data["current_at"])
             )
-        except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        except _UNREADABLE:
             return None
 
     def ack_for(self, request: SaveRequest | int) -> SaveAck | None:
@@ -162,12 +176,7 @@ class ControlChannel:
         return current if current is not None and current.request_id == request else None
 
     def wait_ack(self, request: SaveRequest | int, timeout_s: float, poll_s: float = 0.05) -> SaveAck | None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            ack = self.ack_for(request)
-            if ack is not None or time.monotonic() >= deadline:
-                return ack
-            time.sleep(poll_s)
+        return _poll(lambda: self.ack_for(request), lambda ack: ack is not None, timeout_s, poll_s)
 
     # -- worker side ------------------------------------------------------------------------------
     def current_request(self) -> SaveRequest | None:
@@ -231,17 +240,12 @@ class RegroupChannel:
         try:
             data = json.loads((self.directory / _REGROUP_ACK.format(local_rank=local_rank)).read_text())
             return int(data["round"]) >= round_
-        except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        except _UNREADABLE:
             return False
 
     def wait_acks(self, local_ranks: list[int], round_: int, timeout_s: float, poll_s: float = 0.02) -> list[int]:
         """Wait (bounded) until every local rank acknowledged ``round_``; the ranks that did not."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            missing = [r for r in local_ranks if not self.acked(r, round_)]
-            if not missing or time.monotonic() >= deadline:
-                return missing
-            time.sleep(poll_s)
+        return _poll(lambda: [r for r in local_ranks if not self.acked(r, round_)], lambda m: not m, timeout_s, poll_s)
 
     def broken_round(self) -> int | None:
         """The newest round in which a local worker reported a broken collective (:meth:`report_broken`)."""
@@ -249,7 +253,7 @@ class RegroupChannel:
         for path in self.directory.glob(_BROKEN.format(local_rank="*")):
             try:
                 rounds.append(int(json.loads(path.read_text())["round"]))
-            except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+            except _UNREADABLE:
                 continue
         return max(rounds, default=None)
 
@@ -266,7 +270,7 @@ class RegroupChannel:
             try:
                 data = json.loads(path.read_text())
                 out[int(data["local_rank"])] = int(data["pid"])
-            except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+            except _UNREADABLE:
                 continue
         return out
 
@@ -285,7 +289,7 @@ class RegroupChannel:
             try:
                 self._last = RegroupNotice.from_json(json.loads(path.read_text()))
                 self._last_mtime = mtime
-            except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+            except _UNREADABLE:
                 return self._last  # a torn read cannot happen (atomic replace); a foreign file can
         return self._last
 
@@ -294,12 +298,7 @@ class RegroupChannel:
         return notice if notice is not None and notice.round > round_ else None
 
     def wait_newer(self, round_: int, timeout_s: float, poll_s: float = 0.02) -> RegroupNotice | None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            notice = self.newer_than(round_)
-            if notice is not None or time.monotonic() >= deadline:
-                return notice
-            time.sleep(poll_s)
+        return _poll(lambda: self.newer_than(round_), lambda notice: notice is not None, timeout_s, poll_s)
 
     def report_broken(self, local_rank: int, round_: int) -> None:
         """A collective of ``round_`` failed in this worker: the agent probes its peers now, not at their timeout."""

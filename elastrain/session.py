@@ -317,16 +317,12 @@ class Session:
         self._init_process_group()
         self.module.to(self.device)
         if self.distributed and self._use_ddp:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            self.model = DistributedDataParallel(self.module, device_ids=ids, **self._ddp_kwargs)
+            self._wrap_ddp()
         # Batch sizes do not depend on the LR reference, so the sampler can be built before the restore.
         self.plan = plan(self.config, self.world_size)
         self.sampler = ElasticSampler(self.dataset, self.plan, self.rank, **self._sampler_kwargs)  # type: ignore[arg-type]
         self._build_checkpointer(self.sampler)
-        if self.checkpointer is not None:
-            self.restored = self.checkpointer.restore()
-        else:
-            lifecycle("checkpoints_disabled", level=logging.WARNING, why="no checkpoint_dir and no --checkpoint-dir")
+        self.restored = self._restore()
         self.plan = plan(self.config, self.world_size, self.state.reference_world_size or self.world_size)
         self.sampler.plan = self.plan
         previous = self.state.world_size
@@ -338,6 +334,23 @@ class Session:
             self._record_start()
             self._log_plan(previous, changed)
         return self
+
+    def _wrap_ddp(self) -> None:
+        """``self.model``: the module in DDP over the current group (in live mode, through its comm hook)."""
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        ddp = DistributedDataParallel(self.module, device_ids=ids, **self._ddp_kwargs)
+        if self.live is not None:
+            group = self.live.group
+            # A lambda: DDP rejects a hook whose annotations are strings (from __future__ import annotations).
+            ddp.register_comm_hook(None, lambda state, bucket: group.comm_hook(state, bucket))
+        self.model = ddp
+
+    def _restore(self) -> RestoreInfo | None:
+        """The newest checkpoint that loads, into the registered state (``None``: none, or no checkpointer)."""
+        if self.checkpointer is None:
+            lifecycle("checkpoints_disabled", level=logging.WARNING, why="no checkpoint_dir and no --checkpoint-dir")
+            return None
+        return self.checkpointer.restore()
 
     def _build_checkpointer(self, sampler: ElasticSampler) -> None:
         """The checkpointer of this world (with a checkpoint directory), over the session's state."""
@@ -632,22 +645,11 @@ class Session:
         sent = 0
         self.restored = None
         if agreement.from_checkpoint:
-            if self.checkpointer is not None:
-                self.restored = self.checkpointer.restore()
-            else:
-                lifecycle(
-                    "checkpoints_disabled", level=logging.WARNING, why="no checkpoint_dir and no --checkpoint-dir"
-                )
+            self.restored = self._restore()
         elif agreement.source is not None:
             sent = broadcast_state(agreement.source, self.module, self.optimizer, self._statefuls(), self.device)
         if self._use_ddp:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            ddp = DistributedDataParallel(self.module, device_ids=ids, **self._ddp_kwargs)
-            if self.live is not None:
-                group = self.live.group
-                # A lambda: DDP rejects a hook whose annotations are strings (from __future__ import annotations).
-                ddp.register_comm_hook(None, lambda state, bucket: group.comm_hook(state, bucket))
-            self.model = ddp
+            self._wrap_ddp()
         self.plan = plan(self.config, self.world_size, self.state.reference_world_size or self.world_size)
         sampler.plan = self.plan
         self._loader = self._steps = self._batches = None  # the next step starts at the agreed position

@@ -346,10 +346,14 @@ class ElastrainAgent(LocalElasticAgent):
         super()._restart_workers(worker_group)
 
     # -- live reconfiguration (--live) -------------------------------------------------------------
+    def _ack_wait_s(self) -> float:
+        """How long the agent waits for its workers to acknowledge a regroup notice before it restarts them."""
+        return self._options.collective_timeout_s + REGROUP_ACK_MARGIN_S
+
     def _regroup_timeout_s(self) -> float:
         """How long a live worker waits for a regroup notice after its collective broke, and for the members
         of a new round to join it: the agent's wait for acknowledgements, plus a restarted worker's cold start."""
-        return self._options.collective_timeout_s + REGROUP_ACK_MARGIN_S + COLD_START_ALLOWANCE_S
+        return self._ack_wait_s() + COLD_START_ALLOWANCE_S
 
     def _probe_if_a_worker_broke(self, handler: Any) -> None:
         """--live: a worker whose collective broke stays alive and says so; probe the peers now (a dead
@@ -400,7 +404,7 @@ class ElastrainAgent(LocalElasticAgent):
         )
         self.regroup.announce(notice)
         lifecycle("regroup_announced", round=notice.round, world_size=f"{old_world_size}->{notice.world_size}")
-        wait_s = self._options.collective_timeout_s + REGROUP_ACK_MARGIN_S
+        wait_s = self._ack_wait_s()
         missing = self.regroup.wait_acks(sorted(notice.ranks), notice.round, wait_s)
         if not missing:
             worker_group.state = WorkerState.HEALTHY

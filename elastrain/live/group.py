@@ -118,7 +118,6 @@ class TrainingGroup:
         with self._lock:
             self._abandoned.extend(p for p in self._pending if not p.work.done())
             self._pending.clear()
-        with self._lock:
             self.round = None
         if dist.is_initialized():
             world = dist.group.WORLD

@@ -316,7 +316,7 @@ def change_for(state: RendezvousState, node: str, my_round: int, max_nodes: int)
     rejoined = [m for m in state.members if m in state.joining and m != node]
     if rejoined:
         return Change(ChangeKind.REGROUP, "re-joined: " + ",".join(rejoined))
-    if state.failed and state.failed[0] != node:
+    if state.failed:  # not ours first (that returned above): ours, if any, broke with theirs
         return Change(ChangeKind.PEER_FAILED, f"the workers of {state.failed[0]} failed first")
     fit = newcomers(state)[: room(state, max_nodes)]
     if fit:
