@@ -115,6 +115,19 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def wait_logged(procs: Sequence[tuple[subprocess.Popen[bytes], Path]], timeout: float) -> list[int]:
+    """Wait for every process to exit (one deadline for all); on timeout, fail with every process's log."""
+    deadline = time.monotonic() + timeout
+    codes: list[int] = []
+    for proc, _ in procs:
+        try:
+            codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            logs = "\n".join(f"--- {log} ---\n{log.read_text(errors='replace')[-20000:]}" for _, log in procs)
+            raise AssertionError(f"timed out after {timeout}s: {' '.join(map(str, proc.args))}\n{logs}") from None
+    return codes
+
+
 @contextlib.contextmanager
 def reaped(*procs: subprocess.Popen[bytes]) -> Iterator[None]:
     """Kill (by PID, with their trees) the processes a test started, whatever happens."""

@@ -41,7 +41,7 @@ from elastrain.errors import FATAL_EXIT_CODES, NodeLeftError
 from elastrain.launcher import zygote
 from elastrain.launcher.options import ElastrainOptions
 from elastrain.log import lifecycle
-from elastrain.rendezvous.state import Change, ChangeKind
+from elastrain.rendezvous.state import Change, ChangeKind, Departure
 
 # How many rounds in a row may lose a member before it shared its worker info (each bounded by timeouts).
 RENDEZVOUS_ATTEMPTS = 20
@@ -96,6 +96,7 @@ class ElastrainAgent(LocalElasticAgent):
         self._options = options
         self._previous_world_size: int | None = None
         self._worker_failed = False
+        self._config_error = False
         self._rounds_seen = 0
         self._context: LaunchContext | None = None
         self.control = ControlChannel(tempfile.mkdtemp(prefix="elastrain-control-"))
@@ -185,9 +186,7 @@ class ElastrainAgent(LocalElasticAgent):
         self._raise_if_fatal(handler)
         result: RunResult = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._fatal_exit(result):
-            self._worker_failed = True
-            self._remaining_restarts = 0  # torch's loop then ends this node: launch.py announces the leave
-            return result
+            return self._end_on_config_error(result)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             change = self._wait_for_membership_change(handler)
             if change is not None:
@@ -201,6 +200,10 @@ class ElastrainAgent(LocalElasticAgent):
         if result.state is WorkerState.HEALTHY:
             self._probe_if_a_worker_broke(handler)
             change = _membership_change(handler)
+            if change is not None and Departure.CONFIG in change.departures:
+                own = self._await_own_verdict(worker_group, handler)
+                if own is not None:
+                    return own
             if change is not None:
                 lifecycle("membership_changed", cause=str(change), kind=change.kind.value, workers="healthy")
                 if change.kind is ChangeKind.SCALE_UP and not self._live_capable(worker_group):
@@ -208,6 +211,34 @@ class ElastrainAgent(LocalElasticAgent):
                     # same decision), so the save answers before any restart: no step is dropped.
                     self._checkpoint_before_change(f"scale-up: {change}", self._options.save_timeout_s)
         return result
+
+    @property
+    def config_error(self) -> bool:
+        """Whether this node ends because a worker exited with EX_USAGE or EX_CONFIG (launch.py says so)."""
+        return self._config_error
+
+    def _end_on_config_error(self, result: RunResult) -> RunResult:
+        self._worker_failed = self._config_error = True
+        self._remaining_restarts = 0  # torch's loop then ends this node: launch.py announces the leave
+        return result
+
+    def _await_own_verdict(self, worker_group: WorkerGroup, handler: Any) -> RunResult | None:
+        """A peer left on a setting error, most often one that every node shares (one command for all): let our
+        workers, still running, reach the same verdict (bounded by the membership grace) before stopping them
+        for a new round, which would wait for the peer forever. The node-local cases go on as a departure."""
+        grace = getattr(handler, "membership_grace_s", None)
+        deadline = time.monotonic() + (grace if isinstance(grace, float) else 0.0)
+        lifecycle("peer_config_error", why="a peer left on a setting error: waiting for our workers", grace_s=grace)
+        while time.monotonic() < deadline:
+            result: RunResult = super()._monitor_workers(worker_group)
+            if result.state is WorkerState.SUCCEEDED:
+                return result
+            if result.state is not WorkerState.HEALTHY:
+                if self._fatal_exit(result):
+                    return self._end_on_config_error(result)
+                return None  # broke otherwise: the departure handles it
+            time.sleep(0.05)
+        return None
 
     def _fatal_exit(self, result: RunResult) -> bool:
         """Whether a worker exited with EX_USAGE or EX_CONFIG: a bad setting that no restart can fix."""

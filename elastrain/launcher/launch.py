@@ -102,7 +102,10 @@ def launch(
             shutdown_rdzv = False
             ranks = ",".join(str(r) for r in sorted(result.failures))
             lifecycle("node_failed", level=logging.ERROR, failed_ranks=ranks, max_restarts=config.max_restarts)
-            _leave(spec.rdzv_handler, f"workers failed past --max-restarts {config.max_restarts}")
+            if agent.config_error:
+                _leave(spec.rdzv_handler, "a worker exited with EX_USAGE or EX_CONFIG", Departure.CONFIG)
+            else:
+                _leave(spec.rdzv_handler, f"workers failed past --max-restarts {config.max_restarts}")
             raise ChildFailedError(name=entrypoint_name, failures=result.failures)
         lifecycle("job_succeeded")
         return dict(result.return_values)
@@ -137,10 +140,10 @@ def launch(
             spec.rdzv_handler.shutdown()
 
 
-def _leave(handler: Any, reason: str) -> None:
+def _leave(handler: Any, reason: str, kind: Departure = Departure.FAILED) -> None:
     """Announce this node's departure as a failure, where the handler can (elastrain's handlers)."""
     leave = getattr(handler, "leave", None)
     if callable(leave):
-        leave(reason, Departure.FAILED)
+        leave(reason, kind)
     else:
         lifecycle("leave_unannounced", level=logging.WARNING, why="the rendezvous handler cannot announce a leave")

@@ -694,6 +694,28 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             lifecycle("node_leave_unannounced", level=logging.WARNING, node=self.node_id, error=repr(error[0])[:200])
         else:
             lifecycle("node_left", node=self.node_id, reason=reason, kind=kind.value, round=self._round)
+            if self._hosts_store:
+                self._linger_until_seen()
+
+    def _linger_until_seen(self) -> None:
+        """The store dies with this process: keep it up (bounded) until every peer has read the state since our
+        leave, so that each learns why we left (a setting error, a notice) instead of a silent store loss.
+        A peer reads the state right after each beat, so one beat past our first look is enough."""
+        s = self._settings
+        deadline = time.monotonic() + 4 * s.heartbeat_interval_s + 0.5
+        started = time.monotonic()
+        try:
+            peers = [n for n in self._read_cached().heartbeats if n != self.node_id]
+            first = self._read_beats(peers)
+            while peers and time.monotonic() < deadline:
+                now = self._read_beats(peers)
+                peers = [n for n in peers if now[n] <= first[n]]
+                if peers:
+                    time.sleep(s.heartbeat_interval_s / 4)
+        except (RendezvousError, _StoreSwitched, *STORE_ERRORS) as exc:
+            self._quiet.log("store_linger_failed", exc, node=self.node_id)
+            return
+        lifecycle("store_host_lingered", waited_s=round(time.monotonic() - started, 3), unseen=len(peers))
 
     def _joined(self, info: st.NodeInfo) -> Callable[[st.RendezvousState], st.RendezvousState]:
         def fn(cur: st.RendezvousState) -> st.RendezvousState:

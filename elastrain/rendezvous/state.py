@@ -84,6 +84,7 @@ class Departure(str, enum.Enum):
     SILENT = "silent"  # heartbeat timeout: dead, frozen or cut off, we cannot tell
     LEFT = "left"  # announced (SIGTERM, preemption notice)
     FAILED = "failed"  # its own workers failed past --max-restarts; it left the job
+    CONFIG = "config"  # its workers exited with EX_USAGE/EX_CONFIG (a setting to fix); it left the job
     FINISHED = "finished"
 
     @property
@@ -116,6 +117,7 @@ class ChangeKind(str, enum.Enum):
 class Change:
     kind: ChangeKind
     detail: str
+    departures: tuple[Departure, ...] = ()  # DEPARTED: how each departed member left
 
     def __str__(self) -> str:
         return f"{self.kind.value}: {self.detail}"
@@ -187,7 +189,7 @@ def remove(state: RendezvousState, nodes: Iterable[str], reason: str) -> Rendezv
     departed = dict(state.departed)
     for n in gone:
         if n in state.members:
-            departed[n] = reason
+            departed.setdefault(n, reason)  # the first account of a departure is the one that knows why
     return replace(
         state,
         joining=tuple(n for n in state.joining if n not in gone),
@@ -308,7 +310,8 @@ def change_for(state: RendezvousState, node: str, my_round: int, max_nodes: int)
         return Change(ChangeKind.EVICTED, "this node was evicted")
     departed = [m for m in state.members if m in state.departed]
     if departed:
-        return Change(ChangeKind.DEPARTED, ",".join(f"{m}({state.departed[m]})" for m in departed))
+        detail = ",".join(f"{m}({state.departed[m]})" for m in departed)
+        return Change(ChangeKind.DEPARTED, detail, tuple(departure_of(state.departed[m]) for m in departed))
     if state.failed[:1] == (node,):
         # Our workers failed first: peers re-joining after theirs broke (echoes) or newcomers are no excuse;
         # the failure is ours and counts against our --max-restarts.

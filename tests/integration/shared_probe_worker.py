@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -22,6 +24,8 @@ def main() -> int:
         check_shared(root, group)
     except CheckpointError as e:
         print(f"NOT_SHARED rank={env.rank} {e}", flush=True)
+        if os.environ.get("PROBE_SLOW_RANK") == str(env.rank):
+            time.sleep(3)  # a rank slow to exit: its peer's node leaves first
         return EX_CONFIG  # a setting to fix: restarting cannot help, the node leaves at once
     finally:
         group.destroy()

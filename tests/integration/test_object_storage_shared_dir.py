@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support import REPO, elastrain_cmd, free_port, reaped, spawn
+from support import REPO, elastrain_cmd, free_port, reaped, spawn, wait_logged
 
 from elastrain.checkpoint import fence
 
@@ -19,7 +19,9 @@ WORKER = str(REPO / "tests" / "integration" / "shared_probe_worker.py")
 pytestmark = pytest.mark.slow
 
 
-def two_nodes(tmp_path: Path, dir_a: Path, dir_b: Path) -> tuple[tuple[int, str], tuple[int, str]]:
+def two_nodes(
+    tmp_path: Path, dir_a: Path, dir_b: Path, env: dict[str, str] | None = None
+) -> tuple[tuple[int, str], tuple[int, str]]:
     port = free_port()
 
     def agent(ckpt: Path, host: bool) -> list[str]:
@@ -30,10 +32,10 @@ def two_nodes(tmp_path: Path, dir_a: Path, dir_b: Path) -> tuple[tuple[int, str]
         )  # fmt: skip
 
     log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
-    a = spawn(agent(dir_a, True), log_a)
-    b = spawn(agent(dir_b, False), log_b)
+    a = spawn(agent(dir_a, True), log_a, env)
+    b = spawn(agent(dir_b, False), log_b, env)
     with reaped(a, b):
-        codes = (a.wait(timeout=120), b.wait(timeout=120))
+        codes = wait_logged([(a, log_a), (b, log_b)], timeout=120)
     return (codes[0], log_a.read_text(errors="replace")), (codes[1], log_b.read_text(errors="replace"))
 
 
@@ -46,10 +48,18 @@ def test_one_directory_shared_by_both_nodes_passes(tmp_path: Path) -> None:
     assert [p.name for p in shared.iterdir() if p.name != fence.FENCE_DIR] == [], "the probe left files"
 
 
-def test_a_node_local_directory_is_refused_at_start_naming_the_flag(tmp_path: Path) -> None:
-    (code_a, log_a), (code_b, log_b) = two_nodes(tmp_path, tmp_path / "node-a" / "ckpt", tmp_path / "node-b" / "ckpt")
+@pytest.mark.parametrize("slow_rank", [None, 0, 1], ids=["together", "host-slow", "peer-slow"])
+def test_a_node_local_directory_is_refused_at_start_naming_the_flag(tmp_path: Path, slow_rank: int | None) -> None:
+    # With one rank slow to exit, the other node leaves first on its setting error: the slow node must
+    # still end on its own (not stop its workers for a new round that waits for the departed node).
+    env = {} if slow_rank is None else {"PROBE_SLOW_RANK": str(slow_rank)}
+    dirs = (tmp_path / "node-a" / "ckpt", tmp_path / "node-b" / "ckpt")
+    (code_a, log_a), (code_b, log_b) = two_nodes(tmp_path, *dirs, env)
     for code, log in ((code_a, log_a), (code_b, log_b)):
         assert code != 0, log
         line = next(line for line in log.splitlines() if line.startswith("NOT_SHARED"))
         assert "--checkpoint-dir" in line and "is not one directory shared by all nodes" in line, line
         assert "does not see the probe files of rank" in line and ("s3://" in line or "az://" in line), line
+    if slow_rank is not None:
+        slow_log = log_a if slow_rank == 0 else log_b
+        assert "event=peer_config_error" in slow_log and "event=worker_config_error" in slow_log, slow_log

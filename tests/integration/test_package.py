@@ -18,8 +18,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
-from tests.support import REPO
+from support import REPO
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("build")

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+from support import PYTHON, free_port, reaped, spawn
 
 from elastrain.platforms.skypilot.spec import SkyPilotJobParams, run_argv
 from elastrain.platforms.slurm.spec import SlurmJobParams, srun_argv
-from tests.support import PYTHON, free_port, reaped, spawn
 
 pytestmark = pytest.mark.slow
 

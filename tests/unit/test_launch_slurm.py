@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import kill_tree
 from torch.distributed.run import config_from_args
 
 from elastrain.errors import LaunchSpecError
@@ -24,7 +25,6 @@ from elastrain.platforms.slurm.entrypoint import _parser, elastrain_argv, read_s
 from elastrain.platforms.slurm.entrypoint import main as entry_main
 from elastrain.platforms.slurm.hostlist import expand_hostlist, first_host
 from elastrain.platforms.slurm.spec import SlurmJobParams, sbatch_directives, sbatch_script, srun_argv, warnings
-from tests.support import kill_tree
 
 BASE = SlurmJobParams(name="t5", script=("train.py", "--lr", "0.1"), checkpoint_dir="/shared/ckpt/t5", max_nodes=4)
 SLURM_ENV = {

@@ -124,6 +124,22 @@ def test_store_successors_skip_the_host_and_follow_rank_order() -> None:
     after = st.after_store_failover(s, "b")
     assert after.store_host == "b" and after.departed == {"a": "silent"}
     assert st.after_store_failover(s, "b", st.Departure.DEAD).departed == {"a": "dead"}
+    # A host that announced why it left keeps that reason when its store dies with it.
+    left = st.remove(s, ["a"], "config:a worker exited with EX_CONFIG")
+    assert st.after_store_failover(left, "b").departed == {"a": "config:a worker exited with EX_CONFIG"}
+
+
+@pytest.mark.parametrize(
+    ("reasons", "departures"),
+    [
+        ({"b": "config:EX_CONFIG"}, (st.Departure.CONFIG,)),
+        ({"b": "left:SIGTERM", "c": "dead"}, (st.Departure.LEFT, st.Departure.DEAD)),
+        ({"c": "someone's own words"}, (st.Departure.SILENT,)),
+    ],
+)
+def test_a_departure_says_how_each_member_left(reasons: dict[str, str], departures: tuple[st.Departure, ...]) -> None:
+    change = st.change_for(replace(formed("a", "b", "c"), departed=reasons), "a", 0, 4)
+    assert change is not None and change.kind is st.ChangeKind.DEPARTED and change.departures == departures
 
 
 def test_a_new_judge_starts_from_the_previous_judges_evidence() -> None:
