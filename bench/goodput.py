@@ -62,7 +62,7 @@ sys.path[:0] = [str(REPO), str(T5), str(REPO / "bench")]
 
 from data import prepare  # noqa: E402
 from membership import free_port  # noqa: E402
-from report import Run, load_run  # noqa: E402
+from report import Run, fired, load_run, redone, stalls  # noqa: E402
 
 from elastrain.chaos import (  # noqa: E402
     Action,
@@ -172,25 +172,6 @@ def collect(mode: Mode, out: Path) -> Result:
     return result
 
 
-def _fired(run: Run) -> dict[int, float]:
-    """Trace event index -> wall time the harness fired it."""
-    return {int(e["index"]): float(e["wall"]) for e in run.timeline.get("events", []) if e["action"] == "fired"}
-
-
-def stalls(times: Sequence[float], events: Sequence[float]) -> list[float | None]:
-    """Per event: the longest gap between consecutive step times that belongs to it. A gap belongs
-    to the first event fired inside it, or else to the last event fired before it began (a stall
-    that starts later, such as a joiner's regroup); ``None``: no step after the event."""
-    out: list[float | None] = [None] * len(events)
-    for a, b in itertools.pairwise(sorted(times)):
-        inside = [i for i, at in enumerate(events) if a < at < b]
-        before = [i for i, at in enumerate(events) if at <= a]
-        owner = inside[0] if inside else (before[-1] if before else None)
-        if owner is not None:
-            out[owner] = max(out[owner] or 0.0, b - a)
-    return out
-
-
 def stopped(times: Sequence[float]) -> float:
     """Seconds without a step beyond the usual: the sum of the gaps longer than 3 median steps, less a
     median step each (on this machine one node alone steps faster than two, so wall time flatters a
@@ -202,30 +183,14 @@ def stopped(times: Sequence[float]) -> float:
     return sum(g - usual for g in gaps if g > 3 * usual)
 
 
-def redone(points: Sequence[tuple[float, int]], events: Sequence[float]) -> list[int]:
-    """Completed steps logged again: ``[total, for event 1, for event 2, ...]``. A repeat counts for
-    the first event after the step's first computation: the change that threw it away."""
-    counts = [0] * (1 + len(events))
-    first: dict[int, float] = {}
-    for t, step in sorted(points):
-        if step not in first:
-            first[step] = t
-            continue
-        counts[0] += 1
-        cause = next((i for i, at in enumerate(events) if at > first[step]), None)
-        if cause is not None:
-            counts[1 + cause] += 1
-    return counts
-
-
 def measure(mode: Mode, run: Run, result: Result, out: Path) -> None:
     points = sorted((p[0], p[1]) for p in run.points + run.superseded)  # (time, step) of loss points
-    fired = _fired(run)
-    events = [fired[i] for i in sorted(fired)]
+    done = {int(e["index"]): float(e["wall"]) for e in fired(run)}
+    events = [done[i] for i in sorted(done)]
     if points:
         times = [t for t, _ in points]
-        per_event = dict(zip(sorted(fired), stalls(times, events), strict=True))
-        result.stalls = [per_event.get(i) for i in range(len(EVENT_LABELS))] if fired else []
+        per_event = dict(zip(sorted(done), stalls(times, events), strict=True))
+        result.stalls = [per_event.get(i) for i in range(len(EVENT_LABELS))] if done else []
         result.redone = redone(points, events)
         result.stopped_s = round(stopped(times), 1)
         result.train_s = round(times[-1] - times[0], 1)

@@ -29,6 +29,7 @@ _REGROUP = "regroup.json"
 _REGROUP_ACK = "regroup-ack-{local_rank}.json"
 _LIVE = "live-{local_rank}.json"
 _BROKEN = "broken-{local_rank}.json"
+_WARM = "warm-{local_rank}.json"
 # What reading one of the channel's files can raise: gone, foreign, or not of the expected shape.
 _UNREADABLE = (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError)
 _T = TypeVar("_T")
@@ -259,14 +260,21 @@ class RegroupChannel:
 
     def forget_workers(self) -> None:
         """Before new workers start: the old workers' live announcements and acks no longer hold."""
-        for pattern in (_LIVE, _REGROUP_ACK, _BROKEN):
+        for pattern in (_LIVE, _REGROUP_ACK, _BROKEN, _WARM):
             for path in self.directory.glob(pattern.format(local_rank="*")):
                 path.unlink(missing_ok=True)
 
     def live_pids(self) -> dict[int, int]:
         """The workers that said they can regroup in place: local rank -> pid."""
+        return self._pids(_LIVE)
+
+    def warm_pids(self) -> dict[int, int]:
+        """The warm workers that wait for their first round (:meth:`announce_warm`): local rank -> pid."""
+        return self._pids(_WARM)
+
+    def _pids(self, pattern: str) -> dict[int, int]:
         out: dict[int, int] = {}
-        for path in self.directory.glob(_LIVE.format(local_rank="*")):
+        for path in self.directory.glob(pattern.format(local_rank="*")):
             try:
                 data = json.loads(path.read_text())
                 out[int(data["local_rank"])] = int(data["pid"])
@@ -277,6 +285,10 @@ class RegroupChannel:
     # -- worker side ------------------------------------------------------------------------------
     def announce_live(self, local_rank: int, pid: int) -> None:
         _write_atomic(self.directory / _LIVE.format(local_rank=local_rank), {"local_rank": local_rank, "pid": pid})
+
+    def announce_warm(self, local_rank: int, pid: int) -> None:
+        """A warm worker is built (imports, model, data) and waits for its first notice: its node may join."""
+        _write_atomic(self.directory / _WARM.format(local_rank=local_rank), {"local_rank": local_rank, "pid": pid})
 
     def notice(self) -> RegroupNotice | None:
         """The newest notice; one ``stat`` when nothing changed since the last call."""

@@ -39,6 +39,9 @@ ZYGOTE = "ELASTRAIN_ZYGOTE"
 # Live reconfiguration (elastrain-run --live true): the worker regroups in place; see elastrain.live.
 LIVE = "ELASTRAIN_LIVE"
 REGROUP_TIMEOUT = "ELASTRAIN_REGROUP_TIMEOUT"
+# --live: the worker was started *warm*, before its node joined a round; it has no rank until the agent's
+# first regroup notice (a Session waits for it; see elastrain.live.member).
+WARM = "ELASTRAIN_WARM"
 # Set by elastrain's own launcher only: a worker that sees it knows an elastrain agent supervises it.
 AGENT_PID = "ELASTRAIN_AGENT_PID"
 
@@ -155,6 +158,7 @@ def regrouped_environ(
     current rank, world size, round and fencing generation.
     """
     out = to_environ(ctx)
+    del out[AGENT_PID]  # the worker's own pid here: the one the agent set stays
     out.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -222,6 +226,9 @@ class WorkerEnv:
     live: bool = False
     # How long a live worker whose collective broke waits for the agent's regroup notice before it fails.
     regroup_timeout_s: float = DEFAULT_REGROUP_TIMEOUT_S
+    # --live: started before its node joined a round; rank, world size and MASTER_* come with the first
+    # regroup notice (the values above are placeholders until a Session has started).
+    warm: bool = False
 
     @property
     def is_restart(self) -> bool:
@@ -272,4 +279,5 @@ class WorkerEnv:
             io_timeout_s=_float(e, IO_TIMEOUT) if io_timeout else DEFAULT_IO_TIMEOUT_S,
             live=e.get(LIVE, "") == "1",
             regroup_timeout_s=_float(e, REGROUP_TIMEOUT) if regroup_timeout else DEFAULT_REGROUP_TIMEOUT_S,
+            warm=e.get(WARM, "") == "1",
         )

@@ -612,6 +612,8 @@ class Session:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.live = LiveMember(self.env, backend)
+        if self.env.warm:  # built while the job trained without this node: now it may join a round
+            self.env = self.live.await_round()
         self.live.join_first()
         self.distributed = self._owns_group = True
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()

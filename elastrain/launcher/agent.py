@@ -30,13 +30,14 @@ import time
 from types import FrameType
 from typing import Any
 
+from torch._C._distributed_c10d import HashStore
 from torch.distributed import DistError
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 
 from elastrain.control import ControlChannel, RegroupChannel, RegroupNotice
-from elastrain.env import ZYGOTE, LaunchContext, start_reason, to_environ
+from elastrain.env import WARM, ZYGOTE, LaunchContext, StartReason, start_reason, to_environ
 from elastrain.errors import FATAL_EXIT_CODES, NodeLeftError
 from elastrain.launcher import zygote
 from elastrain.launcher.options import ElastrainOptions
@@ -54,6 +55,14 @@ SIGTERM_LEAVE_DEADLINE_S = 25.0
 REGROUP_ACK_MARGIN_S = 10.0
 # A worker restarted by the fallback needs this long to import torch and join; live members wait for it.
 COLD_START_ALLOWANCE_S = 30.0
+# --live: how long a node waits for its warm workers (imports, model, data) before it joins anyway; then
+# the round waits for the rest of their start, as it would for a cold one.
+WARM_START_LIMIT_S = 600.0
+# What a warm worker is not told (torch sets them from a round it does not have yet): a script that reads
+# them before the first notice fails at once instead of training alone.
+_ROUND_VARIABLES = (
+    "RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"
+)  # fmt: skip
 
 
 def _handler_round(handler: Any, fallback: int) -> int:
@@ -98,6 +107,8 @@ class ElastrainAgent(LocalElasticAgent):
         self._worker_failed = False
         self._config_error = False
         self._rounds_seen = 0
+        self._warm = options.live  # the first workers start before the rendezvous (see _start_warm)
+        self._warming = False
         self._context: LaunchContext | None = None
         self.control = ControlChannel(tempfile.mkdtemp(prefix="elastrain-control-"))
         self.regroup = RegroupChannel(self.control.directory)
@@ -338,12 +349,86 @@ class ElastrainAgent(LocalElasticAgent):
 
     def _set_local_rank_env(self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec) -> None:
         super()._set_local_rank_env(worker_env, local_rank, spec)
-        if self._context is not None:
+        if self._warming:
+            for name in _ROUND_VARIABLES:
+                worker_env.pop(name, None)
+            worker_env.update(to_environ(self._warm_context(spec)))
+            worker_env[WARM] = "1"
+        elif self._context is not None:
             worker_env.update(to_environ(self._context))
             # One restart count for the whole job, the same on every node (torch's counts local failures).
             worker_env["TORCHELASTIC_RESTART_COUNT"] = str(self._context.restart_count)
         if self._zygote is not None:
             worker_env[ZYGOTE] = "1"
+
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        """torch's first start (a rendezvous, then the workers); --live: the workers first, warm."""
+        if self._warm and self._rounds_seen == 0 and self._start_warm(worker_group):
+            self._regroup_live(worker_group)  # the round, then its notice to the waiting workers
+            return
+        super()._initialize_workers(worker_group)
+
+    def _warm_context(self, spec: WorkerSpec) -> LaunchContext:
+        """What a warm worker is told before it has a round: everything but its place in one."""
+        return LaunchContext(
+            run_id=spec.rdzv_handler.get_run_id(),
+            restart_count=0,
+            failure_count=0,
+            start_reason=StartReason.FIRST_START,
+            previous_world_size=None,
+            round=-1,
+            checkpoint_dir=self._options.checkpoint_dir,
+            control_dir=str(self.control.directory),
+            collective_timeout_s=self._options.collective_timeout_s,
+            io_timeout_s=self._options.io_timeout_s,
+            live=True,
+            regroup_timeout_s=self._regroup_timeout_s(),
+        )
+
+    def _start_warm(self, worker_group: WorkerGroup) -> bool:
+        """--live warm join: start the workers before this node joins a round, and join once each one waits.
+
+        A Session built in a warm worker (imports, model, data) waits for the agent's first regroup notice,
+        so a node that joins a running job costs the others only the regroup and the state transfer, not
+        its cold start. A script that does not wait (it does not use Session) ends for want of a rank;
+        then its workers start the usual way, after the rendezvous, for the rest of the run. False then.
+        """
+        if worker_group.store is None:
+            worker_group.store = HashStore()  # type: ignore[assignment]  # torch requires one; warm workers get none
+        self._warming = True
+        try:
+            ids = self._start_workers(worker_group)
+        finally:
+            self._warming = False
+        for local_rank, worker_id in ids.items():
+            worker_group.workers[local_rank].id = worker_id
+        worker_group.state = WorkerState.HEALTHY
+        local_ranks = {w.local_rank for w in worker_group.workers}
+        started = time.monotonic()
+        lifecycle("workers_warming", workers=len(local_ranks), up_to_s=WARM_START_LIMIT_S)
+        while not local_ranks <= set(self.regroup.warm_pids()):
+            self._raise_if_left()
+            result: RunResult = super()._monitor_workers(worker_group)
+            if result.state is not WorkerState.HEALTHY:
+                self._warm = False
+                codes = sorted({f.exitcode for f in result.failures.values()}) if result.failures else [0]
+                lifecycle(
+                    "warm_start_unsupported",
+                    level=logging.WARNING,
+                    exit_codes=",".join(map(str, codes)),
+                    why="--live: a worker ended before it waited for its round (a script without Session); "
+                    "its workers now start after the rendezvous",
+                )
+                self._workers_running = False
+                self._stop_workers(worker_group)
+                worker_group.state = WorkerState.INIT
+                return False
+            if time.monotonic() - started > WARM_START_LIMIT_S:
+                lifecycle("warm_start_slow", level=logging.WARNING, waited_s=WARM_START_LIMIT_S, why="joining now")
+                break
+            time.sleep(0.05)
+        lifecycle("workers_warm", took_s=round(time.monotonic() - started, 3))
+        return True
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._raise_if_left()

@@ -13,10 +13,34 @@ import os
 import time
 
 from elastrain.control import RegroupChannel, RegroupNotice
-from elastrain.env import GENERATION, PREVIOUS_WORLD_SIZE, LaunchContext, StartReason, WorkerEnv, regrouped_environ
+from elastrain.env import (
+    AGENT_PID,
+    GENERATION,
+    PREVIOUS_WORLD_SIZE,
+    WARM,
+    LaunchContext,
+    StartReason,
+    WorkerEnv,
+    regrouped_environ,
+)
+from elastrain.errors import ElastrainError
 from elastrain.live.group import TrainingGroup
 from elastrain.live.watchdog import Watchdog
 from elastrain.log import lifecycle
+
+
+class LiveError(ElastrainError):
+    """A live worker cannot go on (its agent is gone before giving it a round)."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class LiveMember:
@@ -54,11 +78,40 @@ class LiveMember:
     def wait_notice(self, after_round: int, timeout_s: float) -> RegroupNotice | None:
         return self.channel.wait_newer(after_round, timeout_s)
 
+    def await_round(self, poll_s: float = 1.0) -> WorkerEnv:
+        """A warm worker (built while its node was not in a round): say so, and wait for the first notice.
+
+        The agent joins the rendezvous only now, so the job trains on meanwhile; the wait ends with the
+        notice, or with the agent (it starts this worker the usual way, or stops it, if it gives up)."""
+        self.channel.announce_warm(self.env.local_rank, os.getpid())
+        agent = int(os.environ.get(AGENT_PID, "0") or 0)
+        started = time.monotonic()
+        lifecycle(
+            "worker_warm", local_rank=self.env.local_rank, why="built before its node joined: waiting for a round"
+        )
+        while (notice := self.channel.wait_newer(self.round, poll_s)) is None:
+            if agent and not _alive(agent):
+                raise LiveError(f"the agent (pid {agent}) ended before this warm worker was given a round")
+        self._adopt(notice)
+        lifecycle("worker_warm_joined", round=notice.round, waited_s=round(time.monotonic() - started, 3))
+        return self.env
+
     def move_to(self, notice: RegroupNotice) -> WorkerEnv:
         """Acknowledge ``notice``, leave the current group, and join the notice's; the new WorkerEnv."""
-        self.channel.ack(self.env.local_rank, notice.round, os.getpid())
         started = time.monotonic()
+        self._adopt(notice)
         self.group.leave()
+        if self._watchdog is not None:
+            self._watchdog.watch_round(notice.round)
+        rank = self.env.rank
+        self.group.join(notice.round, rank, notice.world_size, notice.master_addr, notice.master_port)
+        self.regroups += 1
+        lifecycle("group_moved", round=notice.round, rank=rank, took_s=round(time.monotonic() - started, 3))
+        return self.env
+
+    def _adopt(self, notice: RegroupNotice) -> None:
+        """Acknowledge ``notice`` and make it this process's environment (rank, world size, round, store)."""
+        self.channel.ack(self.env.local_rank, notice.round, os.getpid())
         ctx = LaunchContext(
             run_id=self.env.run_id,
             restart_count=notice.round,
@@ -83,14 +136,9 @@ class LiveMember:
             os.environ.pop(GENERATION, None)
         if notice.previous_world_size is None:
             os.environ.pop(PREVIOUS_WORLD_SIZE, None)
+        os.environ.pop(WARM, None)
         self.env = WorkerEnv.from_environ()
         self.round = notice.round
-        if self._watchdog is not None:
-            self._watchdog.watch_round(notice.round)
-        self.group.join(notice.round, rank, notice.world_size, notice.master_addr, notice.master_port)
-        self.regroups += 1
-        lifecycle("group_moved", round=notice.round, rank=rank, took_s=round(time.monotonic() - started, 3))
-        return self.env
 
     def close(self) -> None:
         """Before the process ends: stop the watchdog, and let gloo finish what was given up (bounded)."""

@@ -9,8 +9,10 @@
    SIGTERM with a short notice (as on AWS/GCP spot) and comes back again. The events wait for training
    progress (``after_step``), so the trace means the same on a fast or a slow machine.
 3. report: ``OUT/report/index.html`` (and ``report.md``) with the world size over time, the loss
-   against samples of both runs with the preemptions marked, recovery times, steps lost, final eval
-   losses and a cost estimate (node-hours × price per node-hour).
+   against samples of both runs with the events marked, the longest stall and the steps lost of each
+   event, final eval losses and a cost estimate (node-hours × price per node-hour).
+
+Both runs use ``elastrain-run --live true``: a membership change regroups the running workers in place.
 
 Node 0 is never preempted: with ``--rdzv-backend c10d`` it hosts the rendezvous store (use an etcd
 backend where every node must be preemptible).
@@ -71,8 +73,9 @@ def run_job(name: str, out: Path, trace: Trace, train_args: list[str], port: int
     # Kills are seen at once (the dead node's port refuses); a generous heartbeat timeout keeps a node
     # that is merely starved of CPU on a busy machine from being declared dead.
     # --checkpoint-dir lets the agents ask for a checkpoint before an announced change (SIGTERM, a node
-    # joining), so that those cost no steps.
-    launcher = ["--checkpoint-dir", str(out / "checkpoints")]
+    # joining), so that those cost no steps. --live: the workers regroup in place instead of restarting (a
+    # SIGKILL costs only the step in flight), and a returning node's workers start warm, before it joins.
+    launcher = ["--checkpoint-dir", str(out / "checkpoints"), "--live", "true"]
 
     def node_command(_: int) -> list[str]:
         return elastrain_node_command(script, trace.nodes, port, run_id, launcher)

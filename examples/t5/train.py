@@ -58,12 +58,16 @@ p.add_argument("--train-limit", type=int, default=None, help="use only the first
 p.add_argument("--ledger", action="store_true", help="record every sample id each rank trains on (tests)")
 args = p.parse_args()
 
-env = WorkerEnv.from_environ()  # elastrain: rank, world size and why this start happened
+# elastrain: rank, world size and why this start happened. Under --live they can change while the process
+# runs, and a warm worker (started before its node joined) has no rank yet: after the Session is built, use
+# session.rank and session.world_size.
+env = WorkerEnv.from_environ()
 out = Path(args.output_dir)
 data_dir = Path(args.data_dir) if args.data_dir else out / "data"
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
-# Data and tokenizer: built by rank 0 on the first start, then read from data_dir by every rank and restart.
+# Data and tokenizer: built by rank 0 on the first start, then read from data_dir by every rank and restart
+# (warm workers all say rank 0: each builds the same files, written atomically).
 tokenizer = load_pretrained_tokenizer(args.model) if args.model else None
 train_set, eval_set, tokenizer = build_dataset(
     data_dir, tokenizer, rank=env.rank, eval_size=args.eval_size, limit=args.train_limit, dataset=args.dataset
@@ -130,20 +134,21 @@ def progress_bar(initial: int, world_size: int) -> Any:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=args.max_steps, initial=initial, disable=env.rank != 0, mininterval=2.0, ncols=100,
+    return tqdm(total=args.max_steps, initial=initial, disable=session.rank != 0, mininterval=2.0, ncols=100,
                 desc=f"t5 ws={world_size}", file=sys.stdout)  # fmt: skip
 
 
 def record_ids(step: Step, ids: torch.Tensor) -> None:
     """--ledger: which samples this rank trained on at which step, for the exactly-once test."""
     row = {"segment": session.segment, "step": step.number, "epoch": step.epoch, "ids": ids.tolist()}
-    append_json_line(out / f"ledger-rank{env.rank}.jsonl", row)
+    append_json_line(out / f"ledger-rank{session.rank}.jsonl", row)
 
 
 with session:
-    if env.rank == 0:
+    if session.rank == 0:
         restored = session.restored.step if session.restored else None
-        print(f"world size {session.world_size}, {env.start_reason.value}, restored step {restored}", flush=True)
+        why = session.env.start_reason.value
+        print(f"world size {session.world_size}, {why}, restored step {restored}", flush=True)
     bar = progress_bar(session.state.step, session.world_size)
     for step in session:  # elastrain: stops at --max-steps, wherever the job restarted
         for mb in step:  # this rank's share of the global batch
@@ -152,6 +157,8 @@ with session:
             if args.ledger:
                 record_ids(step, mb.data["ids"])
         step.optimizer_step()  # elastrain: optimizer, data cursor, train state, checkpoint when due
+        if step.abandoned:  # elastrain --live: a membership change gave this step up; the next one redoes it
+            continue
         mean_loss = step.mean_loss()
         step.log(loss=mean_loss, samples=session.state.samples_seen, world_size=session.world_size, lr=step.lr)
         if args.eval_every and step.number % args.eval_every == 0 and step.number < args.max_steps:
@@ -160,14 +167,14 @@ with session:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{mean_loss:.3f}", refresh=False)
-        elif env.rank == 0 and step.number % 50 == 0:
+        elif session.rank == 0 and step.number % 50 == 0:
             print(f"step {step.number} loss {mean_loss:.4f}", flush=True)
     if bar is not None:
         bar.close()
 
 
 # The process group is closed: rank 0 evaluates alone, nobody waits on it.
-if env.rank == 0:
+if session.rank == 0:
     final = evaluate(session.module, rouge_samples=args.rouge_samples)
     session.log(session.state.step, samples=session.state.samples_seen, **final)
     # Every start of this job is in the events file, whatever killed the ones before.

@@ -7,13 +7,14 @@ import atexit
 import functools
 import json
 import shutil
+import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from support import REPO, elastrain_cmd, kill_tree, reaped, spawn, wait_for
+from support import REPO, elastrain_cmd, free_port, kill_tree, reaped, spawn, wait_for
 
 from elastrain.metrics import read_metrics
 
@@ -43,7 +44,7 @@ class ChainResult:
         return data
 
 
-def _job_args(out: Path, sleep: float) -> list[str]:
+def _job_args(out: Path, sleep: float, max_steps: int = MAX_STEPS) -> list[str]:
     return [
         str(JOB),
         "--out",
@@ -55,7 +56,7 @@ def _job_args(out: Path, sleep: float) -> list[str]:
         "--micro-batch",
         str(MICRO_BATCH),
         "--max-steps",
-        str(MAX_STEPS),
+        str(max_steps),
         "--save-every",
         str(SAVE_EVERY),
         "--sleep",
@@ -118,10 +119,82 @@ def elastic_chain() -> ChainResult:
 
 
 @functools.cache
-def uninterrupted() -> ChainResult:
+def uninterrupted(max_steps: int = MAX_STEPS) -> ChainResult:
     """The same job, never interrupted: one process (this one, which has torch imported already)."""
     import ledger_job
 
     root = _scratch("elastrain-reference-")
-    ledger_job.main([*_job_args(root / "out", sleep=0.0)[1:], "--checkpoint-dir", str(root / "ckpt")])
+    args = _job_args(root / "out", sleep=0.0, max_steps=max_steps)[1:]
+    ledger_job.main([*args, "--checkpoint-dir", str(root / "ckpt")])
     return ChainResult(root, [])
+
+
+# --live: one job whose nodes come and go (2 -> 3 -> 2 -> 1): a joiner, a SIGKILL, a SIGTERM leave, and no
+# worker restarted. Long enough that every change happens while it trains; each waits for training at the
+# new size, so the changes mean the same on a fast or a slow machine.
+LIVE_MAX_STEPS, LIVE_SLEEP, LIVE_STEPS_PER_SIZE = 150, 0.2, 4
+LIVE_WORLD_SIZES = (2, 3, 2, 1)
+
+
+@dataclass(frozen=True)
+class LiveResult(ChainResult):
+    codes: dict[str, int | None]
+    node_logs: dict[str, str]
+
+
+def _steps_at(ledger: Path, world_size: int) -> int:
+    if not ledger.exists():
+        return 0
+    return len({p.step for p in read_metrics(ledger).active if p.values.get("world_size") == world_size})
+
+
+@functools.cache
+def live_run() -> LiveResult:
+    root = _scratch("elastrain-live-ledger-")
+    out, ckpt = root / "out", root / "ckpt"
+    ledger = out / "ledger.jsonl"
+    port = free_port()
+
+    def node(name: str, host: bool) -> subprocess.Popen[bytes]:
+        cmd = elastrain_cmd(
+            "--nnodes", "1:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"live-ledger-{port}",
+            "--rdzv-conf", f"is_host={str(host).lower()},last_call_timeout=1", "--max-restarts", "0",
+            "--live", "true", "--checkpoint-dir", str(ckpt),
+        )  # fmt: skip
+        job = _job_args(out, sleep=LIVE_SLEEP, max_steps=LIVE_MAX_STEPS)
+        return spawn([*cmd, *job], root / f"{name}.log")
+
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def until(world_size: int, after: int = 0) -> None:
+        def reached() -> bool:
+            done = [n for n, p in procs.items() if p.poll() is not None and n in ("a",)]
+            if done:
+                raise AssertionError(f"node a ended before the trace did:\n{(root / 'a.log').read_text()}")
+            return _steps_at(ledger, world_size) >= after + LIVE_STEPS_PER_SIZE
+
+        wait_for(reached, timeout=LAUNCH_TIMEOUT, what=f"{LIVE_STEPS_PER_SIZE} steps at world size {world_size}")
+
+    try:
+        procs["a"] = node("a", True)
+        procs["b"] = node("b", False)
+        until(2)
+        procs["c"] = node("c", False)  # a node comes (back): it starts warm and joins without a restart
+        until(3)
+        at_two = _steps_at(ledger, 2)
+        kill_tree(procs["b"].pid)  # a node is lost without notice
+        procs["b"].wait(timeout=30)
+        until(2, after=at_two)
+        procs["c"].send_signal(signal.SIGTERM)  # a node is taken away with notice
+        for name in ("a", "c"):
+            procs[name].wait(timeout=LAUNCH_TIMEOUT)
+    except (AssertionError, subprocess.TimeoutExpired) as exc:
+        logs = "\n".join(f"--- {n} ---\n{(root / f'{n}.log').read_text()[-6000:]}" for n in procs)
+        raise AssertionError(f"{exc}\n{logs}") from None
+    finally:
+        with reaped(*procs.values()):
+            pass
+    node_logs = {n: (root / f"{n}.log").read_text(errors="replace") for n in procs}
+    codes = {n: p.returncode for n, p in procs.items()}
+    return LiveResult(root, list(node_logs.values()), codes, node_logs)

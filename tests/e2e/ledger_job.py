@@ -71,9 +71,14 @@ def main(argv: list[str] | None = None) -> None:
         save_every_steps=a.save_every,
         seed=7,
     ) as session:
-        restored = session.restored.step if session.restored else 0
-        ledger = MetricsWriter(out / "ledger.jsonl", session.segment, restored, open_segment=session.rank == 0)
+        ledger: MetricsWriter | None = None
         for step in session:
+            if ledger is None or ledger.segment != session.segment:
+                # A new segment at every start and (--live) at every regroup, from the agreed step.
+                if ledger is not None:
+                    ledger.close()
+                path, first = out / "ledger.jsonl", session.state.step
+                ledger = MetricsWriter(path, session.segment, first, open_segment=session.rank == 0)
             ids: list[int] = []
             for mb in step:
                 idx, x, y = mb.data
@@ -81,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
                 step.backward(loss, mb)
                 ids.extend(int(i) for i in idx)
             # Recorded before the step can be checkpointed: a step is in a checkpoint only if it is in the ledger.
+            # (A step that a live regroup gave up is logged too: the next segment, from the agreed step, supersedes it.)
             ledger.log(step.number, rank=session.rank, world_size=session.world_size, epoch=step.epoch, ids=ids)
             step.optimizer_step()
             step.log(loss=step.mean_loss(), lr=optimizer.param_groups[0]["lr"])

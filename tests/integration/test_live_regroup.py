@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import elastrain_cmd, free_port, kill_tree, reaped, spawn, wait_for
+from support import elastrain_cmd, free_port, kill_tree, reaped, spawn, wait_for, wait_logged
 
 from elastrain.log import parse_event_line
 
@@ -199,6 +199,10 @@ def test_a_joining_node_gets_the_state_by_broadcast_and_nobody_restarts(tmp_path
         assert not n.events("workers_restarting"), detail
     for n in (a, b):
         assert n.events("workers_regrouped"), detail
+    # Warm join: c's worker was built (imports, model, data) and waiting before c asked for a round.
+    warm, joined = c.events("workers_warm"), c.events("rendezvous_joined")
+    assert warm and joined and float(warm[0]["t"]) <= float(joined[0]["t"]), detail
+    assert c.events("worker_warm_joined"), detail
     regrouped = [e for n in (a, b) for e in n.events("regrouped")]
     assert regrouped and regrouped[0]["receivers"] == "1", detail  # c received model + optimizer + train state
     agreed = [line for n in (a, b) for line in n.lines("LW_AGREED")]
@@ -322,3 +326,36 @@ def test_a_node_leaving_on_sigterm_costs_no_step(tmp_path: Path) -> None:
 
 
 pytestmark = pytest.mark.slow
+
+
+PLAIN = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+print(f"PLAIN rank={dist.get_rank()} ws={dist.get_world_size()} sum={int(t.item())}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_plain_script_under_live_starts_after_the_rendezvous(tmp_path: Path) -> None:
+    """--live starts workers warm (before a round); a script without Session ends for want of a rank, and
+    is then started the usual way: one warning line, the job runs."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    port = free_port()
+    nodes: list[subprocess.Popen[bytes]] = []
+    logs = [tmp_path / "p0.log", tmp_path / "p1.log"]
+    for log in logs:
+        cmd = elastrain_cmd(
+            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-id", "plain-live", "--max-restarts", "0", "--live", "true", str(script),
+        )  # fmt: skip
+        nodes.append(spawn(cmd, log))
+    with reaped(*nodes):
+        codes = wait_logged(list(zip(nodes, logs, strict=True)), timeout=BOUND)
+    texts = [log.read_text(errors="replace") for log in logs]
+    detail = "\n".join(texts)
+    assert codes == [0, 0], detail
+    for text in texts:
+        assert "event=warm_start_unsupported" in text and "sum=2" in text and "ws=2" in text, detail
