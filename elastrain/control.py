@@ -11,6 +11,7 @@ module, not here.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import math
@@ -35,11 +36,19 @@ _UNREADABLE = (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, Val
 _T = TypeVar("_T")
 
 
+class SaveCause(str, enum.Enum):
+    """Why the launcher asks its workers for a checkpoint before a membership change."""
+
+    LEAVE = "leave"  # this node leaves (SIGTERM, a preemption notice): the job goes on without it
+    SCALE_UP = "scale-up"  # nodes join: today's restart path restarts the workers
+
+
 @dataclass(frozen=True)
 class SaveRequest:
     request_id: int
-    reason: str
+    reason: str  # for people: the cause and what caused it
     requested_at: float
+    cause: SaveCause = SaveCause.SCALE_UP
 
 
 @dataclass(frozen=True)
@@ -141,12 +150,15 @@ class ControlChannel:
         self._mine: dict[int, SaveRequest] = {}
 
     # -- agent side -------------------------------------------------------------------------------
-    def request_save(self, reason: str) -> SaveRequest:
+    def request_save(self, cause: SaveCause, detail: str) -> SaveRequest:
         previous = self.current_request()
         req = SaveRequest(
-            request_id=(previous.request_id + 1) if previous else 1, reason=reason, requested_at=time.time()
+            request_id=(previous.request_id + 1) if previous else 1,
+            reason=f"{cause.value}: {detail}",
+            requested_at=time.time(),
+            cause=cause,
         )
-        _write_atomic(self.directory / _REQUEST, req.__dict__)
+        _write_atomic(self.directory / _REQUEST, {**req.__dict__, "cause": cause.value})
         self._mine[req.request_id] = req
         return req
 
@@ -185,7 +197,11 @@ class ControlChannel:
             data = json.loads((self.directory / _REQUEST).read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return None
-        return SaveRequest(int(data["request_id"]), str(data["reason"]), float(data["requested_at"]))
+        try:
+            cause = SaveCause(data.get("cause", SaveCause.SCALE_UP.value))
+        except ValueError:
+            cause = SaveCause.SCALE_UP  # a newer launcher's cause: a save is a save
+        return SaveRequest(int(data["request_id"]), str(data["reason"]), float(data["requested_at"]), cause)
 
     def pending(self) -> SaveRequest | None:
         """The newest request neither marked handled nor answered by this process; cheap when nothing changed."""

@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from elastrain.checkpoint import Checkpointer, RestoreInfo
 from elastrain.checkpoint.storage import join_path
-from elastrain.control import ControlChannel
+from elastrain.control import ControlChannel, SaveCause
 from elastrain.data import ElasticSampler, EpochEnd, RankStep
 from elastrain.env import WorkerEnv
 from elastrain.errors import CheckpointSaveError, ElastrainError
@@ -579,7 +579,7 @@ class Session:
             if request is not None and self._control is not None:
                 self._control.mark_handled(request.request_id)
                 # The agent asks with "leave: <why>" when its node goes (SIGTERM, a preemption notice).
-                kind = "preemption" if request.reason.startswith("leave") else "membership_change"
+                kind = "preemption" if request.cause is SaveCause.LEAVE else "membership_change"
                 self.events.record(kind, step=self.state.step, reason=request.reason)
 
     def log(self, step: int, **values: Any) -> None:

@@ -36,7 +36,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 
-from elastrain.control import ControlChannel, RegroupChannel, RegroupNotice
+from elastrain.control import ControlChannel, RegroupChannel, RegroupNotice, SaveCause
 from elastrain.env import WARM, ZYGOTE, LaunchContext, StartReason, start_reason, to_environ
 from elastrain.errors import FATAL_EXIT_CODES, NodeLeftError
 from elastrain.launcher import zygote
@@ -136,7 +136,7 @@ class ElastrainAgent(LocalElasticAgent):
         started = time.monotonic()
         lifecycle("leave_requested", level=logging.WARNING, reason=reason, deadline_s=deadline_s)
         if self._workers_running:
-            self._checkpoint_before_change(f"leave: {reason}", max(0.0, deadline_s - 1.0))
+            self._checkpoint_before_change(SaveCause.LEAVE, reason, max(0.0, deadline_s - 1.0))
         leave = getattr(self._worker_group.spec.rdzv_handler, "leave", None)
         if callable(leave):
             leave(reason)
@@ -160,13 +160,13 @@ class ElastrainAgent(LocalElasticAgent):
             self._left.wait()
             raise NodeLeftError(f"left the job: {self._leave_reason}")
 
-    def _checkpoint_before_change(self, reason: str, timeout_s: float) -> None:
+    def _checkpoint_before_change(self, cause: SaveCause, detail: str, timeout_s: float) -> None:
         """Ask local workers for a checkpoint and wait (bounded) for the ack; only with --checkpoint-dir."""
         opts = self._options
         if not opts.save_on_change or not opts.checkpoint_dir or timeout_s <= 0:
             return
-        req = self.control.request_save(reason)
-        lifecycle("checkpoint_requested", request_id=req.request_id, reason=reason, timeout_s=timeout_s)
+        req = self.control.request_save(cause, detail)
+        lifecycle("checkpoint_requested", request_id=req.request_id, reason=req.reason, timeout_s=timeout_s)
         wait_s = min(opts.save_timeout_s, timeout_s)
         ack = self.control.wait_ack(req.request_id, wait_s)
         if ack is None:
@@ -220,7 +220,7 @@ class ElastrainAgent(LocalElasticAgent):
                 if change.kind is ChangeKind.SCALE_UP and not self._live_capable(worker_group):
                     # torch's loop restarts the workers right after this tick (num_nodes_waiting gives the
                     # same decision), so the save answers before any restart: no step is dropped.
-                    self._checkpoint_before_change(f"scale-up: {change}", self._options.save_timeout_s)
+                    self._checkpoint_before_change(SaveCause.SCALE_UP, str(change), self._options.save_timeout_s)
         return result
 
     @property

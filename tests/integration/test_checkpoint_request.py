@@ -13,7 +13,7 @@ import pytest
 from support import REPO, elastrain_cmd, kill_tree, reaped, run, spawn, wait_for
 
 from elastrain.checkpoint import layout
-from elastrain.control import ControlChannel
+from elastrain.control import ControlChannel, SaveCause
 
 WORKER = str(REPO / "tests" / "integration" / "checkpoint_worker.py")
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def test_save_on_request_loses_no_step_then_a_rank_dies_mid_save(tmp_path: Path)
         assert control, log.read_text()
         channel = ControlChannel(control.group(1))  # what the agent does on SIGTERM or a joining node
         before = max(steps_seen(log.read_text()))
-        request = channel.request_save("test")
+        request = channel.request_save(SaveCause.SCALE_UP, "test")
         ack = channel.wait_ack(request.request_id, timeout_s=60)
         assert ack is not None, log.read_text()
         kill_tree(agent.pid)  # the agent restarts (here: kills) the workers once the save committed

@@ -14,7 +14,7 @@ import torch
 
 from elastrain import env as env_vars
 from elastrain.checkpoint import Checkpointer, layout
-from elastrain.control import ControlChannel
+from elastrain.control import ControlChannel, SaveCause
 from elastrain.errors import CheckpointError, CheckpointMismatchError
 from elastrain.log import parse_event_line
 
@@ -218,7 +218,7 @@ def test_save_on_request_at_the_next_step_and_ack(tmp_path: Path, monkeypatch: p
     with job.checkpointer(tmp_path / "c") as ckpt:
         job.step(1)
         assert not ckpt.maybe_save(1)
-        request = agent.request_save("sigterm")
+        request = agent.request_save(SaveCause.LEAVE, "SIGTERM")
         job.step(2)
         assert ckpt.maybe_save(2)
         ack = agent.wait_ack(request.request_id, timeout_s=30)
@@ -239,7 +239,7 @@ def test_a_deferred_hold_waits_for_the_next_step_boundary(
     caplog.set_level(logging.INFO, logger="elastrain")
     with job.checkpointer(tmp_path / "c", hold_after_request_s=0.2) as ckpt:
         job.step(1)
-        request = agent.request_save("scale-up")
+        request = agent.request_save(SaveCause.SCALE_UP, "waiting")
         assert ckpt.maybe_save(1, hold=False)
         assert "event=checkpoint_hold " not in caplog.text  # saved and acked, not holding yet
         ack = agent.wait_ack(request.request_id, timeout_s=30)

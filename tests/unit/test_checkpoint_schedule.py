@@ -15,7 +15,7 @@ from elastrain.checkpoint.schedule import (
     SaveTrigger,
     decide,
 )
-from elastrain.control import ControlChannel, SaveAck, SaveRequest
+from elastrain.control import ControlChannel, SaveAck, SaveCause, SaveRequest
 from elastrain.errors import CheckpointError
 
 
@@ -94,9 +94,9 @@ def test_an_ack_answers_every_request_older_than_the_state_it_saved() -> None:
 def test_an_agent_that_asks_after_the_save_started_accepts_its_commit(tmp_path: Path) -> None:
     agent_a, agent_b = ControlChannel(tmp_path / "a"), ControlChannel(tmp_path / "b")
     # Node A's agent asked first; the job-wide save (synchronous) started; node B's agent asks meanwhile.
-    req_a = agent_a.request_save("scale-up: waiting")
+    req_a = agent_a.request_save(SaveCause.SCALE_UP, "waiting")
     started = time.time()
-    req_b = agent_b.request_save("scale-up: waiting")
+    req_b = agent_b.request_save(SaveCause.SCALE_UP, "waiting")
     committed = time.time()
     for directory in (tmp_path / "a", tmp_path / "b"):
         trigger = SaveTrigger(SaveSchedule(), ControlChannel(directory), None)
@@ -106,7 +106,7 @@ def test_an_agent_that_asks_after_the_save_started_accepts_its_commit(tmp_path: 
         ack = agent.wait_ack(req.request_id, timeout_s=1.0)
         assert ack is not None and (ack.step, ack.request_id) == (7, req.request_id)
     # An asynchronous save holds the state of when it was staged: a later request is not answered by it.
-    late = agent_b.request_save("leave")
+    late = agent_b.request_save(SaveCause.LEAVE, "SIGTERM")
     trigger = SaveTrigger(SaveSchedule(), ControlChannel(tmp_path / "b"), None)
     trigger.committed(8, "/ckpt/step-8", started)
     assert agent_b.ack_for(late) is None
@@ -116,11 +116,11 @@ def test_an_agent_that_asks_after_the_save_started_accepts_its_commit(tmp_path: 
 def test_a_request_during_the_hold_is_answered_by_the_held_checkpoint(tmp_path: Path) -> None:
     agent = ControlChannel(tmp_path)
     trigger = SaveTrigger(SaveSchedule(hold_after_request_s=1.0), ControlChannel(tmp_path), None)
-    first = agent.request_save("scale-up")
+    first = agent.request_save(SaveCause.SCALE_UP, "waiting")
     trigger.claim()
     trigger.committed(3, "/ckpt/step-3", time.time())
     assert agent.ack_for(first) is not None
-    later = agent.request_save("scale-up from another node's view")
+    later = agent.request_save(SaveCause.SCALE_UP, "another node's view")
     assert agent.ack_for(later) is None
     t0 = time.monotonic()
     trigger.hold(3)  # no restart comes: it holds the whole second, answering the later request meanwhile
@@ -132,11 +132,11 @@ def test_a_request_during_the_hold_is_answered_by_the_held_checkpoint(tmp_path: 
 
 def test_restarted_workers_do_not_save_again_for_a_request_already_answered(tmp_path: Path) -> None:
     agent = ControlChannel(tmp_path)
-    agent.request_save("scale-up")
+    agent.request_save(SaveCause.SCALE_UP, "waiting")
     before = SaveTrigger(SaveSchedule(), ControlChannel(tmp_path), None)
     assert before.claim() is not None
     before.committed(5, "/ckpt/step-5", time.time())
     after = ControlChannel(tmp_path)  # a worker of the next round: the request file is still there
     assert after.pending() is None
-    agent.request_save("leave")
+    agent.request_save(SaveCause.LEAVE, "SIGTERM")
     assert after.pending() is not None
