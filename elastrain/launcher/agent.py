@@ -365,6 +365,7 @@ class ElastrainAgent(LocalElasticAgent):
         """torch's first start (a rendezvous, then the workers); --live: the workers first, warm."""
         if self._warm and self._rounds_seen == 0 and self._start_warm(worker_group):
             self._regroup_live(worker_group)  # the round, then its notice to the waiting workers
+            self._workers_running = True
             return
         super()._initialize_workers(worker_group)
 
@@ -403,6 +404,7 @@ class ElastrainAgent(LocalElasticAgent):
         for local_rank, worker_id in ids.items():
             worker_group.workers[local_rank].id = worker_id
         worker_group.state = WorkerState.HEALTHY
+        self._workers_running = False  # not training yet: a leave now has no checkpoint to ask for
         local_ranks = {w.local_rank for w in worker_group.workers}
         started = time.monotonic()
         lifecycle("workers_warming", workers=len(local_ranks), up_to_s=WARM_START_LIMIT_S)

@@ -50,6 +50,7 @@ def main() -> None:
     hang_node = int(os.environ.get("LW_HANG_NODE", "-1"))
     hang_at = int(os.environ.get("LW_HANG_AT_STEP", "0"))
     hang_s = float(os.environ.get("LW_HANG_S", "60"))
+    time.sleep(float(os.environ.get("LW_BUILD_S", "0")))  # a slow build (a big model, a dataset to read)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)

@@ -359,3 +359,27 @@ def test_a_plain_script_under_live_starts_after_the_rendezvous(tmp_path: Path) -
     assert codes == [0, 0], detail
     for text in texts:
         assert "event=warm_start_unsupported" in text and "sum=2" in text and "ws=2" in text, detail
+
+
+def test_a_node_told_to_leave_while_its_workers_warm_up_leaves_at_once(tmp_path: Path) -> None:
+    """SIGTERM during the warm start: nothing trains yet, so no checkpoint is asked for; the node leaves, the job
+    it never joined goes on."""
+    env = {"LW_MAX_STEPS": "100000", "LW_SLEEP": "0.05"}
+    port = free_port()
+    a = Node("a", tmp_path, port, "1:2", env)
+    with reaped(a.proc):
+        wait_for(lambda: len(a.lines("LW_STEP")) >= 3, BOUND, what="a training alone\n" + a.dump())
+        b = Node("b", tmp_path, port, "1:2", {**env, "LW_BUILD_S": "120"})
+        with reaped(b.proc):
+            wait_for(lambda: bool(b.events("workers_warming")), BOUND, what="b warming up\n" + b.dump())
+            b.proc.send_signal(signal.SIGTERM)
+            try:
+                b.proc.wait(timeout=BOUND)
+            except subprocess.TimeoutExpired:
+                raise AssertionError("b did not leave\n" + b.dump()) from None
+        steps = len(a.lines("LW_STEP"))
+        wait_for(lambda: len(a.lines("LW_STEP")) > steps + 3, BOUND, what="a training on\n" + a.dump())
+    detail = a.dump() + "\n" + b.dump()
+    assert b.proc.returncode == 0, detail
+    assert b.events("agent_left") and not b.events("checkpoint_requested"), detail
+    assert not b.events("rendezvous_joined") and not a.events("regroup_announced")[1:], detail
