@@ -580,6 +580,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         except (RendezvousError, *STORE_ERRORS) as exc:
             lifecycle("rendezvous_close_failed", level=logging.WARNING, error=repr(exc)[:200])
             return False
+        if self._hosts_store:
+            self._linger_until_seen()  # the late joiners learn that the job is over, not that the store died
         return True
 
     # -- elastrain's additions -------------------------------------------------------------------
@@ -699,7 +701,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
 
     def _linger_until_seen(self) -> None:
         """The store dies with this process: keep it up (bounded) until every peer has read the state since our
-        leave, so that each learns why we left (a setting error, a notice) instead of a silent store loss.
+        leave or the job's end, so that each learns why (a setting error, a notice, the job is over) instead of
+        a silent store loss (which a joiner would answer by hosting a store of its own).
         A peer reads the state right after each beat, so one beat past our first look is enough."""
         s = self._settings
         deadline = time.monotonic() + 4 * s.heartbeat_interval_s + 0.5

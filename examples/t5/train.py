@@ -154,7 +154,7 @@ with session:
         for mb in step:  # this rank's share of the global batch
             loss = session.model(**model_inputs(mb.data)).loss
             step.backward(loss, mb)  # elastrain: scaled so the gradient is the global batch's mean
-            if args.ledger:
+            if args.ledger and not step.abandoned:  # --live: a step given up is not trained (it runs again)
                 record_ids(step, mb.data["ids"])
         step.optimizer_step()  # elastrain: optimizer, data cursor, train state, checkpoint when due
         if step.abandoned:  # elastrain --live: a membership change gave this step up; the next one redoes it
