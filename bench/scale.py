@@ -8,7 +8,9 @@ Each agent is ``elastrain-run --nnodes 1:N --nproc-per-node 1 --no-python sleep`
 ``--wave`` (8) to keep this 2-core machine responsive; the first round is timed from the last agent's start.
 
 Per N and backend it prints: the time to form the first round (every agent logged ``event=rendezvous_done``),
-the time from a SIGKILL of one agent to every survivor in the next round, the agents' idle CPU (all agents
+the time from a SIGKILL of one agent to every survivor in the next round (elastrain: from the survivors' own
+``rendezvous_done`` times, so this script's polling of 63 logs on a loaded machine adds nothing; torch's c10d
+handler logs no times: polled every 50 ms), the agents' idle CPU (all agents
 together, % of one core, over ``--idle`` seconds once the round formed) and per agent, and the bytes per second
 through the rendezvous store while idle. c10d bytes are counted by a TCP proxy in front of a store that this
 script hosts (the agents run with ``is_host=false``); etcd bytes come from etcd's own gRPC metrics.
@@ -180,9 +182,10 @@ class Agent:
         return [e for e in parsed if e is not None and float(e.get("t", 0.0)) >= wall]
 
 
-def breakdown(survivors: list[Agent], killed_at: float) -> str:
+def breakdown(survivors: list[Agent], killed_at: float) -> tuple[str, float | None]:
     """Where the time from a SIGKILL to the new round went, from the survivors' own event times: the first
-    eviction, the last survivor to notice, the last to re-join, and the first and last to see the round done."""
+    eviction, the last survivor to notice, the last to re-join, and the first and last to see the round done.
+    Also returns the last survivor's ``rendezvous_done`` time after the SIGKILL (None if one is missing)."""
 
     def first(a: Agent, event: str) -> float | None:
         return next((float(e["t"]) - killed_at for e in a.events_after(killed_at) if e.get("event") == event), None)
@@ -197,7 +200,8 @@ def breakdown(survivors: list[Agent], killed_at: float) -> str:
                          ("rendezvous_done", "round done")):  # fmt: skip
         got = spread(event)
         parts.append(f"{label} {got[0]:.2f}-{got[1]:.2f} s" if got else f"{label} ?")
-    return "after the SIGKILL: " + ", ".join(parts)
+    done = spread("rendezvous_done")
+    return "after the SIGKILL: " + ", ".join(parts), None if done is None else done[1]
 
 
 @dataclass
@@ -294,13 +298,17 @@ def measure(backend: str, n: int, wave: int, idle_s: float, cap: float, keep: Pa
             for p in _tree(victim.proc.pid):
                 with contextlib.suppress(psutil.NoSuchProcess):
                     p.send_signal(signal.SIGKILL)
+            if keep is not None:
+                (tmp / "killed_at").write_text(f"{killed_at:.3f} {victim.log.name}\n")
             took = _wait(lambda: all(max(a.rounds()) > last for a in survivors), cap)
             row.kill_to_round_s = took
             if took is None:
                 row.notes.append(f"no new round within {cap:.0f}s of the SIGKILL")
             elif backend.startswith("elastrain"):
                 time.sleep(0.5)  # the last lines reach the logs
-                row.notes.append(breakdown(survivors, killed_at))
+                text, done = breakdown(survivors, killed_at)
+                row.notes.append(text + f" (polled: {took:.2f} s)")
+                row.kill_to_round_s = done if done is not None else took
         return row
     finally:
         store.close()
