@@ -88,6 +88,9 @@ class HandlerSettings:
     claim_grace_s: float | None = None
     poll_min_s: float = 0.02
     poll_max_s: float = 0.25
+    poll_forming_s: float = 0.05
+    """How often, at most, a node waits between reads while a round it belongs to is forming (a member departed
+    or re-joined): the round completes within moments, and every waiter should see it at once."""
     leave_timeout_s: float = 5.0
     store_op_timeout_s: float = 10.0
     """A store call that has not returned by then is abandoned: a TCPStore client whose packets are silently
@@ -381,6 +384,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         ready_since: float | None = None
         standby_logged = False
         backoff = _Backoff(s.poll_min_s, s.poll_max_s)
+        forming = _Backoff(s.poll_min_s, max(s.poll_min_s, s.poll_forming_s))
         seen: tuple[st.RendezvousState, int] = (state, -1)
         while True:
             if state.closed:
@@ -425,12 +429,13 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                     f"no round formed within join_timeout={s.join_timeout_s:.0f}s "
                     f"({len(state.joining)} of min {min_nodes} nodes joined)"
                 )
-            backoff.sleep()
+            (forming if st.round_over(state) and self.node_id in st.live_members(state) else backoff).sleep()
             state = self._read_cached()
             count = self._rejoin_count(state)
             if (state, count) != seen:
                 seen = (state, count)
                 backoff.reset()
+                forming.reset()
 
     # -- re-joins through keys (see state.rejoins_by_key) -----------------------------------------
     # A live member of a round that is visibly over asks for the next one with two O(1) writes: its address
