@@ -162,18 +162,25 @@ BACKENDS: dict[str, tuple[str, Callable[[], Store]]] = {
 class Agent:
     proc: subprocess.Popen[bytes]
     log: Path
+    _read: int = 0  # how far rounds() has parsed the log (only whole lines)
+    _rounds: list[int] = field(default_factory=list)
 
     def rounds(self) -> list[int]:
-        """Rounds this agent completed: elastrain's ``event=rendezvous_done``, or torchrun's own log line."""
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        out = []
-        for line in text.splitlines():
-            ev = parse_event_line(line)
-            if ev is not None and ev.get("event") == "rendezvous_done":
-                out.append(int(ev["round"]))
-            elif "Rendezvous complete for workers" in line:
-                out.append(len(out))
-        return out or [-1]
+        """Rounds this agent completed: elastrain's ``event=rendezvous_done``, or torchrun's own log line.
+        Reads only what the log gained since the last call: polling 64 logs must not steal the CPU it measures."""
+        if self.log.exists():
+            with self.log.open("rb") as f:
+                f.seek(self._read)
+                chunk = f.read()
+            whole = chunk[: chunk.rfind(b"\n") + 1]
+            self._read += len(whole)
+            for line in whole.decode(errors="replace").splitlines():
+                ev = parse_event_line(line)
+                if ev is not None and ev.get("event") == "rendezvous_done":
+                    self._rounds.append(int(ev["round"]))
+                elif "Rendezvous complete for workers" in line:
+                    self._rounds.append(len(self._rounds))
+        return self._rounds or [-1]
 
     def events_after(self, wall: float) -> list[dict[str, str]]:
         """elastrain's event lines logged at or after ``wall`` (time.time()), in order."""
