@@ -345,8 +345,14 @@ def model(rows: list[Row]) -> str:
 
     Assumptions: traffic per node is what it was at the largest N measured (elastrain: constant work per beat, plus
     the judge's one multi_get of N counters; torch: every node rewrites and re-reads the whole state); the state
-    grows ~85 bytes per node (FACTS.md); detection of a SIGKILLed node takes 1.5 heartbeat intervals plus a probe,
-    and the new round one compare-and-set per survivor, serialized at the store (~1 ms each on loopback).
+    grows ~85 bytes per node (FACTS.md). From a SIGKILL to the new round (one CPU per agent, as on a cluster):
+    eviction at the judge's first beat after 1.5 silent heartbeat intervals plus a refused probe (0.6 s, measured
+    here: 0.45-0.7 s), every survivor noticing within a heartbeat interval plus a monitor tick (0.35 s), then the
+    only work serialized at the store: per survivor one key write and one add to re-join and torch's one rank-
+    assignment write (c10d: 0.015 ms each, measured on loopback; etcd: 1 ms each, its loopback transaction cost,
+    taken as serialized although etcd batches concurrent writes), one fold (c10d: 9 us per node, measured: a check
+    and multi_get of N keys and one compare-and-set of the O(N) state; etcd: 1 ms + the same), and the waiters'
+    next poll (50 ms).
     """
     lines = ["| backend | nodes | store bytes/s (modelled) | detection → new round (modelled) |", "|---|---|---|---|"]
     for backend in BACKENDS:
@@ -359,7 +365,8 @@ def model(rows: list[Row]) -> str:
             if backend.startswith("elastrain"):
                 # O(1) per node; the judge reads N counters (~60 B each) 4 times a second.
                 bps = per_node * n + 4 * 60 * n
-                detect = 0.4 + 0.001 * n  # probe-refused detection + one CAS per survivor
+                op_s = 0.015e-3 if "c10d" in backend else 1e-3
+                detect = 0.6 + 0.35 + 0.05 + n * (3 * op_s + 9e-6) + (0 if "c10d" in backend else 1e-3)
             else:
                 # torch: every keep-alive rewrites and every monitor tick re-reads the O(N) state, on every node.
                 bps = per_node * n * (n / big.n)
