@@ -89,6 +89,8 @@ class HandlerSettings:
     poll_min_s: float = 0.02
     poll_max_s: float = 0.25
     poll_forming_s: float = 0.05
+    suspect_after: float = 0.9
+    """Heartbeat intervals without a move after which the judge probes a node (a refused probe evicts it)."""
     """How often, at most, a node waits between reads while a round it belongs to is forming (a member departed
     or re-joined): the round completes within moments, and every waiter should see it at once."""
     leave_timeout_s: float = 5.0
@@ -1093,7 +1095,9 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self._judged_last = judge
         self._obs = st.observe(self._obs, counters, read_at, stalled)
         dead = st.dead_nodes(self._obs, read_at, s.heartbeat_timeout_s, exclude=self.node_id)
-        # Probe only suspects (a heartbeat late by 1.5 intervals), all at once with one deadline: a refused
+        # Probe only suspects (a counter that did not move for ``suspect_after`` intervals: 0.9 catches a killed
+        # node at the judge's first read after its last beat, one interval sooner than 1.5 did, for a few more
+        # probes of late but live nodes, which answer), all at once with one deadline: a refused
         # probe proves death at once. After a worker failure, probe every peer once.
         probe_all, self._probe_all = self._probe_all, False
         candidates = [n for n in state.heartbeats if n != self.node_id] if probe_all else watched
@@ -1102,7 +1106,10 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             for n in candidates
             if n in state.nodes
             and n not in dead
-            and (probe_all or read_at - self._obs.seen.get(n, (0, read_at))[1] >= 1.5 * s.heartbeat_interval_s)
+            and (
+                probe_all
+                or read_at - self._obs.seen.get(n, (0, read_at))[1] >= s.suspect_after * s.heartbeat_interval_s
+            )
         }
         gone = liveness.refused(suspects, timeout_s=min(0.5, s.heartbeat_interval_s * 2)) if suspects else set()
         others = [m for m in st.live_members(state) if m != self.node_id]
