@@ -346,8 +346,8 @@ def model(rows: list[Row]) -> str:
     Assumptions: traffic per node is what it was at the largest N measured (elastrain: constant work per beat, plus
     the judge's one multi_get of N counters; torch: every node rewrites and re-reads the whole state); the state
     grows ~85 bytes per node (FACTS.md). From a SIGKILL to the new round (one CPU per agent, as on a cluster):
-    eviction at the judge's first beat after 1.5 silent heartbeat intervals plus a refused probe (0.6 s, measured
-    here: 0.45-0.7 s), every survivor noticing within a heartbeat interval plus a monitor tick (0.35 s), then the
+    eviction at the judge's first read after 0.9 silent heartbeat intervals plus a refused probe (0.6 s, measured
+    here: 0.4-0.8 s), every survivor noticing within a heartbeat interval plus a monitor tick (0.35 s), then the
     only work serialized at the store: per survivor one key write and one add to re-join and torch's one rank-
     assignment write (c10d: 0.015 ms each, measured on loopback; etcd: 1 ms each, its loopback transaction cost,
     taken as serialized although etcd batches concurrent writes), one fold (c10d: 9 us per node, measured: a check
