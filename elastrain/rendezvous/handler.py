@@ -44,7 +44,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol, TypeVar, cast
+from typing import Protocol, TypeVar, cast, runtime_checkable
 
 from torch._C._distributed_c10d import PrefixStore, Store
 from torch.distributed import DistError
@@ -177,6 +177,13 @@ class StoreFactory(Protocol):
     def answers(self, address: str, timeout_s: float) -> bool:
         """Whether a live job's rendezvous answers at ``host:port``."""
         ...
+
+
+@runtime_checkable
+class PrefixCounter(Protocol):
+    """A store that counts the keys under a prefix in one request (etcd, where ``add`` is a compare-and-set loop)."""
+
+    def count_prefix(self, prefix: str) -> int: ...
 
 
 class _StoreSwitched(Exception):
@@ -466,9 +473,18 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         """Our key for the end of ``round_``, then one add to the round's count; returns the count."""
         store, payload = self._store, st.encode_info(info).decode()
         self._call(lambda: store.set(self._key(f"rejoin/{round_}/{self.node_id}"), payload))
-        count = int(self._call(lambda: store.add(self._key(f"rejoin/{round_}/count"), 1)))
+        count = self._count_rejoins(store, round_, 1)
         self._keyed = (store, round_)
         return count
+
+    def _count_rejoins(self, store: Store, round_: int, add: int) -> int:
+        """How many re-joins ``round_`` has seen. etcd counts the keys themselves in one request: its ``add`` is
+        a compare-and-set loop, which 63 re-joiners at once turn into O(N^2) transactions (measured: up to 2 s
+        per re-join at 64 agents); c10d adds ``add`` to a counter, atomically in the store."""
+        if isinstance(store, PrefixCounter):
+            counter = store
+            return int(self._call(lambda: counter.count_prefix(self._key(f"rejoin/{round_}/"))))
+        return int(self._call(lambda: store.add(self._key(f"rejoin/{round_}/count"), add)))
 
     def _waits_by_key(self, state: st.RendezvousState) -> bool:
         """Whether our key (on the current store) asks for the end of ``state``'s round, and still counts."""
@@ -484,9 +500,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         """The judge's poll of the re-join count (one O(1) read); -1 for everyone else, or when not needed."""
         if not st.round_over(state) or st.judge(state) != self.node_id or not st.unfolded(state):
             return -1
-        store, round_ = self._store, state.round
         try:
-            return int(self._call(lambda: store.add(self._key(f"rejoin/{round_}/count"), 0)))
+            return self._count_rejoins(self._store, state.round, 0)
         except _StoreSwitched:
             return -1
 
