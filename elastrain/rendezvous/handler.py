@@ -12,6 +12,9 @@ With a checkpoint root (``elastrain-run --checkpoint-dir``), every round's leade
 fencing generation there before any worker starts (:mod:`elastrain.checkpoint.fence`): a world that
 loses the claim (the other side of a partition, a store founded again at the original endpoint) stops
 and joins the winner's store, and a world that finds a newer claim while it runs stops its workers.
+Once a round is visibly over, its live members re-join through keys of their own (one write and one count each)
+and one node folds them into the state in a single compare-and-set (:func:`state.fold`; see ``_ask``), so 63
+survivors do not race 63 compare-and-sets of the whole state.
 Liveness (probes, the node's own stall) lives in :mod:`elastrain.rendezvous.liveness`; moving the c10d
 store to a successor lives with the c10d backend (:mod:`elastrain.rendezvous.c10d`).
 
