@@ -81,6 +81,10 @@ class EtcdStore(Store):
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         self._wait_values(keys, timeout)
 
+    def count_prefix(self, prefix: str) -> int:
+        """How many keys start with ``prefix`` (one request, however many there are)."""
+        return self._client.count_prefix(self._key(prefix))
+
     def check(self, keys: list[str]) -> bool:
         return all(v is not None for v in self._client.get_many([self._key(k) for k in keys]))
 

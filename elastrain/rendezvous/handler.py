@@ -12,6 +12,9 @@ With a checkpoint root (``elastrain-run --checkpoint-dir``), every round's leade
 fencing generation there before any worker starts (:mod:`elastrain.checkpoint.fence`): a world that
 loses the claim (the other side of a partition, a store founded again at the original endpoint) stops
 and joins the winner's store, and a world that finds a newer claim while it runs stops its workers.
+Once a round is visibly over, its live members re-join through keys of their own (one write and one count each)
+and one node folds them into the state in a single compare-and-set (:func:`state.fold`; see ``_ask``), so 63
+survivors do not race 63 compare-and-sets of the whole state.
 Liveness (probes, the node's own stall) lives in :mod:`elastrain.rendezvous.liveness`; moving the c10d
 store to a successor lives with the c10d backend (:mod:`elastrain.rendezvous.c10d`).
 
@@ -44,7 +47,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol, TypeVar, cast
+from typing import Protocol, TypeVar, cast, runtime_checkable
 
 from torch._C._distributed_c10d import PrefixStore, Store
 from torch.distributed import DistError
@@ -88,6 +91,11 @@ class HandlerSettings:
     claim_grace_s: float | None = None
     poll_min_s: float = 0.02
     poll_max_s: float = 0.25
+    poll_forming_s: float = 0.05
+    suspect_after: float = 0.9
+    """Heartbeat intervals without a move after which the judge probes a node (a refused probe evicts it)."""
+    """How often, at most, a node waits between reads while a round it belongs to is forming (a member departed
+    or re-joined): the round completes within moments, and every waiter should see it at once."""
     leave_timeout_s: float = 5.0
     store_op_timeout_s: float = 10.0
     """A store call that has not returned by then is abandoned: a TCPStore client whose packets are silently
@@ -172,6 +180,13 @@ class StoreFactory(Protocol):
     def answers(self, address: str, timeout_s: float) -> bool:
         """Whether a live job's rendezvous answers at ``host:port``."""
         ...
+
+
+@runtime_checkable
+class PrefixCounter(Protocol):
+    """A store that counts the keys under a prefix in one request (etcd, where ``add`` is a compare-and-set loop)."""
+
+    def count_prefix(self, prefix: str) -> int: ...
 
 
 class _StoreSwitched(Exception):
@@ -298,6 +313,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self._fenced_by: str | None = None
         self._foreign: RendezvousError | None = None
         self._next_fence_check = 0.0
+        self._keyed: tuple[object, int] | None = None  # (store, round) whose end we asked for through our key
+        self._fold_hint = False
         self._decided: st.Change | None = None
         self._decision_fresh = False
         self._scale_up_seen: tuple[tuple[str, ...], float] | None = None
@@ -366,14 +383,21 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         if self._left:
             raise NodeLeftError(f"node {self.node_id} left the job")
         self._ensure_keys()
-        state = self._update(self._joined(info))
+        state = self._ask(info)
         self._start_heartbeat()
         target = state.round + 1
-        lifecycle("rendezvous_joined", node=self.node_id, target_round=target, joining=len(state.joining))
+        lifecycle(
+            "rendezvous_joined",
+            node=self.node_id,
+            target_round=target,
+            joining=len(state.joining),
+            via="key" if self._keyed is not None else "state",
+        )
         ready_since: float | None = None
         standby_logged = False
         backoff = _Backoff(s.poll_min_s, s.poll_max_s)
-        seen = state
+        forming = _Backoff(s.poll_min_s, max(s.poll_min_s, s.poll_forming_s))
+        seen: tuple[st.RendezvousState, int] = (state, -1)
         while True:
             if state.closed:
                 raise RendezvousClosedError()
@@ -381,13 +405,14 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 raise NodeLeftError(f"node {self.node_id} left the job")
             if state.superseded_by:
                 raise _Superseded(state.superseded_by)
-            if self.node_id in state.joining:
+            if self.node_id in state.joining or self._waits_by_key(state):
                 target = state.round + 1
             elif self.node_id in state.members and state.round >= target:
                 return state
             else:
-                # Evicted while waiting (we were frozen), or dropped from the state: ask again.
-                state = self._update(self._joined(info))
+                # Evicted while waiting (we were frozen), dropped from the state, or our key was written on a
+                # store that has since moved: ask again.
+                state = self._ask(info)
                 continue
             now = time.monotonic()
             live = st.live_members(state)
@@ -407,16 +432,119 @@ class ElastrainRendezvousHandler(RendezvousHandler):
 
                 state = self._update(_complete)
                 continue
+            folded = self._fold(state, min_nodes, max_nodes, ready_for)
+            if folded is not None:
+                state = folded
+                continue
             if now > deadline:
                 raise RendezvousTimeoutError(
                     f"no round formed within join_timeout={s.join_timeout_s:.0f}s "
                     f"({len(state.joining)} of min {min_nodes} nodes joined)"
                 )
-            backoff.sleep()
+            (forming if st.round_over(state) and self.node_id in st.live_members(state) else backoff).sleep()
             state = self._read_cached()
-            if state != seen:
-                seen = state
+            count = self._rejoin_count(state)
+            if (state, count) != seen:
+                seen = (state, count)
                 backoff.reset()
+                forming.reset()
+
+    # -- re-joins through keys (see state.rejoins_by_key) -----------------------------------------
+    # A live member of a round that is visibly over asks for the next one with two O(1) writes: its address
+    # under ``rejoin/<round>/<node>`` and one ``add`` to ``rejoin/<round>/count``. The re-joiner whose add
+    # reaches the number of members still to re-join, or else the round's judge (polling the count),
+    # reads the keys and completes the round with ONE compare-and-set of the state (state.fold). Keys are
+    # never deleted (a reader that saw them exist may still read them); they cost ~100 bytes per member and
+    # round, as torch's own per-round rank-assignment keys do.
+    def _ask(self, info: st.NodeInfo) -> st.RendezvousState:
+        """Ask for the next round: through this node's key when the state allows it, else through the state."""
+        for _ in range(10):
+            state = self._read_cached()
+            if not st.rejoins_by_key(state, self.node_id) or (self._hosts_store and state.store_host != self.node_id):
+                self._keyed, self._fold_hint = None, False
+                return self._update(self._joined(info))
+            try:
+                count = self._write_rejoin(state.round, info)
+            except _StoreSwitched:
+                continue
+            # The last to re-join (by the count) folds at once instead of waiting for the judge's next poll.
+            self._fold_hint = count >= len(st.unfolded(state))
+            return state
+        raise RendezvousStoreLostError("the rendezvous store kept moving (10 failovers in a row)")
+
+    def _write_rejoin(self, round_: int, info: st.NodeInfo) -> int:
+        """Our key for the end of ``round_``, then one add to the round's count; returns the count."""
+        store, payload = self._store, st.encode_info(info).decode()
+        self._call(lambda: store.set(self._key(f"rejoin/{round_}/{self.node_id}"), payload))
+        count = self._count_rejoins(store, round_, 1)
+        self._keyed = (store, round_)
+        return count
+
+    def _count_rejoins(self, store: Store, round_: int, add: int) -> int:
+        """How many re-joins ``round_`` has seen. etcd counts the keys themselves in one request: its ``add`` is
+        a compare-and-set loop, which 63 re-joiners at once turn into O(N^2) transactions (measured: up to 2 s
+        per re-join at 64 agents); c10d adds ``add`` to a counter, atomically in the store."""
+        if isinstance(store, PrefixCounter):
+            counter = store
+            return int(self._call(lambda: counter.count_prefix(self._key(f"rejoin/{round_}/"))))
+        return int(self._call(lambda: store.add(self._key(f"rejoin/{round_}/count"), add)))
+
+    def _waits_by_key(self, state: st.RendezvousState) -> bool:
+        """Whether our key (on the current store) asks for the end of ``state``'s round, and still counts."""
+        keyed = self._keyed
+        return (
+            keyed is not None
+            and keyed == (self._store, state.round)
+            and self.node_id in st.live_members(state)
+            and self.node_id not in state.joining
+        )
+
+    def _rejoin_count(self, state: st.RendezvousState) -> int:
+        """The judge's poll of the re-join count (one O(1) read); -1 for everyone else, or when not needed."""
+        if not st.round_over(state) or st.judge(state) != self.node_id or not st.unfolded(state):
+            return -1
+        try:
+            return self._count_rejoins(self._store, state.round, 0)
+        except _StoreSwitched:
+            return -1
+
+    def _fold(
+        self, state: st.RendezvousState, min_nodes: int, max_nodes: int, ready_for: float
+    ) -> st.RendezvousState | None:
+        """As the judge (or the last re-joiner), complete the round from the members' keys in one
+        compare-and-set; the state now stored, or None if the keys do not complete it yet."""
+        hint, self._fold_hint = self._fold_hint, False
+        if not st.round_over(state) or not (hint or st.judge(state) == self.node_id):
+            return None
+        pending = st.unfolded(state)
+        if not pending:
+            return None
+        round_, store = state.round, self._store
+        if not hint and self._rejoin_count(state) < len(pending):
+            return None  # the count is a hint only (a re-joiner evicted since counts too): the keys decide
+        keys = [self._key(f"rejoin/{round_}/{m}") for m in pending]
+        try:
+            if not self._call(lambda: store.check(keys)):
+                return None
+            raw = self._call(lambda: store.multi_get(keys))
+        except _StoreSwitched:
+            return None
+        rejoined = {m: st.decode_info(bytes(v)) for m, v in zip(pending, raw, strict=True)}
+        s = self._settings
+        if not st.can_complete(st.fold(state, round_, rejoined), min_nodes, max_nodes, ready_for, s.last_call_s):
+            return None
+
+        formed: list[bool] = [False]  # whether our compare-and-set formed the round (not someone else's)
+
+        def _complete(cur: st.RendezvousState) -> st.RendezvousState | None:
+            folded = st.fold(cur, round_, rejoined)
+            formed[0] = st.can_complete(folded, min_nodes, max_nodes, ready_for, s.last_call_s)
+            return st.complete(folded, max_nodes) if formed[0] else None
+
+        after = self._update(_complete)
+        if formed[0] and after.round == round_ + 1:
+            lifecycle("round_folded", round=after.round, keys=len(rejoined), by="count" if hint else "judge")
+        return after
 
     # -- fencing ---------------------------------------------------------------------------------
     def _settle_generation(self, state: st.RendezvousState, deadline: float) -> st.RendezvousState:
@@ -988,7 +1116,9 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self._judged_last = judge
         self._obs = st.observe(self._obs, counters, read_at, stalled)
         dead = st.dead_nodes(self._obs, read_at, s.heartbeat_timeout_s, exclude=self.node_id)
-        # Probe only suspects (a heartbeat late by 1.5 intervals), all at once with one deadline: a refused
+        # Probe only suspects (a counter that did not move for ``suspect_after`` intervals: 0.9 catches a killed
+        # node at the judge's first read after its last beat, one interval sooner than 1.5 did, for a few more
+        # probes of late but live nodes, which answer), all at once with one deadline: a refused
         # probe proves death at once. After a worker failure, probe every peer once.
         probe_all, self._probe_all = self._probe_all, False
         candidates = [n for n in state.heartbeats if n != self.node_id] if probe_all else watched
@@ -997,7 +1127,10 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             for n in candidates
             if n in state.nodes
             and n not in dead
-            and (probe_all or read_at - self._obs.seen.get(n, (0, read_at))[1] >= 1.5 * s.heartbeat_interval_s)
+            and (
+                probe_all
+                or read_at - self._obs.seen.get(n, (0, read_at))[1] >= s.suspect_after * s.heartbeat_interval_s
+            )
         }
         gone = liveness.refused(suspects, timeout_s=min(0.5, s.heartbeat_interval_s * 2)) if suspects else set()
         others = [m for m in st.live_members(state) if m != self.node_id]

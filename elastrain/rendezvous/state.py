@@ -14,6 +14,11 @@ fresh state. The rules:
   ``joining``, heartbeating, and is no reason for a new round. When a member departs, the next round
   takes the survivors and then the spares, in arrival order (hot spare). So a full job never restarts
   for an arrival, and every event leads to at most one new round.
+* Once the state shows every member that its round is over (:func:`round_over`: a member departed, or one
+  re-joined through the state), the other live members re-join through keys of their own, one small write
+  each and no compare-and-set of this state (:func:`rejoins_by_key`); one node folds those keys into the
+  state and completes the round in a single compare-and-set (:func:`fold`). Nothing else reads the keys:
+  every decision that looks at ``joining`` for a member's re-join has already seen the round end.
 * ``generation`` is the fencing token this lineage's current world claimed in the checkpoint root
   (:mod:`elastrain.checkpoint.fence`); ``superseded_by`` is a tombstone: another world won the claim,
   and every node of this lineage must leave it for that world's store.
@@ -146,6 +151,20 @@ def encode(state: RendezvousState) -> bytes:
     ).encode()
 
 
+def encode_info(info: NodeInfo) -> bytes:
+    return json.dumps([info.addr, info.master_port, info.probe_port, info.standby_port]).encode()
+
+
+def decode_info(data: bytes) -> NodeInfo:
+    try:
+        raw = json.loads(data)
+        return NodeInfo(str(raw[0]), int(raw[1]), int(raw[2]), int(raw[3]))
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise RendezvousStateCorruptError(
+            f"a re-join key is not elastrain's ({exc}); is another launcher using the same --rdzv-id?"
+        ) from exc
+
+
 def decode(data: bytes) -> RendezvousState:
     try:
         raw = json.loads(data)
@@ -242,6 +261,41 @@ def can_complete(
     if n >= max_nodes:
         return True
     return ready_for_s >= last_call_s
+
+
+def round_over(state: RendezvousState) -> bool:
+    """Whether the state already shows every live member of the round that the round is over: a member
+    departed (:attr:`ChangeKind.DEPARTED` for all), or a member re-joined through the state (REGROUP for the
+    others). Both stay true until the next round completes (a re-joined member that is then removed departs)."""
+    return bool(state.departed) or any(m in state.joining for m in state.members)
+
+
+def rejoins_by_key(state: RendezvousState, node: str) -> bool:
+    """Whether ``node`` may ask for the next round through its own key instead of a compare-and-set: it is a
+    live member of the round, and the round is visibly over (:func:`round_over`), so no member needs to see
+    its re-join in ``joining`` to stop. The first member to re-join a running round (its workers failed, a
+    newcomer waits) writes the state, so that the others learn the round is over."""
+    return round_over(state) and node in live_members(state) and node not in state.joining
+
+
+def fold(state: RendezvousState, round_: int, rejoined: Mapping[str, NodeInfo]) -> RendezvousState:
+    """The state as if the live members in ``rejoined`` (node -> its fresh address; read from their keys for
+    round ``round_``) had joined through it; unchanged once that round is over or the keys mean nothing.
+
+    Only live members of ``round_`` count: a key of a member evicted since, or written before a store moved,
+    is ignored. The result decides :func:`can_complete` and feeds :func:`complete` in one compare-and-set.
+    """
+    if state.round != round_ or not round_over(state):
+        return state
+    add = [m for m in live_members(state) if m in rejoined and m not in state.joining]
+    if not add:
+        return state
+    return replace(state, joining=(*state.joining, *add), nodes={**state.nodes, **{m: rejoined[m] for m in add}})
+
+
+def unfolded(state: RendezvousState) -> tuple[str, ...]:
+    """The live members whose re-join keys would complete the round: those not yet in ``joining``."""
+    return tuple(m for m in live_members(state) if m not in state.joining)
 
 
 def complete(state: RendezvousState, max_nodes: int) -> RendezvousState:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -205,6 +206,107 @@ def test_twelve_of_sixteen_vanish_together_and_the_four_survivors_form_their_rou
         infos = rendezvous_all(survivors)
         assert {i.world_size for i in infos} == {4}
         assert len({s.elastrain_round for s in survivors}) == 1
+    finally:
+        for h in nodes:
+            h._stop_heartbeat()
+
+
+class CountingBackend(C10dRendezvousBackend):
+    """torch's c10d backend that counts the compare-and-sets that changed the state."""
+
+    def __init__(self, store: HashStore, run_id: str) -> None:
+        super().__init__(store, run_id)
+        self.writes = 0
+        self._count = threading.Lock()
+
+    def set_state(self, state: bytes, token: object | None = None) -> tuple[bytes, object, bool] | None:
+        got = super().set_state(state, token)
+        if got is not None and got[2]:
+            with self._count:
+                self.writes += 1
+        return got
+
+
+def counted_nodes(n: int, **conf: str) -> tuple[list[ElastrainRendezvousHandler], CountingBackend]:
+    store = HashStore()
+    params = RendezvousParameters(
+        backend="c10d", endpoint="127.0.0.1:0", run_id="unit", min_nodes=1, max_nodes=n, **{**FAST, **conf}
+    )
+    backend = CountingBackend(store, "unit")
+    return [ElastrainRendezvousHandler(backend, store, params) for _ in range(n)], backend
+
+
+def test_survivors_rejoin_through_keys_and_one_compare_and_set_forms_the_round() -> None:
+    nodes, backend = counted_nodes(6)
+    try:
+        rendezvous_all(nodes)
+        nodes[3].leave("SIGTERM")
+        survivors = [h for i, h in enumerate(nodes) if i != 3]
+        eventually(lambda: all(h.membership_change() is not None for h in survivors))
+        before = backend.writes
+        infos = rendezvous_all(survivors)
+        assert {i.world_size for i in infos} == {5} and {h.elastrain_round for h in survivors} == {1}
+        assert all(h._keyed is not None for h in survivors)  # every survivor asked through its key
+        assert backend.writes - before == 1  # and one compare-and-set folded them in and formed the round
+        # Every survivor's fresh worker-store address is in the new round (the keys carry it).
+        master = nodes[0]._read().nodes[nodes[0]._read().members[0]]
+        assert {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos} == {  # type: ignore[union-attr]
+            (master.addr, master.master_port)
+        }
+    finally:
+        for h in nodes:
+            h.shutdown()
+
+
+def test_the_first_member_to_rejoin_writes_the_state_and_the_others_see_a_regroup() -> None:
+    nodes, _ = counted_nodes(4)
+    try:
+        rendezvous_all(nodes)
+        first, rest = nodes[2], [h for i, h in enumerate(nodes) if i != 2]
+        done: list[RendezvousInfo] = []
+        t = threading.Thread(target=lambda: done.append(first.next_rendezvous()))  # its workers failed
+        t.start()
+        eventually(lambda: first.node_id in nodes[0]._read().joining)
+        assert first._keyed is None  # nobody else would have seen a key: it joined through the state
+        for h in rest:
+            eventually(lambda h=h: h.membership_change() is not None)
+            change = h.membership_change()
+            assert change is not None and change.kind is st.ChangeKind.REGROUP
+        infos = rendezvous_all(rest)
+        t.join(timeout=10)
+        assert done and {i.world_size for i in [*infos, *done]} == {4}
+        assert all(h._keyed is not None for h in rest)
+    finally:
+        for h in nodes:
+            h.shutdown()
+
+
+def test_the_judge_folds_the_keys_when_the_last_member_is_evicted_instead_of_rejoining(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    nodes, _ = counted_nodes(4, heartbeat_timeout="10")  # only a refused probe evicts, when the test says
+    try:
+        rendezvous_all(nodes)
+        order = st.live_members(nodes[0]._read())
+        by_id = {h.node_id: h for h in nodes}
+        judge, second, silent, leaver = (by_id[n] for n in order)
+        silent._stop_heartbeat()  # about to vanish: no heartbeat, so only its probe keeps it in the round
+        leaver.leave("SIGTERM")
+        eventually(lambda: judge.membership_change() is not None and second.membership_change() is not None)
+        infos: list[RendezvousInfo] = []
+        threads = [threading.Thread(target=lambda h=h: infos.append(h.next_rendezvous())) for h in (judge, second)]
+        with caplog.at_level(logging.INFO, logger="elastrain"):
+            for t in threads:
+                t.start()
+            eventually(lambda: judge._keyed is not None and second._keyed is not None)
+            assert not infos  # both wait on their keys: `silent` has not re-joined
+            silent._probe._sock.close()  # now it is gone; the judge evicts it and folds the two keys
+            for t in threads:
+                t.join(timeout=30)
+        assert len(infos) == 2 and {i.world_size for i in infos} == {2}
+        assert judge.elastrain_round == second.elastrain_round == 1
+        assert st.live_members(judge._read()) == (judge.node_id, second.node_id)
+        assert any("event=round_folded" in r.getMessage() and "by=judge" in r.getMessage() for r in caplog.records)
     finally:
         for h in nodes:
             h._stop_heartbeat()

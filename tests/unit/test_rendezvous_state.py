@@ -195,3 +195,43 @@ def test_a_departure_outranks_a_failure_report(departed: dict[str, str], expecte
     assert s is not None
     change = st.change_for(replace(s, departed=departed), "a", 0, 4)
     assert change is not None and change.kind is expected
+
+
+def test_members_rejoin_through_keys_only_once_the_round_is_visibly_over() -> None:
+    s = formed("a", "b", "c")
+    assert not st.round_over(s) and not st.rejoins_by_key(s, "a")  # the first re-joiner must write the state
+    regroup = joined("b", base=s)  # b's workers failed: it re-joined through the state
+    assert st.round_over(regroup)
+    assert st.rejoins_by_key(regroup, "a") and st.rejoins_by_key(regroup, "c")
+    assert not st.rejoins_by_key(regroup, "b")  # already in joining: it refreshes its address through the state
+    gone = st.remove(s, ["c"], "dead")
+    assert st.rejoins_by_key(gone, "a") and not st.rejoins_by_key(gone, "c")  # an evicted node joins anew
+    newcomer = joined("d", base=s)  # a newcomer alone does not end the round for everyone
+    assert not st.round_over(newcomer) and not st.rejoins_by_key(newcomer, "a")
+
+
+def test_folded_keys_complete_the_round_in_one_step() -> None:
+    s = st.remove(formed("a", "b", "c"), ["b"], "dead")
+    fresh = st.NodeInfo("127.0.0.1", 1111, 2000, 3000)
+    assert st.unfolded(s) == ("a", "c")
+    half = st.fold(s, 0, {"a": fresh})
+    assert half.joining == ("a",) and half.nodes["a"] == fresh
+    assert not st.can_complete(half, 1, 4, 0.0, 30.0)  # c has not re-joined
+    both = st.fold(s, 0, {"a": fresh, "c": INFO})
+    assert st.can_complete(both, 1, 4, 0.0, 30.0)
+    nxt = st.complete(both, 4)
+    assert (nxt.round, nxt.members, nxt.nodes["a"]) == (1, ("a", "c"), fresh)
+    # Keys of another round, of a member evicted since, or of a round not visibly over mean nothing.
+    assert st.fold(s, 1, {"a": fresh, "c": INFO}) == s
+    assert st.fold(st.remove(s, ["c"], "silent"), 0, {"c": INFO}).joining == ()
+    assert st.fold(formed("a", "b"), 0, {"a": fresh, "b": INFO}) == formed("a", "b")
+    # A newcomer and a spare keep their places: keyed survivors keep their ranks, the newcomer follows.
+    with_newcomer = joined("d", base=s)
+    assert st.complete(st.fold(with_newcomer, 0, {"a": INFO, "c": INFO}), 4).members == ("a", "c", "d")
+
+
+def test_a_rejoin_key_roundtrips_and_a_foreign_one_is_refused() -> None:
+    info = st.NodeInfo("10.1.2.3", 1, 2, 3)
+    assert st.decode_info(st.encode_info(info)) == info
+    with pytest.raises(RendezvousStateCorruptError):
+        st.decode_info(b"not json")
