@@ -52,6 +52,7 @@ class C10dStores:
 
     def __init__(self, params: RendezvousParameters) -> None:
         self.run_id = str(params.run_id)
+        self.root: str | None = None  # the checkpoint root, where the running job's store is published
         raw = params.get("read_timeout", None)
         self.timeout = timedelta(seconds=float(raw) if raw is not None else DEFAULT_READ_TIMEOUT_S)
 
@@ -61,6 +62,7 @@ class C10dStores:
         That is the running job's published store when one answers, else the endpoint's.
         """
         root = params.get("checkpoint_root", None)
+        self.root = str(root) if root else None
         if root:
             published = self._published(str(root))
             if published is not None:
@@ -146,6 +148,13 @@ class C10dStores:
         if not refused and not _store_error(exc):
             return None  # the host's process may be alive and the error unrelated to the store
         how = st.Departure.DEAD if refused else st.Departure.SILENT
+        if me not in cached.nodes and self.root:
+            # A newcomer whose store died before it read the state knows no successor: the store the job's
+            # world runs on now is the one published with its fencing claim (when one is alive).
+            published = self._published(self.root)
+            if published is not None:
+                store, _, address = published
+                return self.backend(store), store, address, False
         for cand in st.store_successors(cached):
             info = cached.nodes[cand]
             address = f"{info.addr}:{info.standby_port}"

@@ -357,6 +357,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             raise self._foreign
         if self._fenced_by is not None:
             self._redirect(self._fenced_by, deadline)
+        store_backoff = _Backoff(0.1, 1.0)
         for _ in range(1000):
             try:
                 state = self._form_round(info, deadline)
@@ -367,6 +368,12 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 continue
             except _Superseded as exc:
                 self._redirect(exc.store, deadline)
+            except (_StoreSwitched, *STORE_ERRORS) as exc:
+                # The store failed while this node joined and no failover has taken over yet (a newcomer that
+                # never read the state knows no successor: it looks for the published store). _call gives up
+                # with RendezvousStoreLostError once the store has failed for store_lost_timeout.
+                self._quiet.log("rendezvous_store_failed", exc, node=self.node_id)
+                store_backoff.sleep()
         else:
             raise RendezvousTimeoutError("no round settled after 1000 attempts (the membership kept changing)")
         self._round = state.round
@@ -1029,8 +1036,10 @@ class ElastrainRendezvousHandler(RendezvousHandler):
     def _failover(self, exc: BaseException) -> bool:
         """Move the state store to the first reachable successor of its dead host (c10d only)."""
         cached = self._cached
-        if self._stores is None or not cached.store_host or cached.store_host == self.node_id:
+        if self._stores is None or cached.store_host == self.node_id:
             return False
+        if not cached.store_host and self.node_id in cached.nodes:
+            return False  # a state without a host (never on c10d): no successor can be picked from it
         got = self._stores.failover(cached, self.node_id, exc, self._settings.store_lost_timeout_s)
         if got is None:
             return False
