@@ -290,7 +290,10 @@ def _fork_hazard(threads_before: int) -> str | None:
 
 
 def _preload(fd: int, preload: Sequence[str], extra: Sequence[str], may_restart: bool) -> list[str]:
-    """Import ``preload``, then each of ``extra`` that imports and is fork-safe; returns those of ``extra``."""
+    """Import ``preload``, then each of ``extra`` that imports and is fork-safe; returns those of ``extra``.
+
+    An entry ``module:name`` of ``extra`` reads ``name`` from ``module``, as ``from module import name`` does.
+    """
     import importlib
 
     for name in preload:
@@ -298,8 +301,11 @@ def _preload(fd: int, preload: Sequence[str], extra: Sequence[str], may_restart:
     done: list[str] = []
     for name in extra:
         before = _threads()
+        module, _, attr = name.partition(":")
         try:
-            importlib.import_module(name)
+            loaded = importlib.import_module(module)
+            if attr:
+                getattr(loaded, attr)
         except (Exception, SystemExit) as exc:  # any import error: the worker reports it when it imports
             text = f"{type(exc).__name__}: {exc}"
             lifecycle("zygote_preload_failed", level=logging.WARNING, module=name, error=text[:300])

@@ -17,7 +17,7 @@ from elastrain.launcher.preload import entrypoint_imports, find_spec, imported_n
         ("import a", ["a"]),
         ("import a.b.c as x", ["a", "a.b", "a.b.c"]),
         ("import a, b", ["a", "b"]),
-        ("from a.b import c, d as e", ["a", "a.b", "a.b.c", "a.b.d"]),
+        ("from a.b import c, d as e", ["a", "a.b", "a.b:c", "a.b:d"]),
         ("from a import *", ["a"]),
         ("from . import a", []),
         ("from .a import b", []),
@@ -33,7 +33,7 @@ from elastrain.launcher.preload import entrypoint_imports, find_spec, imported_n
         ),
         ("with ctx():\n    import a", ["a"]),
         ('if __name__ == "__main__":\n    import a', ["a"]),
-        ("import a\nimport a\nfrom a import b", ["a", "a.b"]),
+        ("import a\nimport a\nfrom a import b", ["a", "a:b"]),
         ("for x in y:\n    import a", []),
         ("x = __import__('a')\nimportlib.import_module('b')", []),
     ],
@@ -97,9 +97,21 @@ def test_entrypoint_imports_keeps_what_resolves_outside_the_script_directory(tre
         """,
     )
     got = entrypoint_imports([script, "--flag"], cwd=str(tree), path=[str(tree / "lib"), *sys.path[1:]])
-    # sys: built in; missing_module_xyz: not found; local, localpkg: the script's own; X: not a module.
+    # sys: built in; missing_module_xyz: not found; local, localpkg: the script's own; X, anything: names
+    # read from pkg and pkg.sub; TYPE_CHECKING: a name in the standard library, which has nothing to load.
     # broken is found (it fails only when imported: the zygote logs and skips it).
-    assert got == ["json", "plain", "broken", "pkg", "pkg.sub", "nsroot", "nsroot.leaf", "typing"]
+    assert got == [
+        "json",
+        "plain",
+        "broken",
+        "pkg",
+        "pkg.sub",
+        "pkg:X",
+        "pkg.sub:anything",
+        "nsroot",
+        "nsroot.leaf",
+        "typing",
+    ]
 
 
 def test_entrypoint_imports_of_a_module_and_a_package(tree: Path) -> None:
@@ -107,7 +119,7 @@ def test_entrypoint_imports_of_a_module_and_a_package(tree: Path) -> None:
     (tree / "lib" / "runme.py").write_text("import plain\nimport pkg.sub\n")
     assert entrypoint_imports(["-m", "runme", "x"], cwd=str(tree / "app"), path=path) == ["plain", "pkg", "pkg.sub"]
     # python -m pkg imports pkg, then runs pkg/__main__.py
-    assert entrypoint_imports(["-m", "pkg"], cwd=str(tree / "app"), path=path) == ["pkg", "plain", "pkg.sub"]
+    assert entrypoint_imports(["-m", "pkg"], cwd=str(tree / "app"), path=path) == ["pkg", "plain", "pkg.sub", "pkg:X"]
     # python -m pkg.sub imports pkg first
     assert entrypoint_imports(["-m", "pkg.sub"], cwd=str(tree / "app"), path=path) == ["pkg"]
     # with -m, the working directory is sys.path[0]: its modules are the user's own, what they import is not
