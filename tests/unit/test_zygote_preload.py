@@ -155,3 +155,26 @@ def test_the_t5_example_preloads_its_installed_imports_not_its_own_modules() -> 
     got = entrypoint_imports([str(repo / "examples" / "t5" / "train.py")], cwd=str(repo))
     assert "torch" in got and "elastrain.session" in got
     assert "data" not in got and "model" not in got  # examples/t5/data.py, model.py: the script's own
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "expected"),
+    [
+        ([], {}, True),  # the default
+        (["--zygote", "false"], {}, False),
+        (["--zygote=0"], {}, False),
+        (["--zygote", "true"], {"PET_ZYGOTE": "false"}, True),  # the flag wins over the variable
+        ([], {"PET_ZYGOTE": "false"}, False),
+        ([], {"PET_ZYGOTE": "off"}, False),
+    ],
+)
+def test_zygote_option(
+    argv: list[str], environ: dict[str, str], expected: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from elastrain.launcher.options import ElastrainOptions, build_parser, options_from_args
+
+    monkeypatch.delenv("PET_ZYGOTE", raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    assert options_from_args(build_parser().parse_args([*argv, "train.py"])).zygote is expected
+    assert ElastrainOptions().zygote is True
