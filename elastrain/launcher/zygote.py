@@ -13,16 +13,19 @@ datasets, not the script's own modules beside it). A module whose import raises 
 (``zygote_preload_failed``) and skipped: the worker imports it itself and fails, if it does, with
 its own traceback. If the zygote is not ready in time or has died, workers start the normal way.
 
-Fork safety: a forked child has only the thread that forked, and a CUDA context does not survive a
-fork. torch's import starts no thread and leaves CUDA alone; most libraries do the same at import
-and start their threads or CUDA on first use, in the worker. A module that does either *at import*
-would hand the workers locks that no thread will release, or a CUDA they cannot use; the zygote
-checks after each preloaded module (OS threads of the process, ``torch.cuda.is_initialized()``) and,
-if one did, logs ``zygote_preload_unsafe`` naming it and restarts itself with only the modules
-preloaded before it (once; if that is not safe either, it exits and workers start the normal way).
-A thread that a module starts and ends during its import, or native state other than threads and
-CUDA (an open connection, a seeded random generator), is not detected: such a module belongs under
-``--zygote false``, or behind an import inside a function.
+Fork safety: a forked child has only the thread that forked, and cannot use CUDA once its parent
+called the CUDA driver. torch's import starts no thread and leaves CUDA alone; most libraries do the
+same at import and start their threads or CUDA on first use, in the worker. A module that does
+either *at import* would hand the workers locks that no thread will release, or a CUDA they cannot
+use. The zygote preloads with ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, so that the common case, a
+library calling ``torch.cuda.is_available()`` at import, asks NVML instead of the driver; and it
+checks after each preloaded module (OS threads of the process, libcuda loaded,
+``torch.cuda.is_initialized()``): if one of them changed, it logs ``zygote_preload_unsafe`` naming the
+module and restarts itself with only the modules preloaded before it (once; if that is not safe
+either, it exits and workers start the normal way). Not detected: a thread that a module starts
+and ends during its import, and native state other than threads and CUDA (an open connection, a
+seeded random generator); such a module belongs under ``--zygote false``, or behind an import inside
+a function. The CUDA checks have run on CPU machines only: no GPU was at hand to test them.
 
 Only ``python [-u] script.py ...`` and ``python [-u] -m module ...`` commands are forked; anything
 else (``--no-python``, other interpreters) starts the normal way. Caveat: environment variables that
@@ -47,6 +50,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing import api as mp_api
@@ -270,23 +274,40 @@ def _serve_command(fd: int, preload: Sequence[str], extra: Sequence[str], may_re
     return ["-c", f"from elastrain.launcher.zygote import serve; {call}"]
 
 
-def _threads() -> int:
-    """OS threads of this process (native ones too, which ``threading`` does not see)."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return threading.active_count()
+@dataclass(frozen=True)
+class _ProcessState:
+    """What a preloaded module must not change before a fork: OS threads (native ones too, which
+    ``threading`` does not see), and whether the CUDA driver is loaded or torch's CUDA initialised."""
 
+    threads: int
+    cuda_driver: bool
+    cuda_initialised: bool
 
-def _fork_hazard(threads_before: int) -> str | None:
-    """Why forking now would hand workers a broken state, or ``None``."""
-    torch_mod = sys.modules.get("torch")
-    if torch_mod is not None and torch_mod.cuda.is_initialized():
-        return "it initialised CUDA, which a forked worker cannot use"
-    started = _threads() - threads_before
-    if started > 0:
-        return f"it started {started} thread(s), which a forked worker would not have"
-    return None
+    @classmethod
+    def now(cls) -> _ProcessState:
+        try:
+            threads = len(os.listdir("/proc/self/task"))
+        except OSError:
+            threads = threading.active_count()
+        try:
+            # libcuda is loaded by the first CUDA runtime call (torch.cuda.is_available() makes one): a
+            # forked child of a process that made one cannot use CUDA. torch's import does not load it.
+            with open("/proc/self/maps", "rb") as maps:
+                cuda_driver = b"/libcuda.so" in maps.read()
+        except OSError:
+            cuda_driver = False
+        torch_mod = sys.modules.get("torch")
+        return cls(threads, cuda_driver, bool(torch_mod is not None and torch_mod.cuda.is_initialized()))
+
+    def hazard_since(self, before: _ProcessState) -> str | None:
+        """Why forking now would hand workers a broken state that ``before`` did not have, or ``None``."""
+        if self.cuda_initialised and not before.cuda_initialised:
+            return "it initialised CUDA, which a forked worker cannot use"
+        if self.cuda_driver and not before.cuda_driver:
+            return "it called the CUDA driver, which a forked worker then cannot use"
+        if self.threads > before.threads:
+            return f"it started {self.threads - before.threads} thread(s), which a forked worker would not have"
+        return None
 
 
 def _preload(fd: int, preload: Sequence[str], extra: Sequence[str], may_restart: bool) -> list[str]:
@@ -296,11 +317,14 @@ def _preload(fd: int, preload: Sequence[str], extra: Sequence[str], may_restart:
     """
     import importlib
 
+    # torch.cuda.is_available() asks NVML instead of initialising the CUDA driver (which a forked child
+    # could not use): libraries that call it at import stay preloadable. Workers get their own environment.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     for name in preload:
         importlib.import_module(name)
     done: list[str] = []
     for name in extra:
-        before = _threads()
+        before = _ProcessState.now()
         module, _, attr = name.partition(":")
         try:
             loaded = importlib.import_module(module)
@@ -310,7 +334,7 @@ def _preload(fd: int, preload: Sequence[str], extra: Sequence[str], may_restart:
             text = f"{type(exc).__name__}: {exc}"
             lifecycle("zygote_preload_failed", level=logging.WARNING, module=name, error=text[:300])
             continue
-        hazard = _fork_hazard(before)
+        hazard = _ProcessState.now().hazard_since(before)
         if hazard is None:
             done.append(name)
             continue
