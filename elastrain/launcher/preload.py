@@ -161,7 +161,7 @@ def entrypoint_imports(argv: Sequence[str], cwd: str | None = None, path: Sequen
     script, first = located
     try:
         names = imported_names(script.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError, RecursionError):
         return []  # the worker reports it the normal way
     if argv[:1] == ["-m"]:
         # runpy imports the module's parent packages (and the package itself for package/__main__.py)
