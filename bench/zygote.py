@@ -13,7 +13,8 @@ first ``metrics.jsonl`` point after each, and prints:
   the zygote the agent waits for the zygote's preload before it starts a worker (the preload ran
   while the rendezvous did), so this is not the cost of a cold node;
 - restart: the same for the restarted worker: what every restart costs, the figure the zygote cuts;
-- zygote ready: seconds from the zygote's start to the end of its preload (``zygote_ready``).
+- zygote ready: seconds from the agent's start of the zygote to the end of its preload
+  (``zygote_ready``: the interpreter, torch and the script's imports).
 
 Modes (``--modes``): ``false`` (``--zygote false``: a new process imports torch, transformers and
 everything else), ``true`` (the default: forked from a zygote that preloaded torch and the
@@ -155,6 +156,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=False)
     print(f"[zygote] building the code→docstring pairs and the tokenizer in {out / 'data'}", flush=True)
     prepare(out / "data")
+    load_before = os.getloadavg()[0]
     samples: list[Sample] = []
     for i in range(a.repeat):
         for mode in modes:
@@ -163,8 +165,8 @@ def main() -> int:
             failed = "" if s.ok else "  (FAILED: see its agent.log)"
             print(f"[zygote] --zygote {mode} run {i}: first start {_f(s.first_s)} s, restart {_f(s.restart_s)} s, "
                   f"zygote ready {_f(s.ready_s)} s{failed}", flush=True)  # fmt: skip
-    load = os.getloadavg()[0]
-    print(f"\nT5 tiny, 1 worker, OMP_NUM_THREADS=1; {a.repeat} run(s) per mode; load average now {load:.1f}")
+    load = f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    print(f"\nT5 tiny, 1 worker, OMP_NUM_THREADS=1; {a.repeat} run(s) per mode; {load} ({os.cpu_count()} cores)")
     print("seconds from the agent's workers_started to the worker's first training step (median)\n")
     print("| --zygote | first start | restart | zygote ready | restart: false / this |")
     print("|---|---|---|---|---|")

@@ -64,6 +64,7 @@ DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.distributed.distributed_
 READY_TIMEOUT_S = 120.0
 """How long a worker start waits for the zygote's preload before it starts the worker the normal way."""
 _PR_SET_PDEATHSIG = 1
+_SAFE_PATH = bool(getattr(sys.flags, "safe_path", False))  # python -P / PYTHONSAFEPATH (3.11+): no sys.path[0]
 
 
 class ZygoteError(ElastrainError):
@@ -81,7 +82,8 @@ class Zygote:
         parent, child = socket.socketpair()
         self._sock = parent
         self._file = parent.makefile("rwb", buffering=0)
-        entry, args = orphans.wrap(sys.executable, _serve_command(child.fileno(), preload, extra, may_restart=True))
+        command = _serve_command(child.fileno(), preload, extra, may_restart=True, t0=time.time())
+        entry, args = orphans.wrap(sys.executable, command)
         self.proc = subprocess.Popen([entry, *map(str, args)], pass_fds=[child.fileno()], start_new_session=True)
         child.close()
         self._lock = threading.Lock()
@@ -268,9 +270,9 @@ def _prctl_pdeathsig() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
-def _serve_command(fd: int, preload: Sequence[str], extra: Sequence[str], may_restart: bool) -> list[object]:
+def _serve_command(fd: int, preload: Sequence[str], extra: Sequence[str], may_restart: bool, t0: float) -> list[object]:
     """``python`` arguments that run :func:`serve` on ``fd``."""
-    call = f"serve({fd}, {list(preload)!r}, {list(extra)!r}, may_restart={may_restart!r})"
+    call = f"serve({fd}, {list(preload)!r}, {list(extra)!r}, may_restart={may_restart!r}, t0={t0!r})"
     return ["-c", f"from elastrain.launcher.zygote import serve; {call}"]
 
 
@@ -310,7 +312,7 @@ class _ProcessState:
         return None
 
 
-def _preload(fd: int, preload: Sequence[str], extra: Sequence[str], may_restart: bool) -> list[str]:
+def _preload(fd: int, preload: Sequence[str], extra: Sequence[str], may_restart: bool, t0: float) -> list[str]:
     """Import ``preload``, then each of ``extra`` that imports and is fork-safe; returns those of ``extra``.
 
     An entry ``module:name`` of ``extra`` reads ``name`` from ``module``, as ``from module import name`` does.
@@ -348,24 +350,31 @@ def _preload(fd: int, preload: Sequence[str], extra: Sequence[str], may_restart:
         if not may_restart:
             os._exit(1)  # workers start the normal way
         os.set_inheritable(fd, True)
-        os.execv(sys.executable, [sys.executable, *map(str, _serve_command(fd, preload, done, may_restart=False))])
+        command = _serve_command(fd, preload, done, may_restart=False, t0=t0)
+        os.execv(sys.executable, [sys.executable, *map(str, command)])
     return done
 
 
-def serve(fd: int, preload: list[str], extra: Sequence[str] = (), may_restart: bool = True) -> None:
-    """The zygote's main loop: preload, then fork one worker per request and report exits."""
+def serve(
+    fd: int, preload: list[str], extra: Sequence[str] = (), may_restart: bool = True, t0: float | None = None
+) -> None:
+    """The zygote's main loop: preload, then fork one worker per request and report exits.
+
+    ``t0``: when the agent started this zygote (``time.time()``), for the ``zygote_ready`` line.
+    """
     import selectors
 
     from elastrain import log
 
     log.configure()
-    started = time.monotonic()
+    t0 = time.time() if t0 is None else t0
     # sys.path[0] is the agent's working directory (python -c): a module there must not stand in for an
     # installed one of the same name. A worker gets its own sys.path[0] (see _become_worker).
-    if sys.path[:1] == [""] and not sys.flags.safe_path:
+    if sys.path[:1] == [""] and not _SAFE_PATH:
         del sys.path[0]
-    preloaded = _preload(fd, preload, extra, may_restart)
-    lifecycle("zygote_ready", took_s=round(time.monotonic() - started, 3), preloaded=",".join(preloaded) or "-")
+    preloaded = _preload(fd, preload, extra, may_restart, t0)
+    # took_s: from the agent's start of the zygote, so the interpreter's start and torch's import count too.
+    lifecycle("zygote_ready", took_s=round(time.time() - t0, 3), preloaded=",".join(preloaded) or "-")
     sock = socket.socket(fileno=fd)
     out = sock.makefile("wb", buffering=0)
     out.write(b'{"ready": true}\n')
@@ -418,7 +427,7 @@ def _become_worker(req: dict[str, Any]) -> None:
 
         argv: list[str] = req["argv"]
         first = os.getcwd() if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0]))
-        if not sys.flags.safe_path:
+        if not _SAFE_PATH:
             sys.path.insert(0, first)  # as python does; serve() removed the zygote's own
         if argv[0] == "-m":
             sys.argv = argv[1:]
