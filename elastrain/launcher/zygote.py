@@ -115,11 +115,15 @@ class Zygote:
             ev.set()
 
     @classmethod
-    def for_entrypoint(cls, entrypoint: Any, args: Sequence[Any]) -> Zygote:
-        """A zygote that preloads torch and what the worker command's script imports at its top level."""
+    def for_entrypoint(cls, entrypoint: Any, args: Sequence[Any]) -> Zygote | None:
+        """A zygote that preloads torch and what the worker command's script imports at its top level;
+        ``None`` for a command it could not fork (``--no-python``, another interpreter): such a job
+        would pay for a zygote's torch import and never use it."""
         argv = python_command(entrypoint, tuple(args)) if isinstance(entrypoint, str) else None
-        extra = [m for m in preload.entrypoint_imports(argv) if m not in DEFAULT_PRELOAD] if argv else []
-        return cls(DEFAULT_PRELOAD, extra)
+        if argv is None:
+            lifecycle("zygote_skipped", why="not a python script or module")
+            return None
+        return cls(DEFAULT_PRELOAD, [m for m in preload.entrypoint_imports(argv) if m not in DEFAULT_PRELOAD])
 
     @property
     def alive(self) -> bool:

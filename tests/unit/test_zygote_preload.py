@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from elastrain.launcher import orphans
 from elastrain.launcher.preload import entrypoint_imports, find_spec, imported_names
+from elastrain.launcher.zygote import Zygote
 
 
 @pytest.mark.parametrize(
@@ -178,3 +180,11 @@ def test_zygote_option(
         monkeypatch.setenv(key, value)
     assert options_from_args(build_parser().parse_args([*argv, "train.py"])).zygote is expected
     assert ElastrainOptions().zygote is True
+
+
+@pytest.mark.parametrize(
+    "command", [("/bin/sleep", ["5"]), orphans.wrap("/bin/sleep", ["5"]), (sys.executable, ["-c", "x"])]
+)
+def test_no_zygote_for_a_command_it_could_not_fork(command: tuple[str, list[object]]) -> None:
+    # --no-python jobs (bench/scale.py runs 64 agents of `sleep`) must not pay for a zygote's torch import.
+    assert Zygote.for_entrypoint(*command) is None
