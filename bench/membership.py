@@ -7,8 +7,8 @@ Each "node" is one agent with one gloo worker (tests/scripts/membership_worker.p
 worker prints wall-clock timestamps for its start and every step, and the bench measures from the
 event (kill, signal, agent start) to the first step at the new world size. torchrun runs with
 ``--max-restarts 3`` (with its default of 0 a survivor simply exits); elastrain with its defaults
-(``--max-restarts 0``), and once more with ``--zygote true`` (workers forked from a process that
-already imported torch). The ratio column compares torchrun with the last launcher.
+(``--max-restarts 0``) and ``--zygote false``, and once more with ``--zygote true`` (its default: workers
+forked from a process that already imported torch). The ratio column compares torchrun with the last launcher.
 
 To add rows for another rendezvous backend (etcd-v3), append a :class:`Launcher` to ``LAUNCHERS``
 whose ``args`` returns the launcher's command line (and start/stop the server in ``setup``/``teardown``).
@@ -58,8 +58,9 @@ def _torchrun(port: int, run_id: str) -> list[str]:
             "--max-restarts", "3", "--monitor-interval", "0.1"]  # fmt: skip
 
 
-def _elastrain(port: int, run_id: str) -> list[str]:
-    return [sys.executable, "-m", "elastrain", "--nnodes", "1:2", "--nproc-per-node", "1",
+def _elastrain(port: int, run_id: str, zygote: str = "false") -> list[str]:
+    # --zygote false: these columns are the plain restart (the zygote, on by default, has its own column).
+    return [sys.executable, "-m", "elastrain", "--nnodes", "1:2", "--nproc-per-node", "1", "--zygote", zygote,
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id]  # fmt: skip
 
 
@@ -87,12 +88,12 @@ def _etcd_stop() -> None:
 
 def _elastrain_etcd(port: int, run_id: str) -> list[str]:
     endpoint = _ETCD[0].endpoint  # type: ignore[attr-defined]
-    return [sys.executable, "-m", "elastrain", "--nnodes", "1:2", "--nproc-per-node", "1",
+    return [sys.executable, "-m", "elastrain", "--nnodes", "1:2", "--nproc-per-node", "1", "--zygote", "false",
             "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id]  # fmt: skip
 
 
 def _elastrain_zygote(port: int, run_id: str) -> list[str]:
-    return [*_elastrain(port, run_id), "--zygote", "true"]
+    return _elastrain(port, run_id, zygote="true")
 
 
 LAUNCHERS: list[Launcher] = [

@@ -119,7 +119,7 @@ class ElastrainAgent(LocalElasticAgent):
         self._workers_exited = False
         self._probed_round: int | None = None
         # Started now, so that torch is imported while the first rendezvous runs.
-        self._zygote = zygote.Zygote() if options.zygote else None
+        self._zygote = zygote.Zygote.for_entrypoint(spec.entrypoint, spec.args) if options.zygote else None
 
     # -- leaving -----------------------------------------------------------------------------------
     def request_leave(self, reason: str, deadline_s: float) -> None:

@@ -46,8 +46,8 @@ class ElastrainOptions:
     """Cloud preemption notices to watch: none, auto, or a list of azure,aws,gcp."""
     metadata_endpoint: str | None = None
     """Base URL of the instance metadata service (default: each cloud's own; tests point it at 127.0.0.1)."""
-    zygote: bool = False
-    """Fork workers from a per-node process that already imported torch (cuts worker start by the import)."""
+    zygote: bool = True
+    """Fork workers from a per-node process that already imported torch and the script's top-level imports."""
     live: bool = False
     """Regroup workers in place on a membership change (Session scripts); others keep the restart path."""
 
@@ -138,9 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--zygote",
         action=env,
         type=_str_to_bool,
-        default=False,
-        help="Fork workers from a per-node process that already imported torch, so a restart does not pay "
-        "the import again (python scripts and -m modules only; default: false).",
+        default=True,
+        help="Fork workers from a per-node process that already imported torch and the modules the script "
+        "imports at its top level, so a restart does not pay for those imports again (python scripts and "
+        "-m modules only; false: start every worker as a new process; default: true).",
     )
     group.add_argument(
         "--live",

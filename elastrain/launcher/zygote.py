@@ -1,15 +1,37 @@
-"""Fast worker start: fork workers from a process that already imported torch (``--zygote true``).
+"""Fast worker start: fork workers from a process that already imported torch and the script's imports.
 
-A fresh worker pays ``import torch`` (1.3-2 s on an idle machine, 4-8 s on a loaded one) on every
-membership change. The agent starts one *zygote* per node when it starts; the zygote imports the
-preload modules once, then forks a worker for each request and reports its exit code. Workers keep
-every guarantee of the normal path: own session, same environment and arguments, stdout/stderr
-redirection, death with the agent (zygote and worker both carry ``PR_SET_PDEATHSIG``).
+A fresh worker pays ``import torch`` (1.3-2 s on an idle machine, 4-8 s on a loaded one) and then
+its script's own imports (transformers: another 4-6 s) on every restart. The agent starts one
+*zygote* per node when it starts (``--zygote``, on by default); the zygote imports the preload
+modules once, then forks a worker for each request and reports its exit code. Workers keep every
+guarantee of the normal path: own session, same environment and arguments, stdout/stderr redirection,
+death with the agent (zygote and worker both carry ``PR_SET_PDEATHSIG``).
+
+What is preloaded: :data:`DEFAULT_PRELOAD` (torch), then the modules the entrypoint script imports at
+its top level (:mod:`elastrain.launcher.preload`: installed packages such as transformers or
+datasets, not the script's own modules beside it). A module whose import raises is logged
+(``zygote_preload_failed``) and skipped: the worker imports it itself and fails, if it does, with
+its own traceback. If the zygote is not ready in time or has died, workers start the normal way.
+
+Fork safety: a forked child has only the thread that forked, and cannot use CUDA once its parent
+called the CUDA driver. torch's import starts no thread and leaves CUDA alone; most libraries do the
+same at import and start their threads or CUDA on first use, in the worker. A module that does
+either *at import* would hand the workers locks that no thread will release, or a CUDA they cannot
+use. The zygote preloads with ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, so that the common case, a
+library calling ``torch.cuda.is_available()`` at import, asks NVML instead of the driver; and it
+checks after each preloaded module (OS threads of the process, libcuda loaded,
+``torch.cuda.is_initialized()``): if one of them changed, it logs ``zygote_preload_unsafe`` naming the
+module and restarts itself with only the modules preloaded before it (once; if that is not safe
+either, it exits and workers start the normal way). Not detected: a thread that a module starts
+and ends during its import, and native state other than threads and CUDA (an open connection, a
+seeded random generator); such a module belongs under ``--zygote false``, or behind an import inside
+a function. The CUDA checks have run on CPU machines only: no GPU was at hand to test them.
 
 Only ``python [-u] script.py ...`` and ``python [-u] -m module ...`` commands are forked; anything
 else (``--no-python``, other interpreters) starts the normal way. Caveat: environment variables that
 a module reads *at import time* are those of the agent, not the worker's (torch reads RANK,
-MASTER_ADDR and friends at run time, so they are unaffected).
+MASTER_ADDR and friends at run time, so they are unaffected; the script's own modules, which might
+read RANK at import, are not preloaded).
 
 The agent side is :class:`Zygote` plus :func:`start_processes`, which replaces torch's function of
 that name for the duration of one worker start (see ``ElastrainAgent._start_workers``).
@@ -19,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -26,18 +49,22 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing import api as mp_api
 from torch.distributed.elastic.multiprocessing import start_processes as torch_start_processes
 
 from elastrain.errors import ElastrainError
-from elastrain.launcher import orphans
+from elastrain.launcher import orphans, preload
 from elastrain.log import lifecycle
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.distributed.distributed_c10d")
+READY_TIMEOUT_S = 120.0
+"""How long a worker start waits for the zygote's preload before it starts the worker the normal way."""
 _PR_SET_PDEATHSIG = 1
+_SAFE_PATH = bool(getattr(sys.flags, "safe_path", False))  # python -P / PYTHONSAFEPATH (3.11+): no sys.path[0]
 
 
 class ZygoteError(ElastrainError):
@@ -50,12 +77,13 @@ class ZygoteError(ElastrainError):
 class Zygote:
     """The agent's handle on its zygote process."""
 
-    def __init__(self, preload: tuple[str, ...] = DEFAULT_PRELOAD) -> None:
+    def __init__(self, preload: Sequence[str] = DEFAULT_PRELOAD, extra: Sequence[str] = ()) -> None:
+        """Start a zygote that imports ``preload`` (which must import) and then ``extra`` (best effort)."""
         parent, child = socket.socketpair()
         self._sock = parent
         self._file = parent.makefile("rwb", buffering=0)
-        code = f"from elastrain.launcher.zygote import serve; serve({child.fileno()}, {list(preload)!r})"
-        entry, args = orphans.wrap(sys.executable, ["-c", code])
+        command = _serve_command(child.fileno(), preload, extra, may_restart=True, t0=time.time())
+        entry, args = orphans.wrap(sys.executable, command)
         self.proc = subprocess.Popen([entry, *map(str, args)], pass_fds=[child.fileno()], start_new_session=True)
         child.close()
         self._lock = threading.Lock()
@@ -86,13 +114,28 @@ class Zygote:
         for ev in self._spawned.values():
             ev.set()
 
+    @classmethod
+    def for_entrypoint(cls, entrypoint: Any, args: Sequence[Any]) -> Zygote | None:
+        """A zygote that preloads torch and what the worker command's script imports at its top level;
+        ``None`` for a command it could not fork (``--no-python``, another interpreter): such a job
+        would pay for a zygote's torch import and never use it."""
+        argv = python_command(entrypoint, tuple(args)) if isinstance(entrypoint, str) else None
+        if argv is None:
+            lifecycle("zygote_skipped", why="not a python script or module")
+            return None
+        return cls(DEFAULT_PRELOAD, [m for m in preload.entrypoint_imports(argv) if m not in DEFAULT_PRELOAD])
+
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait (bounded) for the preload; ``True`` if the zygote is ready and alive."""
+        return self._ready.wait(timeout=timeout) and self.alive and self.ready_s is not None
+
     def spawn(self, argv: list[str], env: dict[str, str], stdout: str | None, stderr: str | None) -> int:
         """Fork one worker; returns its pid."""
-        if not self._ready.wait(timeout=120) or not self.alive:
+        if not self.wait_ready(READY_TIMEOUT_S):
             raise ZygoteError("the zygote did not become ready (see its output above)")
         with self._lock:
             self._next += 1
@@ -180,12 +223,15 @@ def start_processes(zygote: Zygote, **kwargs: Any) -> mp_api.PContext:
     entrypoint, args = kwargs["entrypoint"], kwargs["args"]
     argvs = {r: python_command(entrypoint, a) for r, a in args.items()} if isinstance(entrypoint, str) else {}
     why = (
-        "the zygote died"
-        if not zygote.alive
-        else "not a python script or module"
+        "not a python script or module"
         if not argvs or any(v is None for v in argvs.values())
         else "numa binding"
         if kwargs.get("numa_options")
+        else "the zygote died"
+        if not zygote.alive
+        # Bounded: a worker started the normal way would spend this time importing the same modules.
+        else f"not ready after {READY_TIMEOUT_S:.0f} s"
+        if not zygote.wait_ready(READY_TIMEOUT_S)
         else None
     )
     if why is not None:
@@ -228,13 +274,111 @@ def _prctl_pdeathsig() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
-def serve(fd: int, preload: list[str]) -> None:
-    """The zygote's main loop: preload, then fork one worker per request and report exits."""
-    import importlib
-    import selectors
+def _serve_command(fd: int, preload: Sequence[str], extra: Sequence[str], may_restart: bool, t0: float) -> list[object]:
+    """``python`` arguments that run :func:`serve` on ``fd``."""
+    call = f"serve({fd}, {list(preload)!r}, {list(extra)!r}, may_restart={may_restart!r}, t0={t0!r})"
+    return ["-c", f"from elastrain.launcher.zygote import serve; {call}"]
 
+
+@dataclass(frozen=True)
+class _ProcessState:
+    """What a preloaded module must not change before a fork: OS threads (native ones too, which
+    ``threading`` does not see), and whether the CUDA driver is loaded or torch's CUDA initialised."""
+
+    threads: int
+    cuda_driver: bool
+    cuda_initialised: bool
+
+    @classmethod
+    def now(cls) -> _ProcessState:
+        try:
+            threads = len(os.listdir("/proc/self/task"))
+        except OSError:
+            threads = threading.active_count()
+        try:
+            # libcuda is loaded by the first CUDA runtime call (torch.cuda.is_available() makes one): a
+            # forked child of a process that made one cannot use CUDA. torch's import does not load it.
+            with open("/proc/self/maps", "rb") as maps:
+                cuda_driver = b"/libcuda.so" in maps.read()
+        except OSError:
+            cuda_driver = False
+        torch_mod = sys.modules.get("torch")
+        return cls(threads, cuda_driver, bool(torch_mod is not None and torch_mod.cuda.is_initialized()))
+
+    def hazard_since(self, before: _ProcessState) -> str | None:
+        """Why forking now would hand workers a broken state that ``before`` did not have, or ``None``."""
+        if self.cuda_initialised and not before.cuda_initialised:
+            return "it initialised CUDA, which a forked worker cannot use"
+        if self.cuda_driver and not before.cuda_driver:
+            return "it called the CUDA driver, which a forked worker then cannot use"
+        if self.threads > before.threads:
+            return f"it started {self.threads - before.threads} thread(s), which a forked worker would not have"
+        return None
+
+
+def _preload(fd: int, preload: Sequence[str], extra: Sequence[str], may_restart: bool, t0: float) -> list[str]:
+    """Import ``preload``, then each of ``extra`` that imports and is fork-safe; returns those of ``extra``.
+
+    An entry ``module:name`` of ``extra`` reads ``name`` from ``module``, as ``from module import name`` does.
+    """
+    import importlib
+
+    # torch.cuda.is_available() asks NVML instead of initialising the CUDA driver (which a forked child
+    # could not use): libraries that call it at import stay preloadable. Workers get their own environment.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     for name in preload:
         importlib.import_module(name)
+    done: list[str] = []
+    for name in extra:
+        before = _ProcessState.now()
+        module, _, attr = name.partition(":")
+        try:
+            loaded = importlib.import_module(module)
+            if attr:
+                getattr(loaded, attr)
+        except (Exception, SystemExit) as exc:  # any import error: the worker reports it when it imports
+            text = f"{type(exc).__name__}: {exc}"
+            lifecycle("zygote_preload_failed", level=logging.WARNING, module=name, error=text[:300])
+            continue
+        hazard = _ProcessState.now().hazard_since(before)
+        if hazard is None:
+            done.append(name)
+            continue
+        lifecycle(
+            "zygote_preload_unsafe",
+            level=logging.WARNING,
+            module=name,
+            why=hazard,
+            action=f"restarting the zygote with the {len(done)} modules before it" if may_restart else "exiting",
+        )
+        if not may_restart:
+            os._exit(1)  # workers start the normal way
+        os.set_inheritable(fd, True)
+        command = _serve_command(fd, preload, done, may_restart=False, t0=t0)
+        os.execv(sys.executable, [sys.executable, *map(str, command)])
+    return done
+
+
+def serve(
+    fd: int, preload: list[str], extra: Sequence[str] = (), may_restart: bool = True, t0: float | None = None
+) -> None:
+    """The zygote's main loop: preload, then fork one worker per request and report exits.
+
+    ``t0``: when the agent started this zygote (``time.time()``), for the ``zygote_ready`` line.
+    """
+    import selectors
+
+    from elastrain import log
+
+    log.configure()
+    t0 = time.time() if t0 is None else t0
+    # sys.path[0] is the agent's working directory (python -c): a module there must not stand in for an
+    # installed one of the same name. A worker gets its own sys.path[0] (see _become_worker).
+    if sys.path[:1] == [""] and not _SAFE_PATH:
+        del sys.path[0]
+    preloaded = _preload(fd, preload, extra, may_restart, t0)
+    # took_s: from the agent's start of the zygote, so the interpreter's start and torch's import count too.
+    lifecycle("zygote_ready", took_s=round(time.time() - t0, 3), preloaded=",".join(preloaded) or "-")
     sock = socket.socket(fileno=fd)
     out = sock.makefile("wb", buffering=0)
     out.write(b'{"ready": true}\n')
@@ -286,13 +430,14 @@ def _become_worker(req: dict[str, Any]) -> None:
         import runpy
 
         argv: list[str] = req["argv"]
+        first = os.getcwd() if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0]))
+        if not _SAFE_PATH:
+            sys.path.insert(0, first)  # as python does; serve() removed the zygote's own
         if argv[0] == "-m":
             sys.argv = argv[1:]
-            sys.path[0] = os.getcwd()
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = argv
-            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
             runpy.run_path(argv[0], run_name="__main__")
         code = 0
     except SystemExit as exc:
