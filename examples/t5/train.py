@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers  # noqa: F401 - imported here, at the top, so that elastrain-run's zygote preloads it
+from transformers import T5ForConditionalGeneration  # noqa: F401 - (its lazy parts too): restarts skip ~7 s
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import build_dataset, collate, rouge_l
