@@ -10,10 +10,12 @@ import shutil
 import signal
 import subprocess
 import tempfile
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 from support import REPO, elastrain_cmd, free_port, kill_tree, reaped, spawn, wait_for
 
 from elastrain.metrics import read_metrics
@@ -198,3 +200,46 @@ def live_run() -> LiveResult:
     node_logs = {n: (root / f"{n}.log").read_text(errors="replace") for n in procs}
     codes = {n: p.returncode for n, p in procs.items()}
     return LiveResult(root, list(node_logs.values()), codes, node_logs)
+
+
+@dataclass(frozen=True)
+class LedgerSteps:
+    """What the ledger says each completed step trained on (superseded points left out)."""
+
+    ids: dict[int, list[int]]
+    worlds: dict[int, set[int]]
+    epochs: dict[int, int]
+
+
+def ledger_steps(ledger: Path) -> LedgerSteps:
+    ids: dict[int, list[int]] = defaultdict(list)
+    worlds: dict[int, set[int]] = defaultdict(set)
+    epochs: dict[int, int] = {}
+    for p in read_metrics(ledger).active:
+        ids[p.step].extend(p.values["ids"])
+        worlds[p.step].add(p.values["world_size"])
+        epochs[p.step] = p.values["epoch"]
+    return LedgerSteps(dict(ids), dict(worlds), epochs)
+
+
+def assert_each_sample_once_per_epoch(steps: LedgerSteps) -> None:
+    """No sample twice in an epoch, every sample in every full epoch."""
+    by_epoch: dict[int, Counter[int]] = defaultdict(Counter)
+    for step, ids in steps.ids.items():
+        by_epoch[steps.epochs[step]].update(ids)
+    last = max(by_epoch)
+    for epoch, counts in by_epoch.items():
+        assert max(counts.values()) == 1, f"epoch {epoch} repeated samples: {[i for i, c in counts.items() if c > 1]}"
+        if epoch < last:
+            assert sorted(counts) == list(range(SAMPLES)), f"epoch {epoch} skipped samples"
+
+
+def assert_matches(elastic: ChainResult, reference: ChainResult, max_steps: int) -> None:
+    """The elastic run ends where the uninterrupted one ends, and every step's loss matches on the way."""
+    assert elastic.result()["step"] == reference.result()["step"] == max_steps
+    assert elastic.result()["final_loss"] == pytest.approx(reference.result()["final_loss"], rel=1e-4)
+    # Not only the end: every step's loss matches (the steps re-run after a kill replace the cut-off ones).
+    got = read_metrics(elastic.ckpt / "metrics.jsonl").series("loss")
+    want = read_metrics(reference.ckpt / "metrics.jsonl").series("loss")
+    assert [s for s, _ in got] == [s for s, _ in want]
+    assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-4)

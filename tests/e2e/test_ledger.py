@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import itertools
-from collections import Counter, defaultdict
+from collections import Counter
 
 import pytest
-from ledger_chain import GLOBAL_BATCH, MAX_STEPS, SAMPLES, WORLD_SIZES, elastic_chain
+from ledger_chain import (
+    GLOBAL_BATCH,
+    MAX_STEPS,
+    SAMPLES,
+    WORLD_SIZES,
+    assert_each_sample_once_per_epoch,
+    elastic_chain,
+    ledger_steps,
+)
 
 from elastrain.metrics import read_events, read_metrics
 
@@ -22,28 +30,16 @@ def test_every_sample_exactly_once_per_epoch() -> None:
     assert restored[0] == 0 and restored == sorted(restored) and len(set(restored)) == len(restored)
     assert h.superseded, "the kills should have cut off steps after the last checkpoint"
 
-    steps: dict[int, list[int]] = defaultdict(list)
-    worlds: dict[int, set[int]] = defaultdict(set)
-    epochs: dict[int, int] = {}
-    for p in h.active:
-        steps[p.step].extend(p.values["ids"])
-        worlds[p.step].add(p.values["world_size"])
-        epochs[p.step] = p.values["epoch"]
-    assert sorted(steps) == list(range(1, MAX_STEPS + 1))
+    steps = ledger_steps(chain.out / "ledger.jsonl")
+    assert sorted(steps.ids) == list(range(1, MAX_STEPS + 1))
     # Each step ran at one world size, and all four sizes trained some steps.
-    assert all(len(w) == 1 for w in worlds.values())
-    assert {next(iter(w)) for w in worlds.values()} == set(WORLD_SIZES)
-
-    by_epoch: dict[int, Counter[int]] = defaultdict(Counter)
-    for step, ids in steps.items():
-        by_epoch[epochs[step]].update(ids)
-    last = max(by_epoch)
-    for epoch, counts in by_epoch.items():
-        assert max(counts.values()) == 1, f"epoch {epoch} repeated samples: {[i for i, c in counts.items() if c > 1]}"
-        if epoch < last:
-            assert sorted(counts) == list(range(SAMPLES)), f"epoch {epoch} skipped samples"
+    assert all(len(w) == 1 for w in steps.worlds.values())
+    assert {next(iter(w)) for w in steps.worlds.values()} == set(WORLD_SIZES)
+    assert_each_sample_once_per_epoch(steps)
     # Full steps carry the global batch whatever the world size; the epoch tail is a partial step.
-    assert Counter(len(ids) for ids in steps.values()) == {GLOBAL_BATCH: MAX_STEPS - last, SAMPLES % GLOBAL_BATCH: last}
+    last = max(steps.epochs.values())
+    sizes = Counter(len(ids) for ids in steps.ids.values())
+    assert sizes == {GLOBAL_BATCH: MAX_STEPS - last, SAMPLES % GLOBAL_BATCH: last}
 
 
 def test_events_and_metrics_continue_across_restarts() -> None:
