@@ -76,10 +76,12 @@ class Job:
             return [str(REPO / "tests" / "e2e" / "ledger_job.py"), "--out", str(out / "job"),
                     "--samples", str(self.samples), "--global-batch", str(self.global_batch), "--micro-batch", "2",
                     "--max-steps", str(max_steps), "--save-every", str(self.save_every), "--sleep", "0.3"]  # fmt: skip
+        # Paced (like the ledger job's --sleep): an idle machine trains faster than the trace's gaps fire its
+        # events, and the job would end before the trace does.
         return [str(REPO / "examples" / "t5" / "train.py"), "--preset", "tiny", "--max-steps", str(max_steps),
                 "--global-batch-size", str(self.global_batch), "--seed", "0", "--train-limit", str(self.samples),
                 "--eval-size", "64", "--eval-every", "0", "--rouge-samples", "4", "--save-every",
-                str(self.save_every), "--ledger", "--data-dir", str(data_dir),
+                str(self.save_every), "--ledger", "--data-dir", str(data_dir), "--step-sleep", "0.3",
                 "--output-dir", str(out / "job")]  # fmt: skip
 
     def checkpoint_dir(self, out: Path) -> Path:

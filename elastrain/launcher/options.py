@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="Live reconfiguration: on a membership change, workers that use elastrain's Session regroup in "
         "place (no restart, no checkpoint read); workers that cannot, or do not answer in time, are "
-        "restarted as without it (default: false).",
+        "restarted as without it. A node's workers are started before it joins a round (warm join) "
+        "(default: false).",
     )
     # Positionals must stay last for argparse.REMAINDER; torch's parser added them already.
     _move_positionals_last(parser)

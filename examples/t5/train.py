@@ -58,6 +58,7 @@ p.add_argument("--eval-size", type=int, default=256, help="held-out pairs")
 p.add_argument("--rouge-samples", type=int, default=32, help="held-out pairs decoded for ROUGE-L at the end")
 p.add_argument("--train-limit", type=int, default=None, help="use only the first N training pairs")
 p.add_argument("--ledger", action="store_true", help="record every sample id each rank trains on (tests)")
+p.add_argument("--step-sleep", type=float, default=0.0, help="pause after each step (benchmarks pace a trace with it)")
 args = p.parse_args()
 
 # elastrain: rank, world size and why this start happened. Under --live they can change while the process
@@ -161,6 +162,8 @@ with session:
         step.optimizer_step()  # elastrain: optimizer, data cursor, train state, checkpoint when due
         if step.abandoned:  # elastrain --live: a membership change gave this step up; the next one redoes it
             continue
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         mean_loss = step.mean_loss()
         step.log(loss=mean_loss, samples=session.state.samples_seen, world_size=session.world_size, lr=step.lr)
         if args.eval_every and step.number % args.eval_every == 0 and step.number < args.max_steps:
