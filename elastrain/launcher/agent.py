@@ -284,8 +284,6 @@ class ElastrainAgent(LocalElasticAgent):
             change = _membership_change(handler)
             if change is not None:
                 return change
-            if getattr(handler, "alone", False) is True:
-                return None  # a job of one node: the failure is its own, nobody else's to wait for
             # Pending while the store fails or a peer has not beaten since (bounded by the handler).
             pending = bool(getattr(handler, "verdict_pending", False))
             if time.monotonic() >= deadline and not pending:

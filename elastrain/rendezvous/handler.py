@@ -730,11 +730,6 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         return self._store_failing_since is not None
 
     @property
-    def alone(self) -> bool:
-        """Whether this node is the only live member of its round: no peer's departure can have failed its workers."""
-        return st.live_members(self._cached) == (self.node_id,)
-
-    @property
     def verdict_pending(self) -> bool:
         """Whether a worker failure cannot be judged yet: the store fails, or (bounded by a heartbeat timeout
         past the grace) a member of this round has not beaten since the failure. A peer frozen with ours, or
