@@ -300,11 +300,14 @@ class RegroupChannel:
 
     # -- worker side ------------------------------------------------------------------------------
     def announce_live(self, local_rank: int, pid: int) -> None:
-        _write_atomic(self.directory / _LIVE.format(local_rank=local_rank), {"local_rank": local_rank, "pid": pid})
+        self._announce(_LIVE, local_rank, pid)
 
     def announce_warm(self, local_rank: int, pid: int) -> None:
         """A warm worker is built (imports, model, data) and waits for its first notice: its node may join."""
-        _write_atomic(self.directory / _WARM.format(local_rank=local_rank), {"local_rank": local_rank, "pid": pid})
+        self._announce(_WARM, local_rank, pid)
+
+    def _announce(self, pattern: str, local_rank: int, pid: int) -> None:
+        _write_atomic(self.directory / pattern.format(local_rank=local_rank), {"local_rank": local_rank, "pid": pid})
 
     def notice(self) -> RegroupNotice | None:
         """The newest notice; one ``stat`` when nothing changed since the last call."""

@@ -398,12 +398,9 @@ class ElastrainAgent(LocalElasticAgent):
             worker_group.store = HashStore()  # type: ignore[assignment]  # torch requires one; warm workers get none
         self._warming = True
         try:
-            ids = self._start_workers(worker_group)
+            self._start_tracked(worker_group)
         finally:
             self._warming = False
-        for local_rank, worker_id in ids.items():
-            worker_group.workers[local_rank].id = worker_id
-        worker_group.state = WorkerState.HEALTHY
         self._workers_running = False  # not training yet: a leave now has no checkpoint to ask for
         local_ranks = {w.local_rank for w in worker_group.workers}
         started = time.monotonic()
@@ -431,6 +428,12 @@ class ElastrainAgent(LocalElasticAgent):
             time.sleep(0.05)
         lifecycle("workers_warm", took_s=round(time.monotonic() - started, 3))
         return True
+
+    def _start_tracked(self, worker_group: WorkerGroup) -> None:
+        """Start the workers outside torch's own first start: record their ids, and the group as healthy."""
+        for local_rank, worker_id in self._start_workers(worker_group).items():
+            worker_group.workers[local_rank].id = worker_id
+        worker_group.state = WorkerState.HEALTHY
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._raise_if_left()
@@ -544,7 +547,4 @@ class ElastrainAgent(LocalElasticAgent):
         self._workers_running = False
         self._stop_workers(worker_group)
         worker_group.state = WorkerState.STOPPED
-        started_ids = self._start_workers(worker_group)
-        for local_rank, worker_id in started_ids.items():
-            worker_group.workers[local_rank].id = worker_id
-        worker_group.state = WorkerState.HEALTHY
+        self._start_tracked(worker_group)
