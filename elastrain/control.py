@@ -31,6 +31,7 @@ _REGROUP_ACK = "regroup-ack-{local_rank}.json"
 _LIVE = "live-{local_rank}.json"
 _BROKEN = "broken-{local_rank}.json"
 _WARM = "warm-{local_rank}.json"
+_FINISHING = "finishing-{local_rank}.json"
 # What reading one of the channel's files can raise: gone, foreign, or not of the expected shape.
 _UNREADABLE = (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError)
 _T = TypeVar("_T")
@@ -276,7 +277,7 @@ class RegroupChannel:
 
     def forget_workers(self) -> None:
         """Before new workers start: the old workers' live announcements and acks no longer hold."""
-        for pattern in (_LIVE, _REGROUP_ACK, _BROKEN, _WARM):
+        for pattern in (_LIVE, _REGROUP_ACK, _BROKEN, _WARM, _FINISHING):
             for path in self.directory.glob(pattern.format(local_rank="*")):
                 path.unlink(missing_ok=True)
 
@@ -287,6 +288,10 @@ class RegroupChannel:
     def warm_pids(self) -> dict[int, int]:
         """The warm workers that wait for their first round (:meth:`announce_warm`): local rank -> pid."""
         return self._pids(_WARM)
+
+    def finishing_pids(self) -> dict[int, int]:
+        """The workers whose training is over and that are closing (:meth:`announce_finishing`)."""
+        return self._pids(_FINISHING)
 
     def _pids(self, pattern: str) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -305,6 +310,11 @@ class RegroupChannel:
     def announce_warm(self, local_rank: int, pid: int) -> None:
         """A warm worker is built (imports, model, data) and waits for its first notice: its node may join."""
         self._announce(_WARM, local_rank, pid)
+
+    def announce_finishing(self, local_rank: int, pid: int) -> None:
+        """The worker's training is over (its last save and exit follow): it answers no save request or
+        regroup notice any more, so a membership change now waits for it to exit instead of moving it."""
+        self._announce(_FINISHING, local_rank, pid)
 
     def _announce(self, pattern: str, local_rank: int, pid: int) -> None:
         _write_atomic(self.directory / pattern.format(local_rank=local_rank), {"local_rank": local_rank, "pid": pid})

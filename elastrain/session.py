@@ -30,6 +30,7 @@ import contextlib
 import gc
 import logging
 import math
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -43,7 +44,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from elastrain.checkpoint import Checkpointer, RestoreInfo
 from elastrain.checkpoint.storage import join_path
-from elastrain.control import ControlChannel, SaveCause
+from elastrain.control import ControlChannel, RegroupChannel, SaveCause
 from elastrain.data import ElasticSampler, EpochEnd, RankStep
 from elastrain.env import WorkerEnv
 from elastrain.errors import CheckpointSaveError, ElastrainError
@@ -436,6 +437,7 @@ class Session:
     def close(self, save: bool = True) -> None:
         """Save the final step (unless ``save`` is false), then release checkpoint threads and the process group."""
         self._batches = self._steps = self._loader = None  # stops DataLoader workers
+        self._announce_finishing()
         if self.checkpointer is not None:
             checkpointer, self.checkpointer = self.checkpointer, None
             try:
@@ -456,6 +458,16 @@ class Session:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
+
+    def _announce_finishing(self) -> None:
+        """Tell the agent this worker's training is over: a node joining now waits for the job to end
+        rather than have the agent ask a closing worker for a save or a regroup it will never answer."""
+        if not (self.env.under_elastrain and self.env.control_dir and self._started):
+            return
+        try:
+            RegroupChannel(self.env.control_dir).announce_finishing(self.env.local_rank, os.getpid())
+        except OSError as exc:
+            lifecycle("finishing_unannounced", level=logging.WARNING, error=repr(exc)[:200])
 
     def __enter__(self) -> Session:
         return self.start()

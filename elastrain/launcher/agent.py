@@ -109,6 +109,7 @@ class ElastrainAgent(LocalElasticAgent):
         self._rounds_seen = 0
         self._warm = options.live  # the first workers start before the rendezvous (see _start_warm)
         self._warming = False
+        self._deferred_since: float | None = None  # when a membership change began to wait for closing workers
         self._context: LaunchContext | None = None
         self.control = ControlChannel(tempfile.mkdtemp(prefix="elastrain-control-"))
         self.regroup = RegroupChannel(self.control.directory)
@@ -209,6 +210,8 @@ class ElastrainAgent(LocalElasticAgent):
             self._worker_failed = True
             return result
         if result.state is WorkerState.HEALTHY:
+            if self._finishing(worker_group):
+                return result  # a change waits for the closing workers (_restart_workers says so, once)
             self._probe_if_a_worker_broke(handler)
             change = _membership_change(handler)
             if change is not None and Departure.CONFIG in change.departures:
@@ -454,6 +457,8 @@ class ElastrainAgent(LocalElasticAgent):
         return pids
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        if self._defer_for_finishing(worker_group):
+            return
         if self._live_capable(worker_group):
             self._regroup_live(worker_group)
             return
@@ -465,6 +470,29 @@ class ElastrainAgent(LocalElasticAgent):
         )
         self._workers_running = False
         super()._restart_workers(worker_group)
+
+    def _finishing(self, worker_group: WorkerGroup) -> bool:
+        """Every local worker said its training is over (Session.close): it ends on its own, soon."""
+        if self._worker_failed or self._workers_exited or not self._workers_running:
+            return False
+        local_ranks = {w.local_rank for w in worker_group.workers}
+        return bool(local_ranks) and local_ranks <= set(self.regroup.finishing_pids())
+
+    def _defer_for_finishing(self, worker_group: WorkerGroup) -> bool:
+        """A membership change while the workers close (their last save, then exit) waits for them to exit,
+        bounded: a restart would redo the finished job, and a save request or regroup notice is never read."""
+        if not self._finishing(worker_group):
+            self._deferred_since = None
+            return False
+        now = time.monotonic()
+        bound = self._options.save_timeout_s + self._ack_wait_s()
+        if self._deferred_since is None:
+            self._deferred_since = now
+            lifecycle("membership_change_deferred", why="the workers finished training and are closing", up_to_s=bound)
+        if now - self._deferred_since <= bound:
+            return True
+        lifecycle("finishing_slow", level=logging.WARNING, waited_s=round(bound, 3), why="restarting for the change")
+        return False
 
     # -- live reconfiguration (--live) -------------------------------------------------------------
     def _ack_wait_s(self) -> float:
@@ -526,7 +554,9 @@ class ElastrainAgent(LocalElasticAgent):
         self.regroup.announce(notice)
         lifecycle("regroup_announced", round=notice.round, world_size=f"{old_world_size}->{notice.world_size}")
         wait_s = self._ack_wait_s()
-        missing = self.regroup.wait_acks(sorted(notice.ranks), notice.round, wait_s)
+        missing = self._wait_regroup_acks(worker_group, notice, wait_s)
+        if missing is None:
+            return  # a worker ended meanwhile: the next monitor tick reports how (success or failure)
         if not missing:
             worker_group.state = WorkerState.HEALTHY
             lifecycle(
@@ -548,3 +578,24 @@ class ElastrainAgent(LocalElasticAgent):
         self._stop_workers(worker_group)
         worker_group.state = WorkerState.STOPPED
         self._start_tracked(worker_group)
+
+    def _wait_regroup_acks(self, worker_group: WorkerGroup, notice: RegroupNotice, wait_s: float) -> list[int] | None:
+        """The local ranks that did not acknowledge ``notice`` within ``wait_s``; None if a worker ended first
+        (one that finished its training as the change came, or died: restarting it would be wrong either way)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = self.regroup.wait_acks(
+                sorted(notice.ranks), notice.round, min(0.5, max(0.0, deadline - time.monotonic()))
+            )
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            result: RunResult = super()._monitor_workers(worker_group)
+            if result.state is not WorkerState.HEALTHY:
+                lifecycle(
+                    "regroup_unanswered",
+                    level=logging.WARNING,
+                    round=notice.round,
+                    workers=result.state.name.lower(),
+                    why="a worker ended before it acknowledged the regroup",
+                )
+                return None

@@ -125,6 +125,12 @@ def main() -> None:
             f"hash={state_hash(model, optimizer)}",
             flush=True,
         )
+    hold_file = os.environ.get("LW_END_HOLD_FILE", "")
+    if hold_file:  # the session closed; the process is still busy (uploading results, say) until the file exists
+        print(f"LW_CLOSED rank={rank}", flush=True)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(hold_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ class Node:
         env: dict[str, str],
         collective_timeout: float = 20,
         extra: tuple[str, ...] = (),
+        last_call_s: float = 1,
     ) -> None:
         self.name = name
         self.log = tmp / f"{name}.log"
@@ -56,7 +57,7 @@ class Node:
             "--rdzv-id",
             "live-test",
             "--rdzv-conf",
-            "last_call_timeout=1",
+            f"last_call_timeout={last_call_s:g}",
             "--max-restarts",
             "0",
             "--live",
@@ -83,12 +84,15 @@ class Node:
 
 
 def _run(tmp: Path, names: list[str], env: dict[str, str], nnodes: str) -> list[Node]:
-    """Start the nodes (the first hosts the c10d store) and wait for every agent to end."""
+    """Start the nodes (the first hosts the c10d store) and wait for every agent to end.
+
+    The first round waits for all of them (a long last call: a node slow to start under load must not
+    find a job that already trained without it; later rounds never wait for the last call)."""
     port = free_port()
     nodes: list[Node] = []
     try:
         for name in names:
-            nodes.append(Node(name, tmp, port, nnodes, env))
+            nodes.append(Node(name, tmp, port, nnodes, env, last_call_s=BOUND))
             time.sleep(0.3)
         deadline = time.monotonic() + BOUND
         while time.monotonic() < deadline:
@@ -383,3 +387,28 @@ def test_a_node_told_to_leave_while_its_workers_warm_up_leaves_at_once(tmp_path:
     assert b.proc.returncode == 0, detail
     assert b.events("agent_left") and not b.events("checkpoint_requested"), detail
     assert not b.events("rendezvous_joined") and not a.events("regroup_announced")[1:], detail
+
+
+def test_a_node_arriving_while_the_workers_close_waits_for_them_to_end(tmp_path: Path) -> None:
+    """A node joins after the training loop ended but before the worker exited: the finished worker is neither
+    asked for a save nor moved nor restarted (a restart would redo the whole job); its node ends with success."""
+    hold = tmp_path / "hold"
+    env = {"LW_MAX_STEPS": "8", "LW_SLEEP": "0.02", "LW_END_HOLD_FILE": str(hold)}
+    port = free_port()
+    a = Node("a", tmp_path, port, "1:2", env)
+    with reaped(a.proc):
+        wait_for(lambda: bool(a.lines("LW_CLOSED")), BOUND, what="a's worker closing\n" + a.dump())
+        b = Node("b", tmp_path, port, "1:2", {**env, "LW_END_HOLD_FILE": ""})
+        with reaped(b.proc):
+            wait_for(lambda: bool(a.events("membership_change_deferred")), BOUND, what="a deferring\n" + a.dump())
+            hold.write_text("")
+            try:
+                a.proc.wait(timeout=BOUND)
+            except subprocess.TimeoutExpired:
+                raise AssertionError("a did not end\n" + a.dump()) from None
+    detail = a.dump() + "\n" + b.dump()
+    assert a.proc.returncode == 0, detail
+    assert len(a.lines("LW_START")) == 1 and len(a.lines("LW_DONE")) == 1, detail
+    for name in ("checkpoint_requested", "regroup_announced", "workers_restarting", "regroup_fallback"):
+        assert not a.events(name)[1 if name == "regroup_announced" else 0 :], f"{name}\n{detail}"
+    assert a.events("job_succeeded"), detail
