@@ -275,6 +275,17 @@ class RegroupChannel:
                 continue
         return max(rounds, default=None)
 
+    def broken_local_ranks(self, round_: int) -> set[int]:
+        """The local ranks that reported a broken collective in ``round_``."""
+        out: set[int] = set()
+        for path in self.directory.glob(_BROKEN.format(local_rank="*")):
+            try:
+                if int(json.loads(path.read_text())["round"]) == round_:
+                    out.add(int(path.stem.rsplit("-", 1)[1]))
+            except (*_UNREADABLE, IndexError):
+                continue
+        return out
+
     def forget_workers(self) -> None:
         """Before new workers start: the old workers' live announcements and acks no longer hold."""
         for pattern in (_LIVE, _REGROUP_ACK, _BROKEN, _WARM, _FINISHING):

@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from elastrain.checkpoint import Checkpointer, RestoreInfo
 from elastrain.checkpoint.storage import join_path
+from elastrain.collective_failure import note_if_collective_failure
 from elastrain.control import ControlChannel, RegroupChannel, SaveCause
 from elastrain.data import ElasticSampler, EpochEnd, RankStep
 from elastrain.env import WorkerEnv
@@ -473,6 +474,8 @@ class Session:
         return self.start()
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if isinstance(exc, BaseException):  # a peer's failure echoed here is not this node's own (the agent asks)
+            note_if_collective_failure(self.env, exc)
         # After an exception the step in flight is half done: never save it.
         self.close(save=exc_type is None)
 

@@ -36,6 +36,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 
+from elastrain.collective_failure import names_collective_failure
 from elastrain.control import ControlChannel, RegroupChannel, RegroupNotice, SaveCause
 from elastrain.env import WARM, ZYGOTE, LaunchContext, StartReason, start_reason, to_environ
 from elastrain.errors import FATAL_EXIT_CODES, NodeLeftError
@@ -200,7 +201,7 @@ class ElastrainAgent(LocalElasticAgent):
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._fatal_exit(result):
             return self._end_on_config_error(result)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-            change = self._wait_for_membership_change(handler)
+            change = self._wait_for_membership_change(handler, self._failure_is_echo(result))
             if change is not None:
                 # A peer died, left or was evicted: our workers' collective broke because of it.
                 lifecycle("membership_changed", level=logging.WARNING, cause=str(change), workers="failed")
@@ -272,8 +273,20 @@ class ElastrainAgent(LocalElasticAgent):
         if isinstance(fatal, BaseException):
             raise fatal
 
-    def _wait_for_membership_change(self, handler: Any) -> Change | None:
-        """After a worker failure, wait (bounded) to learn whether a peer's departure caused it."""
+    def _failure_is_echo(self, result: RunResult) -> bool:
+        """Whether every local worker that failed on its own said a collective broke under it (a peer's
+        failure, echoed here); those torch stopped after the first failure (SIGTERM) are not asked."""
+        ctx = self._context
+        if ctx is None:
+            return False
+        primary = [f for f in result.failures.values() if f.exitcode != -signal.SIGTERM]
+        noted = self.regroup.broken_local_ranks(ctx.round)
+        return bool(primary) and all(
+            f.local_rank in noted or names_collective_failure(str(f.message or "")) for f in primary
+        )
+
+    def _wait_for_membership_change(self, handler: Any, echo: bool) -> Change | None:
+        """After a worker failure, wait (bounded) to learn whether a peer's departure or failure caused it."""
         grace = getattr(handler, "membership_grace_s", None)
         if not isinstance(grace, float):
             return None
@@ -281,7 +294,7 @@ class ElastrainAgent(LocalElasticAgent):
         # Peers that report later learn that theirs is an echo of ours; every peer is probed at the next tick.
         report = getattr(handler, "report_worker_failure", None)
         if callable(report):
-            report()
+            report(echo=echo)
         while True:
             self._raise_if_fatal(handler)
             change = _membership_change(handler)

@@ -444,11 +444,16 @@ def _become_worker(req: dict[str, Any]) -> None:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, int) and exc.code is not None:
             print(exc.code, file=sys.stderr)
-    except BaseException:
+    except BaseException as exc:
         import traceback
 
         traceback.print_exc()
         code = 1
+        with contextlib.suppress(Exception):  # a plain script's broken collective: tell the agent it is an echo
+            from elastrain.collective_failure import note_if_collective_failure
+            from elastrain.env import WorkerEnv
+
+            note_if_collective_failure(WorkerEnv.from_environ(), exc)
     finally:
         with contextlib.suppress(Exception):
             sys.stdout.flush()

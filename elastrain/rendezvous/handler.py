@@ -747,9 +747,9 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         """Probe every peer at the next heartbeat tick (the agent calls this when its workers fail)."""
         self._probe_all = True
 
-    def report_worker_failure(self) -> None:
-        """This node's workers failed: record it in the round (peers that report later know theirs is an
-        echo, see :func:`state.report_failure`) and probe every peer at the next heartbeat tick."""
+    def report_worker_failure(self, echo: bool = False) -> None:
+        """This node's workers failed: record it in the round (``echo``: they said a collective broke under
+        them; see :func:`state.report_failure`) and probe every peer at the next heartbeat tick."""
         self._probe_all = True
         round_ = self._round
         if round_ < 0:
@@ -758,7 +758,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self._watch_first, self._watch_moved = {}, set()
         self._failure_watch_until = time.monotonic() + self.membership_grace_s + s.heartbeat_timeout_s
         try:
-            after = self._update(lambda cur: st.report_failure(cur, self.node_id, round_))
+            after = self._update(lambda cur: st.report_failure(cur, self.node_id, round_, echo))
         except (RendezvousError, *STORE_ERRORS) as exc:
             self._quiet.log("failure_report_failed", exc, node=self.node_id)
             return
@@ -770,6 +770,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 round=round_,
                 order=after.failed.index(self.node_id) + 1,
                 first=after.failed[0],
+                echo=echo,
             )
 
     def membership_change(self) -> st.Change | None:

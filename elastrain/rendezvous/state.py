@@ -79,7 +79,10 @@ class RendezvousState:
     superseded_by: str = ""
     """Set when another world won this lineage's generation claim: where that world's store is."""
     failed: tuple[str, ...] = ()
-    """Members of ``round`` whose workers failed, in the order they reported it (see :func:`report_failure`)."""
+    """Members of ``round`` whose workers failed: those that failed on their own first, then the echoes
+    (``echoes``), each part in the order they reported it (see :func:`report_failure`)."""
+    echoes: tuple[str, ...] = ()
+    """The members of ``failed`` whose workers said a collective broke under them (a peer failed)."""
 
 
 class Departure(str, enum.Enum):
@@ -146,6 +149,7 @@ def encode(state: RendezvousState) -> bytes:
             "majority": state.majority,
             "superseded_by": state.superseded_by,
             "failed": list(state.failed),
+            "echoes": list(state.echoes),
         },
         separators=(",", ":"),
     ).encode()
@@ -182,6 +186,7 @@ def decode(data: bytes) -> RendezvousState:
             majority=bool(raw.get("majority", True)),
             superseded_by=str(raw.get("superseded_by", "")),
             failed=tuple(str(n) for n in raw.get("failed", ())),
+            echoes=tuple(str(n) for n in raw.get("echoes", ())),
         )
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise RendezvousStateCorruptError(
@@ -322,20 +327,27 @@ def complete(state: RendezvousState, max_nodes: int) -> RendezvousState:
         heartbeats={k: v for k, v in state.heartbeats.items() if k in keep},
         majority=majority,
         failed=(),
+        echoes=(),
     )
 
 
-def report_failure(state: RendezvousState, node: str, round_: int) -> RendezvousState | None:
+def report_failure(state: RendezvousState, node: str, round_: int, echo: bool = False) -> RendezvousState | None:
     """``node``'s workers failed while it ran ``round_``; ``None`` if that changes nothing.
 
     When one node's workers fail, its peers' workers usually fail a moment later (their collective broke),
-    and every agent sees a failure. The order of the reports tells the cause from the echoes: the first
-    reporter's failure is its own (it counts against its ``--max-restarts``); members that report later,
-    or whose workers are still healthy, re-form without counting one (:func:`change_for`).
+    and every agent sees a failure. The first of ``failed`` is the cause: its failure is its own (it counts
+    against its ``--max-restarts``); the others, and members whose workers are still healthy, re-form
+    without counting one (:func:`change_for`). ``echo``: the node's workers said a collective broke under
+    them; such a report goes after every other, so that an echo's agent that reports before the cause's
+    (a loaded machine, a slower agent) is not taken for the cause. Among echoes alone, the first reporter
+    is the cause (a collective that broke with no failed peer: a partition, a frozen peer).
     """
     if state.round != round_ or node not in state.members or node in state.failed or node in state.departed:
         return None
-    return replace(state, failed=(*state.failed, node))
+    if echo:
+        return replace(state, failed=(*state.failed, node), echoes=(*state.echoes, node))
+    own = tuple(n for n in state.failed if n not in state.echoes)
+    return replace(state, failed=(*own, node, *state.echoes))
 
 
 def record_generation(state: RendezvousState, round_: int, generation: int) -> RendezvousState | None:

@@ -172,22 +172,26 @@ class RendezvousModel(RuleBasedStateMachine):
         self._set(st.remove(self.s, [node.ident], "left:SIGTERM"))
         self.nodes[name] = Node()
 
-    @rule(i=hs.integers(0, MAX_NODES - 1), leaves=hs.booleans(), echoed=hs.booleans())
-    def fail(self, i: int, leaves: bool, echoed: bool) -> None:
+    @rule(i=hs.integers(0, MAX_NODES - 1), leaves=hs.booleans(), echoed=hs.booleans(), echo_first=hs.booleans())
+    def fail(self, i: int, leaves: bool, echoed: bool, echo_first: bool) -> None:
         """A node's workers fail; ``echoed``: every running peer's workers fail with them (their collective
-        broke) and report it later, each ready to count it as its own unless the round says otherwise."""
+        broke) and report it as an echo, each ready to count it as its own unless the round says otherwise;
+        ``echo_first``: the echoes' agents report before the cause's (a loaded machine)."""
         name = f"n{i}"
         node = self.nodes.get(name)
         if node is None or node.status != "running" or name not in self._acting():
             return
         self._event()
         peers = [k for k in self._acting() if k != name and self.nodes[k].status == "running"] if echoed else []
-        for slot in [name, *peers]:
+        order = [*peers, name] if echo_first else [name, *peers]
+        for slot in order:
             n = self.nodes[slot]
-            reported = st.report_failure(self.s, n.ident, n.my_round)
+            reported = st.report_failure(self.s, n.ident, n.my_round, echo=slot != name)
             if reported is not None:
                 self._set(reported)
             n.verdict = "leave" if leaves else "restart"
+        if node.ident in self.s.failed:  # the cause is first, however late its agent reported
+            assert self.s.failed[0] == node.ident, self.s.failed
 
     @rule(i=hs.integers(0, MAX_NODES - 1))
     def die(self, i: int) -> None:

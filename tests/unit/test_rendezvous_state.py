@@ -187,6 +187,30 @@ def test_the_first_failure_reported_is_the_cause_and_later_ones_are_its_echoes()
 
 
 @pytest.mark.parametrize(
+    ("reports", "cause"),
+    [
+        ([("b", False), ("a", True), ("c", True)], "b"),  # the cause reported first
+        ([("a", True), ("b", False), ("c", True)], "b"),  # an echo's agent reported before the cause's
+        ([("a", True), ("c", True), ("b", False)], "b"),  # both echoes before the cause
+        ([("a", True), ("c", True)], "a"),  # echoes alone (a collective broke, no peer failed): the first
+        ([("b", False), ("a", False)], "b"),  # two failures of their own: report order
+    ],
+)
+def test_an_echo_reported_before_the_cause_is_not_taken_for_it(reports: list[tuple[str, bool]], cause: str) -> None:
+    s = formed("a", "b", "c")
+    for node, echo in reports:
+        nxt = st.report_failure(s, node, 0, echo=echo)
+        assert nxt is not None
+        s = nxt
+    assert s.failed[0] == cause and sorted(s.failed) == sorted(n for n, _ in reports)
+    assert st.change_for(s, cause, 0, 4) is None  # the cause counts its failure
+    for other in {"a", "b", "c"} - {cause}:
+        change = st.change_for(s, other, 0, 4)
+        assert change is not None and change.kind is st.ChangeKind.PEER_FAILED and cause in change.detail
+    assert st.decode(st.encode(s)) == s
+
+
+@pytest.mark.parametrize(
     ("departed", "expected"),
     [({"b": "failed:workers"}, st.ChangeKind.DEPARTED), ({}, st.ChangeKind.PEER_FAILED)],
 )
