@@ -64,6 +64,7 @@ from elastrain.metrics import (
     tensorboard_available,
 )
 from elastrain.scaling import BatchPlan, Policy, ScalingConfig, Schedule, loss_scale, plan, ramped_scale
+from elastrain.step_flags import StepFlags, flagged_allreduce
 from elastrain.train_state import TrainState
 
 
@@ -285,6 +286,7 @@ class Session:
         self._steps_rerun = 0
         # Rank 0 watches the launcher's save requests only to record them as events; the checkpointer acts on them.
         self._control = ControlChannel(self.env.control_dir) if self.env.control_dir and self.rank == 0 else None
+        self._step_flags = StepFlags()  # raised at each step's gradient sync, agreed by every rank
         # elastrain-run --live true: membership changes move this process to the next round (elastrain.live).
         self.live: LiveMember | None = None
         self._collect_garbage = False
@@ -341,10 +343,14 @@ class Session:
         """``self.model``: the module in DDP over the current group (in live mode, through its comm hook)."""
         ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(self.module, device_ids=ids, **self._ddp_kwargs)
+        flags = self._step_flags  # the save decision rides on the step's last gradient bucket
+        # Lambdas: DDP rejects a hook whose annotations are strings (from __future__ import annotations).
         if self.live is not None:
             group = self.live.group
-            # A lambda: DDP rejects a hook whose annotations are strings (from __future__ import annotations).
-            ddp.register_comm_hook(None, lambda state, bucket: group.comm_hook(state, bucket))
+            ddp.register_comm_hook(None, lambda state, bucket: group.comm_hook(state, bucket, flags))
+        elif self._checkpoint_dir:  # without a checkpointer there is nothing to agree: DDP's own all-reduce
+            hook = flagged_allreduce(flags)
+            ddp.register_comm_hook(None, lambda state, bucket: hook(state, bucket))
         self.model = ddp
 
     def _restore(self) -> RestoreInfo | None:
@@ -359,6 +365,7 @@ class Session:
         if not self._checkpoint_dir:
             return
         self.checkpointer = Checkpointer(directory=self._checkpoint_dir, **self._ckpt_kwargs)
+        self.checkpointer.agree_through(self._step_flags)  # no all-reduce of its own per step
         self.checkpointer.register(
             model=self.module,
             optimizer=self.optimizer,
@@ -513,6 +520,7 @@ class Session:
                 # The replaced DDP wrapper's reducer must be gone (its autograd hooks with it) before a backward.
                 self._collect_garbage = False
                 gc.collect()
+        self._step_flags.begin_step()
         sampler = self._require_sampler()
         rank_step = next(self._steps, None) if self._steps is not None else None
         if rank_step is None:

@@ -84,6 +84,7 @@ from elastrain.errors import (
     StaleGenerationError,
 )
 from elastrain.log import lifecycle
+from elastrain.step_flags import StepFlags
 
 __all__ = ["DEFAULT_INTERVAL_SECONDS", "Checkpointer", "RestoreInfo", "SaveResult"]
 
@@ -208,6 +209,11 @@ class Checkpointer:
         self.last_error: BaseException | None = None
         self._closed = False
         self._hold_after: int | None = None  # a requested save whose hold the caller deferred
+
+    def agree_through(self, flags: StepFlags) -> None:
+        """Agree when to save through ``flags``, raised in each step's gradient all-reduce (the Session's DDP
+        comm hook), instead of an all-reduce of our own per step; steps without a sync still use ours."""
+        self._trigger.use_flags(flags)
 
     @property
     def schedule(self) -> SaveSchedule:

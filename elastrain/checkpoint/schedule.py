@@ -3,8 +3,9 @@
 :class:`SaveSchedule` is the policy, a frozen and validated value (intervals, hold after a request);
 :func:`decide` is the pure rule; :class:`SaveTrigger` applies them at step boundaries: it reads the
 launcher's save requests (:mod:`elastrain.control`), makes every rank agree (a rank that saw a
-request, or whose clock says the interval passed, makes all ranks save at the same step), and
-reports commits back to the launcher. A checkpointer owns one trigger; replacing
+request, or whose clock says the interval passed, makes all ranks save at the same step: through
+the step's gradient all-reduce when the Session provides one, :mod:`elastrain.step_flags`, else by
+a tiny all-reduce of its own), and reports commits back to the launcher. A checkpointer owns one trigger; replacing
 ``trigger.schedule`` changes the schedule from the next step on.
 """
 
@@ -19,9 +20,13 @@ from typing import Any
 
 from elastrain.control import ControlChannel, SaveAck, SaveRequest, hold_for_restart
 from elastrain.errors import CheckpointError
+from elastrain.step_flags import StepFlags
 
 # Saved this often when neither interval is given (pass interval_seconds=math.inf for "on request only").
 DEFAULT_INTERVAL_SECONDS = 300.0
+
+
+_TIMED, _REQUESTED = "save_timed", "save_requested"  # the trigger's StepFlags
 
 
 class SaveReason(str, enum.Enum):
@@ -108,12 +113,28 @@ class SaveTrigger:
         self.last_saved_step: int | None = None
         self._last_save_time = time.monotonic()
         self._answer: SaveAck | None = None
+        self._flags: StepFlags | None = None
+
+    def use_flags(self, flags: StepFlags) -> None:
+        """Agree through ``flags`` (raised at each step's gradient sync) instead of a collective of our own."""
+        flags.add(_TIMED, self._timed)
+        flags.add(_REQUESTED, self._requested)
+        self._flags = flags
+
+    def _timed(self) -> bool:
+        return self.schedule.seconds_due(time.monotonic() - self._last_save_time)
+
+    def _requested(self) -> bool:
+        return self.channel is not None and self.channel.pending() is not None
 
     def check(self, step: int) -> SaveReason | None:
-        """Whether to save ``step``, and why; collective when distributed (call on every rank at every step)."""
+        """Whether to save ``step``, and why; collective when distributed (call on every rank at every step),
+        unless this step's gradient sync carried the flags (:meth:`use_flags`)."""
         s = self.schedule
-        timed = s.seconds_due(time.monotonic() - self._last_save_time)
-        requested = self.channel is not None and self.channel.pending() is not None
+        agreed = self._flags.agreed() if self._flags is not None else None
+        if agreed is not None:
+            return decide(s, step, self.last_saved_step, agreed[_TIMED], agreed[_REQUESTED])
+        timed, requested = self._timed(), self._requested()
         if self._agree is not None and (s.timed or self.channel is not None):
             if step % s.agree_every_steps == 0:
                 timed, requested = (bool(v) for v in self._agree([int(timed), int(requested)]))

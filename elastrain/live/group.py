@@ -26,6 +26,7 @@ from torch._C._distributed_c10d import GradBucket, PrefixStore, TCPStore
 
 from elastrain.errors import ElastrainError
 from elastrain.log import lifecycle
+from elastrain.step_flags import StepFlags, carries_flags
 
 
 def _wait_listening(addr: str, port: int, timeout_s: float, poll_s: float = 0.005) -> None:
@@ -169,11 +170,18 @@ class TrainingGroup:
         fut.add_done_callback(done)
         return out
 
-    def comm_hook(self, state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """DDP's gradient average over the current group, as a future :meth:`abort` can fail."""
+    def comm_hook(
+        self, state: object, bucket: GradBucket, flags: StepFlags | None = None
+    ) -> torch.futures.Future[torch.Tensor]:
+        """DDP's gradient average over the current group, as a future :meth:`abort` can fail; ``flags``
+        ride on the step's last bucket (:mod:`elastrain.step_flags`)."""
         tensor = bucket.buffer()
         tensor.div_(dist.get_world_size())
-        return self._hand_out(dist.all_reduce(tensor, async_op=True), tensor)
+        if flags is None or not carries_flags(flags, bucket):
+            return self._hand_out(dist.all_reduce(tensor, async_op=True), tensor)
+        packed = flags.pack(tensor)
+        out = self._hand_out(dist.all_reduce(packed, async_op=True), packed)
+        return out.then(lambda f: flags.unpack(f.value(), tensor))
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         """A blocking all-reduce that :meth:`abort` can give up; raises :class:`GroupBrokenError`."""

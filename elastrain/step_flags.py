@@ -1,0 +1,90 @@
+"""Control flags agreed inside the step's gradient all-reduce: no collective of their own.
+
+A checkpoint that the launcher asks for (a node leaves, a node joins) or that a rank's clock says is
+due must start at the same step on every rank, so the ranks agree on it at each step boundary. A
+collective for that alone costs a round trip on every step. Data-parallel training already makes
+one all-reduce per step that every rank joins: DDP's gradient buckets. :class:`StepFlags` appends a
+few numbers to the step's last bucket (:func:`flagged_allreduce`, a DDP comm hook; live mode's
+:meth:`elastrain.live.group.TrainingGroup.comm_hook` does the same), so that after the backward every
+rank holds, for each flag, whether any rank raised it. The checkpointer's save trigger reads them at
+the step boundary (:meth:`elastrain.checkpoint.schedule.SaveTrigger.use_flags`) and runs its own
+agreement only for a step whose backward made no sync (then on every rank alike).
+
+The values are summed in the gradients' dtype: a sum of zeros and ones is zero only if every value
+is zero, in any dtype, so "any rank raised it" survives fp16 and bf16 buckets. The agreed numbers
+stay on the device until read (one small copy at the step boundary, not a sync inside backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket
+
+
+class StepFlags:
+    """Named boolean flags, raised by this rank at the step's last gradient sync, agreed by all ranks."""
+
+    def __init__(self) -> None:
+        self._sources: dict[str, Callable[[], bool]] = {}
+        self._agreed: torch.Tensor | None = None
+        self._names: tuple[str, ...] = ()
+
+    def add(self, name: str, source: Callable[[], bool]) -> None:
+        """``source()`` is asked at each step's last gradient sync whether this rank raises ``name``."""
+        self._sources[name] = source
+
+    def begin_step(self) -> None:
+        """A new step starts on every rank: nothing is agreed for it yet."""
+        self._agreed = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self._sources)
+
+    def pack(self, grads: torch.Tensor) -> torch.Tensor:
+        """``grads`` followed by this rank's flags (a new tensor, to all-reduce with SUM)."""
+        self._names = tuple(self._sources)
+        raised = [1.0 if self._sources[n]() else 0.0 for n in self._names]
+        flags = torch.tensor(raised, dtype=grads.dtype).to(grads.device, non_blocking=True)
+        return torch.cat([grads, flags])
+
+    def unpack(self, packed: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+        """After the all-reduce: the gradients back into ``grads``; the flags kept as agreed for this step."""
+        n = grads.numel()
+        grads.copy_(packed[:n])
+        self._agreed = packed[n:].detach().clone()
+        return grads
+
+    def agreed(self) -> dict[str, bool] | None:
+        """Every flag, True if any rank raised it in this step's sync; None if this step made no sync."""
+        if self._agreed is None:
+            return None
+        return {name: value > 0 for name, value in zip(self._names, self._agreed.tolist(), strict=True)}
+
+
+def carries_flags(flags: StepFlags, bucket: GradBucket) -> bool:
+    """Whether this bucket carries the step's flags: the last bucket of the backward, once per step."""
+    return flags.active and bucket.is_last()
+
+
+def flagged_allreduce(
+    flags: StepFlags, group: dist.ProcessGroup | None = None
+) -> Callable[[object, GradBucket], torch.futures.Future[torch.Tensor]]:
+    """A DDP comm hook: DDP's gradient average, with ``flags`` riding on the last bucket."""
+
+    def hook(state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        grads = bucket.buffer()
+        grads.div_(dist.get_world_size(group))
+        if not carries_flags(flags, bucket):
+            fut = dist.all_reduce(grads, group=group, async_op=True).get_future()
+            out: torch.futures.Future[torch.Tensor] = fut.then(lambda f: f.value()[0])
+            return out
+        packed = flags.pack(grads)
+        fut = dist.all_reduce(packed, group=group, async_op=True).get_future()
+        flagged: torch.futures.Future[torch.Tensor] = fut.then(lambda f: flags.unpack(f.value()[0], grads))
+        return flagged
+
+    return hook

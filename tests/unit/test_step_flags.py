@@ -1,0 +1,57 @@
+"""StepFlags: what one rank appends to the step's last gradient bucket, and what the sum tells every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elastrain.checkpoint.schedule import SaveReason, SaveSchedule, SaveTrigger
+from elastrain.step_flags import StepFlags
+
+
+def _rank(raised: dict[str, bool]) -> StepFlags:
+    flags = StepFlags()
+    for name, value in raised.items():
+        flags.add(name, lambda v=value: v)
+    return flags
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("world", [2, 3, 300])
+def test_a_flag_is_agreed_when_any_rank_raised_it_and_the_gradients_come_back_whole(
+    dtype: torch.dtype, world: int
+) -> None:
+    grads = [torch.full((5,), float(r), dtype=dtype) / world for r in range(world)]
+    ranks = [_rank({"save": r == world - 1, "stop": False, "all": True}) for r in range(world)]
+    packed = [f.pack(g) for f, g in zip(ranks, grads, strict=True)]
+    total = torch.stack(packed).sum(dim=0, dtype=dtype)  # what the SUM all-reduce gives every rank
+    for flags, g in zip(ranks, grads, strict=True):
+        assert flags.agreed() is None  # nothing agreed before the sync
+        out = flags.unpack(total.clone(), g)
+        assert out is g and torch.equal(g, total[:5])
+        assert flags.agreed() == {"save": True, "stop": False, "all": True}
+        flags.begin_step()
+        assert flags.agreed() is None
+
+
+def test_the_save_trigger_decides_from_the_agreed_flags_without_its_own_collective() -> None:
+    def no_collective(values: list[int]) -> list[int]:
+        raise AssertionError("the trigger ran its own agreement although the step's sync carried the flags")
+
+    flags = StepFlags()
+    trigger = SaveTrigger(SaveSchedule(interval_seconds=3600.0), None, no_collective)
+    trigger.use_flags(flags)
+    assert flags.active
+    grads = torch.zeros(3)
+    packed = flags.pack(grads)
+    assert packed.tolist() == [0, 0, 0, 0, 0]  # neither due by the clock nor requested on this rank
+    packed[-1] = 1.0  # another rank saw the launcher's request
+    flags.unpack(packed, grads)
+    assert trigger.check(7) is SaveReason.REQUEST
+    flags.unpack(torch.zeros(5), grads)
+    assert trigger.check(8) is None
+    # A step whose backward made no sync: the trigger's own agreement, on every rank alike.
+    flags.begin_step()
+    agreed: list[list[int]] = []
+    trigger._agree = lambda values: agreed.append(values) or [0, 1]  # type: ignore[assignment, func-returns-value]
+    assert trigger.check(9) is SaveReason.REQUEST and agreed == [[0, 0]]
