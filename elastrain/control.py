@@ -90,6 +90,10 @@ class RegroupNotice:
     start_reason: str
     previous_world_size: int | None
     announced_at: float
+    no_departure: bool = False
+    """The change lost no member (nodes joined): every collective of the old round completes, so the
+    workers move at a step boundary they agree on (:mod:`elastrain.step_flags`), finishing the step in
+    flight, and the watchdog gives up nothing."""
 
     def to_json(self) -> dict[str, object]:
         out = dict(self.__dict__)
@@ -115,6 +119,7 @@ class RegroupNotice:
             start_reason=str(raw["start_reason"]),
             previous_world_size=None if previous is None else int(previous),  # type: ignore[call-overload]
             announced_at=float(raw["announced_at"]),  # type: ignore[arg-type]
+            no_departure=bool(raw.get("no_departure", False)),
         )
 
 

@@ -67,6 +67,8 @@ from elastrain.scaling import BatchPlan, Policy, ScalingConfig, Schedule, loss_s
 from elastrain.step_flags import StepFlags, flagged_allreduce
 from elastrain.train_state import TrainState
 
+_REGROUP = "regroup"  # the StepFlags flag: some rank's agent announced the next round
+
 
 class SessionError(ElastrainError):
     """The training loop used the session out of order."""
@@ -514,8 +516,10 @@ class Session:
         if self.checkpointer is not None:
             self.checkpointer.hold_if_requested()  # for the restart a requested save announced
         if self.live is not None:
-            if self.live.pending_notice() is not None:
-                self._regroup(None)  # an announced change (a node joins, or leaves before our collective broke)
+            if self._regroup_due(self.live):
+                self._regroup(
+                    None, wait=True
+                )  # an announced change (a node joins, or leaves before our collective broke)
             if self._collect_garbage:
                 # The replaced DDP wrapper's reducer must be gone (its autograd hooks with it) before a backward.
                 self._collect_garbage = False
@@ -635,6 +639,8 @@ class Session:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.live = LiveMember(self.env, backend)
+        live = self.live
+        self._step_flags.add(_REGROUP, lambda: live.pending_notice() is not None)  # moves at one agreed step
         if self.env.warm:  # built while the job trained without this node: now it may join a round
             self.env = self.live.await_round()
         self.live.join_first()
@@ -731,15 +737,33 @@ class Session:
         if step is not None:
             step.abandoned = True
 
-    def _regroup(self, cause: BaseException | None) -> None:
-        """Move to the agent's next round (waiting, bounded, for its notice when ``cause`` broke a collective)."""
+    def _regroup_due(self, live: LiveMember) -> bool:
+        """At a step boundary: whether to move to the next round now.
+
+        When the step's gradient sync carried the flags, every rank decides alike: all move once any rank's
+        agent announced a round, finishing the step in flight (a node joined: every collective completes);
+        a round that lost a member is taken at once (its group is broken: the next collective would fail)."""
+        notice = live.pending_notice()
+        agreed = self._step_flags.agreed()
+        if agreed is not None and _REGROUP in agreed:
+            return agreed[_REGROUP] or (notice is not None and not notice.no_departure)
+        if notice is None:
+            return False
+        # No sync carried the flags (the first step in a group): alone, or with a member gone, move now; with
+        # every member staying, wait for the next step's sync (a peer may be inside a collective with us).
+        return not notice.no_departure or self.world_size == 1
+
+    def _regroup(self, cause: BaseException | None, wait: bool = False) -> None:
+        """Move to the agent's next round (waiting, bounded, for its notice when ``cause`` broke a collective,
+        or when ``wait``: a peer's agent announced it first)."""
         live = self.live
         if live is None:
             raise SessionError("internal: regroup outside live mode")
-        timeout = self.env.regroup_timeout_s if cause is not None else 0.0
+        timeout = self.env.regroup_timeout_s if cause is not None or wait else 0.0
         notice = live.pending_notice()
         if notice is None and cause is not None:
             live.report_broken()  # the agent probes its peers at once
+        if notice is None and timeout > 0:
             notice = live.wait_notice(live.round, timeout)
         if notice is None:
             lifecycle("regroup_notice_missing", level=logging.WARNING, waited_s=timeout, error=repr(cause)[:200])

@@ -563,6 +563,7 @@ class ElastrainAgent(LocalElasticAgent):
             start_reason=ctx.start_reason.value,
             previous_world_size=old_world_size,
             announced_at=time.time(),
+            no_departure=bool(getattr(worker_group.spec.rdzv_handler, "kept_every_member", False)),
         )
         self.regroup.announce(notice)
         lifecycle("regroup_announced", round=notice.round, world_size=f"{old_world_size}->{notice.world_size}")

@@ -4,7 +4,9 @@ A rank can wait in a collective that will never complete without failing: a peer
 left the round (its own collective broke first and it went to regroup), or a frozen one. The agent's
 notice says the round is over; the watchdog then fails the training group's pending collectives
 (:meth:`elastrain.live.group.TrainingGroup.abort`), so the wait ends at once instead of after
-``--collective-timeout``. It reads one file's ``stat`` per poll.
+``--collective-timeout``. A notice of a change that lost no member (nodes joined) is left to the
+step boundary that every rank agrees on: the old round's collectives all complete. It reads one
+file's ``stat`` per poll.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
             notice = self._channel.newer_than(self._round)
-            if notice is None:
-                continue
+            if notice is None or notice.no_departure:
+                continue  # nodes joined: every member completes its collectives, and all move at one step
             over = self._round
             failed = self._group.abort(GroupBrokenError(f"round {over} is over: regroup into {notice.round}"), over)
             if failed:

@@ -292,6 +292,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self._lock = threading.RLock()  # RLock: a signal handler on the main thread may leave mid-update
         self._cached = st.RendezvousState()
         self._round = -1
+        self._members: tuple[str, ...] = ()  # of the round this node last joined
+        self._kept_every_member = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._obs = st.Observations()
@@ -377,6 +379,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         else:
             raise RendezvousTimeoutError("no round settled after 1000 attempts (the membership kept changing)")
         self._round = state.round
+        self._kept_every_member = self.node_id in self._members and set(self._members) <= set(state.members)
+        self._members = state.members
         master = state.nodes[state.members[0]]
         rank = state.members.index(self.node_id)
         store = PrefixStore(f"elastrain/{self.get_run_id()}/round{state.round}/", self._store)
@@ -720,6 +724,13 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         return True
 
     # -- elastrain's additions -------------------------------------------------------------------
+    @property
+    def kept_every_member(self) -> bool:
+        """Whether the round just formed holds every member of this node's previous round (nodes joined,
+        none left): the same answer on every node of both rounds. A live regroup then moves at a step the
+        workers agree on, finishing the step in flight (see :class:`elastrain.control.RegroupNotice`)."""
+        return self._kept_every_member
+
     @property
     def membership_grace_s(self) -> float:
         """How long after a worker failure a departed peer can take to show up in the state."""

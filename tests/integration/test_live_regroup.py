@@ -203,6 +203,12 @@ def test_a_joining_node_gets_the_state_by_broadcast_and_nobody_restarts(tmp_path
         assert not n.events("workers_restarting"), detail
     for n in (a, b):
         assert n.events("workers_regrouped"), detail
+    # Nobody left: a and b finish the step in flight and move at the same step, which they agreed on in that
+    # step's gradient all-reduce; no collective is given up, no step abandoned.
+    moves = [e for n in (a, b) for e in n.events("regroup_started")]
+    assert len(moves) == 2 and {e["cause"] for e in moves} == {"notice"}, detail
+    assert len({e["step"] for e in moves}) == 1, detail
+    assert not any(n.events("collectives_given_up") for n in nodes), detail
     # Warm join: c's worker was built (imports, model, data) and waiting before c asked for a round.
     warm, joined = c.events("workers_warm"), c.events("rendezvous_joined")
     assert warm and joined and float(warm[0]["t"]) <= float(joined[0]["t"]), detail

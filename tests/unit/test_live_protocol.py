@@ -3,6 +3,7 @@ the environment a worker rewrites after a regroup, and the --live option."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -83,6 +84,26 @@ def test_regroup_notice_ack_and_live_workers_round_trip(tmp_path: Path) -> None:
     assert worker.wait_newer(3, timeout_s=1.0) == newer
     agent.forget_workers()  # new workers start: the old ones' announcements and acks are void
     assert agent.live_pids() == {} and not agent.acked(0, 3)
+
+
+def test_a_notice_says_whether_the_round_kept_every_member_and_older_notices_read_as_not(tmp_path: Path) -> None:
+    agent, worker = RegroupChannel(tmp_path), RegroupChannel(tmp_path)
+    agent.announce(_notice(round_=6, no_departure=True))
+    seen = worker.notice()
+    assert seen is not None and seen.no_departure
+    raw = json.loads((tmp_path / "regroup.json").read_text())
+    del raw["no_departure"]  # written by an agent of before the field
+    assert not RegroupNotice.from_json(raw).no_departure
+
+
+def test_a_finishing_worker_and_its_broken_collectives_are_seen_by_the_agent(tmp_path: Path) -> None:
+    agent, worker = RegroupChannel(tmp_path), RegroupChannel(tmp_path)
+    worker.announce_finishing(0, 111)
+    worker.report_broken(1, 4)
+    assert agent.finishing_pids() == {0: 111}
+    assert agent.broken_local_ranks(4) == {1} and agent.broken_local_ranks(3) == set()
+    agent.forget_workers()
+    assert agent.finishing_pids() == {} and agent.broken_local_ranks(4) == set()
 
 
 def test_a_foreign_file_is_not_a_notice(tmp_path: Path) -> None:
