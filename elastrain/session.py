@@ -48,7 +48,7 @@ from elastrain.collective_failure import note_if_collective_failure
 from elastrain.control import ControlChannel, RegroupChannel, SaveCause
 from elastrain.data import ElasticSampler, EpochEnd, RankStep
 from elastrain.env import WorkerEnv
-from elastrain.errors import CheckpointSaveError, ElastrainError
+from elastrain.errors import CheckpointSaveError, ElastrainError, StaleGenerationError
 from elastrain.live.agreement import Ballot, vote
 from elastrain.live.group import GroupBrokenError
 from elastrain.live.member import LiveMember
@@ -517,9 +517,8 @@ class Session:
             self.checkpointer.hold_if_requested()  # for the restart a requested save announced
         if self.live is not None:
             if self._regroup_due(self.live):
-                self._regroup(
-                    None, wait=True
-                )  # an announced change (a node joins, or leaves before our collective broke)
+                # An announced change (a node joins, or leaves before our collective broke).
+                self._regroup(None, wait=True)
             if self._collect_garbage:
                 # The replaced DDP wrapper's reducer must be gone (its autograd hooks with it) before a backward.
                 self._collect_garbage = False
@@ -594,6 +593,10 @@ class Session:
         try:
             # A requested save's hold waits for the next step boundary, after the script's step.log().
             saved = self.checkpointer is not None and self.checkpointer.maybe_save(self.state.step, hold=False)
+        except StaleGenerationError as exc:
+            if not self._superseded_by_own_round(exc):
+                raise  # another world took the checkpoint root over: this one stops
+            return  # the regroup moves this world on (every rank got the same verdict at this save)
         except (RuntimeError, dist.DistError, CheckpointSaveError) as exc:
             # The step is applied on this rank; the regroup's vote decides whether the world keeps it.
             self._collective_broke(exc, None, group_error=False)
@@ -736,6 +739,28 @@ class Session:
         self._regroup(exc)
         if step is not None:
             step.abandoned = True
+
+    def _superseded_by_own_round(self, exc: StaleGenerationError) -> bool:
+        """Live mode: whether a save was refused because this node's agent formed the next round (its claim of a
+        newer fencing generation came before the save's commit), not because another world took over: the
+        agent's notice of that round says so (it follows the claim at once; bounded wait). The save is given up
+        (the state is in memory and moves with the regroup); the next save is the new world's."""
+        live = self.live
+        if live is None:
+            return False
+        notice = live.pending_notice() or live.wait_notice(live.round, self.env.regroup_timeout_s)
+        ours = self.env.generation
+        if notice is None or notice.generation is None or (ours is not None and notice.generation <= ours):
+            return False
+        lifecycle(
+            "checkpoint_superseded",
+            level=logging.WARNING,
+            step=self.state.step,
+            generation=f"{ours}->{notice.generation}",
+            why="the save's commit came after this node's next round claimed the checkpoint root; given up",
+            error=str(exc)[:200],
+        )
+        return True
 
     def _regroup_due(self, live: LiveMember) -> bool:
         """At a step boundary: whether to move to the next round now.

@@ -110,6 +110,7 @@ class ElastrainAgent(LocalElasticAgent):
         self._rounds_seen = 0
         self._warm = options.live  # the first workers start before the rendezvous (see _start_warm)
         self._warming = False
+        self._fenced = False  # the change at hand: another world won the fencing claim (see _live_capable)
         self._deferred_since: float | None = None  # when a membership change began to wait for closing workers
         self._context: LaunchContext | None = None
         self.control = ControlChannel(tempfile.mkdtemp(prefix="elastrain-control-"))
@@ -220,6 +221,9 @@ class ElastrainAgent(LocalElasticAgent):
                 if own is not None:
                     return own
             if change is not None:
+                # Fenced: another world of this job won the claim. Our workers' state diverged from the
+                # winners' (both trained on from the same checkpoint): never carry it into their world.
+                self._fenced = change.kind is ChangeKind.FENCED
                 lifecycle("membership_changed", cause=str(change), kind=change.kind.value, workers="healthy")
                 if change.kind is ChangeKind.SCALE_UP and not self._live_capable(worker_group):
                     # torch's loop restarts the workers right after this tick (num_nodes_waiting gives the
@@ -454,6 +458,7 @@ class ElastrainAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._raise_if_left()
         self.regroup.forget_workers()  # the new workers say again whether they can regroup
+        self._fenced = False
         self._workers_exited = False
         with zygote.forking_from(self._zygote):
             pids: dict[int, Any] = super()._start_workers(worker_group)
@@ -535,6 +540,8 @@ class ElastrainAgent(LocalElasticAgent):
         """Live mode is on, the workers are running and healthy, and every one said it can regroup."""
         if not self._options.live or self._worker_failed or self._workers_exited or not self._workers_running:
             return False
+        if self._fenced:
+            return False  # restarted instead: they join the winners' world without state, and receive theirs
         if worker_group.state is not WorkerState.HEALTHY:
             return False
         local_ranks = {w.local_rank for w in worker_group.workers}

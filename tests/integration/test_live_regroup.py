@@ -178,18 +178,25 @@ def test_sigkill_inside_backward_regroups_in_place_with_the_uninterrupted_state(
             assert int(s["cursor"]) == GLOBAL_BATCH * int(s["step"]), (s, detail)
 
 
-def test_a_joining_node_gets_the_state_by_broadcast_and_nobody_restarts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("saving", [False, True], ids=["no-checkpoints", "a-save-every-step"])
+def test_a_joining_node_gets_the_state_by_broadcast_and_nobody_restarts(tmp_path: Path, saving: bool) -> None:
+    """``saving``: an asynchronous save at every step, so that one is in flight when the joiner's round claims the
+    next fencing generation (its commit is then refused: given up by the old world, never a worker's death)."""
     env = {"LW_MAX_STEPS": "100000", "LW_SLEEP": "0.05", "LW_STOP_AT_WS": "3", "LW_EXTRA_STEPS": "15"}
+    extra: tuple[str, ...] = ()
+    if saving:
+        env["LW_SAVE_EVERY"] = "1"
+        extra = ("--checkpoint-dir", str(tmp_path / "ckpt"))
     port = free_port()
-    a = Node("a", tmp_path, port, "2:3", env)
+    a = Node("a", tmp_path, port, "2:3", env, extra=extra)
     time.sleep(0.5)
-    b = Node("b", tmp_path, port, "2:3", env)
+    b = Node("b", tmp_path, port, "2:3", env, extra=extra)
     nodes = [a, b]
     with reaped(a.proc, b.proc):
         try:
             # c arrives once a and b train (their workers said they can regroup: no restart for c).
             wait_for(lambda: all(len(n.lines("LW_STEP")) >= 3 for n in (a, b)), BOUND, what="two nodes training")
-            c = Node("c", tmp_path, port, "2:3", env)
+            c = Node("c", tmp_path, port, "2:3", env, extra=extra)
             nodes.append(c)
             with reaped(c.proc):
                 for n in nodes:
