@@ -1036,7 +1036,12 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             if self._failover(exc):
                 self._store_failing_since = None
                 raise _StoreSwitched() from exc
-            if now - since >= self._settings.store_lost_timeout_s:
+            # A node that never joined a round has nothing at stake and knows no successor: it keeps looking
+            # for the store the job's world publishes with its next fencing claim (a survivor that took the
+            # store over claims when its round forms), as long as it would wait for a round.
+            newcomer = self._round < 0 and self.node_id not in self._cached.nodes
+            limit = self._settings.join_timeout_s if newcomer else self._settings.store_lost_timeout_s
+            if now - since >= limit:
                 raise RendezvousStoreLostError(
                     f"the rendezvous store stopped answering for {now - since:.1f}s ({exc})"
                     + (f"; {self._on_store_lost}" if self._on_store_lost else "")
