@@ -333,6 +333,7 @@ class ChaosHarness:
                 while pending and self._due(pending[0]):
                     self._fire(pending.pop(0), len(self.trace.events) - len(pending) - 1)
                 if not self._running() and not pending:
+                    self._reap()  # a node that exited after this tick's reap: its exit is recorded too
                     break
                 if finished_at is not None and self._now() - finished_at > self.drain_s:
                     for node in self._running():
