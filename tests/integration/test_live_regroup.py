@@ -234,7 +234,9 @@ def test_a_frozen_node_is_evicted_and_the_survivors_get_out_of_their_collective_
     port = free_port()
     nodes = []
     for name in "abc":  # a starts first and hosts the c10d store; c (frozen below) hosts nothing
-        nodes.append(Node(name, tmp_path, port, "2:3", {**env, "LW_STOP_FILE": str(tmp_path / "stop")}))
+        nodes.append(
+            Node(name, tmp_path, port, "2:3", {**env, "LW_STOP_FILE": str(tmp_path / "stop")}, last_call_s=BOUND)
+        )
         time.sleep(0.5)
     a, b, c = nodes
     with reaped(*(n.proc for n in nodes)):
@@ -278,7 +280,10 @@ def test_a_worker_that_does_not_answer_the_notice_is_restarted_into_the_round_an
     port = free_port()
     nodes = []
     for name in "abc":
-        nodes.append(Node(name, tmp_path, port, "2:3", {**env, "LW_STOP_FILE": str(tmp_path / "stop")}, 5))
+        # The first round waits for all three (a long last call): under load c can start after a and b trained.
+        nodes.append(
+            Node(name, tmp_path, port, "2:3", {**env, "LW_STOP_FILE": str(tmp_path / "stop")}, 5, last_call_s=BOUND)
+        )
         time.sleep(0.5)
     with reaped(*(n.proc for n in nodes)):
         try:
@@ -308,7 +313,8 @@ def test_a_node_leaving_on_sigterm_costs_no_step(tmp_path: Path) -> None:
     port = free_port()
     nodes = []
     for name in "abc":
-        nodes.append(Node(name, tmp_path, port, "2:3", env, extra=("--checkpoint-dir", str(tmp_path / "ckpt"))))
+        ckpt = ("--checkpoint-dir", str(tmp_path / "ckpt"))
+        nodes.append(Node(name, tmp_path, port, "2:3", env, extra=ckpt, last_call_s=BOUND))
         time.sleep(0.5)
     a, b, c = nodes
     with reaped(*(n.proc for n in nodes)):
