@@ -272,22 +272,19 @@ class RegroupChannel:
 
     def broken_round(self) -> int | None:
         """The newest round in which a local worker reported a broken collective (:meth:`report_broken`)."""
-        rounds: list[int] = []
-        for path in self.directory.glob(_BROKEN.format(local_rank="*")):
-            try:
-                rounds.append(int(json.loads(path.read_text())["round"]))
-            except _UNREADABLE:
-                continue
-        return max(rounds, default=None)
+        return max(self._broken_rounds().values(), default=None)
 
     def broken_local_ranks(self, round_: int) -> set[int]:
         """The local ranks that reported a broken collective in ``round_``."""
-        out: set[int] = set()
+        return {int(rank) for rank, r in self._broken_rounds().items() if r == round_ and rank.isdigit()}
+
+    def _broken_rounds(self) -> dict[str, int]:
+        """What each ``broken-<local_rank>.json`` says: its file's local rank (as named) -> round."""
+        out: dict[str, int] = {}
         for path in self.directory.glob(_BROKEN.format(local_rank="*")):
             try:
-                if int(json.loads(path.read_text())["round"]) == round_:
-                    out.add(int(path.stem.rsplit("-", 1)[1]))
-            except (*_UNREADABLE, IndexError):
+                out[path.stem.split("-", 1)[1]] = int(json.loads(path.read_text())["round"])
+            except _UNREADABLE:
                 continue
         return out
 

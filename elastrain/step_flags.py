@@ -30,6 +30,7 @@ class StepFlags:
     def __init__(self) -> None:
         self._sources: dict[str, Callable[[], bool]] = {}
         self._agreed: torch.Tensor | None = None
+        self._agreed_view: dict[str, bool] | None = None  # _agreed read once (a device copy), then kept
         self._names: tuple[str, ...] = ()
 
     def add(self, name: str, source: Callable[[], bool]) -> None:
@@ -38,7 +39,7 @@ class StepFlags:
 
     def begin_step(self) -> None:
         """A new step starts on every rank: nothing is agreed for it yet."""
-        self._agreed = None
+        self._agreed = self._agreed_view = None
 
     @property
     def active(self) -> bool:
@@ -55,14 +56,17 @@ class StepFlags:
         """After the all-reduce: the gradients back into ``grads``; the flags kept as agreed for this step."""
         n = grads.numel()
         grads.copy_(packed[:n])
-        self._agreed = packed[n:].detach().clone()
+        self._agreed, self._agreed_view = packed[n:].detach().clone(), None
         return grads
 
     def agreed(self) -> dict[str, bool] | None:
         """Every flag, True if any rank raised it in this step's sync; None if this step made no sync."""
         if self._agreed is None:
             return None
-        return {name: value > 0 for name, value in zip(self._names, self._agreed.tolist(), strict=True)}
+        if self._agreed_view is None:  # the checkpointer and the regroup both ask at the same boundary
+            values = self._agreed.tolist()
+            self._agreed_view = {name: value > 0 for name, value in zip(self._names, values, strict=True)}
+        return dict(self._agreed_view)
 
 
 def carries_flags(flags: StepFlags, bucket: GradBucket) -> bool:
