@@ -1,0 +1,126 @@
+"""Where the session's model runs: the device, the process group (the launcher's, or the live round's) and DDP.
+
+In restart mode the process group is the one torch's environment describes (the session starts it with
+the launcher's collective timeout, or uses the script's own). Under ``elastrain-run --live true`` it is
+the current round's :class:`~elastrain.live.group.TrainingGroup`, which a regroup replaces; the DDP
+wrapper is bound to a group, so it is rebuilt at every entry into a world (:meth:`Runtime.wrap`) and
+routes its gradient all-reduce through the group's comm hook, which the watchdog can give up.
+Either way the step's control flags ride on the last gradient bucket (:mod:`elastrain.step_flags`).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from elastrain.env import WorkerEnv
+from elastrain.live.member import LiveMember
+from elastrain.session.config import RuntimeConfig
+from elastrain.step_flags import StepFlags, flagged_allreduce
+
+
+class Runtime:
+    """The device, the process group and the (DDP-wrapped) model of one worker; rank and world size current."""
+
+    def __init__(self, module: torch.nn.Module, config: RuntimeConfig, env: WorkerEnv, flags: StepFlags) -> None:
+        self.module = module
+        """The script's model, never wrapped."""
+        self.model: torch.nn.Module = module
+        """What the loop calls: the module, or DDP around it over the current group."""
+        self.config = config
+        self.flags = flags
+        self.device = config.device if config.device is not None else _default_device(env)
+        self.rank = env.rank
+        self.world_size = env.world_size
+        self.distributed = False
+        self.live: LiveMember | None = None
+        """Set under ``--live true``: this process's membership of the current round."""
+        self._owns_group = False
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    @staticmethod
+    def live_mode(env: WorkerEnv) -> bool:
+        """Whether the launcher asked for live regroups (and the script did not start a group of its own)."""
+        return env.live and env.under_elastrain and bool(env.control_dir) and not dist.is_initialized()
+
+    def start(self, env: WorkerEnv) -> None:
+        """Restart mode: the launcher's process group (or the script's own), and the model on its device."""
+        if dist.is_available() and dist.is_initialized():
+            self.distributed = True
+        elif env.world_size > 1 or env.under_elastrain:
+            timeout = timedelta(seconds=env.collective_timeout_s) if env.collective_timeout_s else None
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            dist.init_process_group(backend=self.backend, timeout=timeout)
+            self.distributed = self._owns_group = True
+        self.refresh()
+        self.module.to(self.device)
+
+    def start_live(self, env: WorkerEnv) -> WorkerEnv:
+        """Live mode: wait for a round if started warm, join it; the worker's environment in that round."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.live = LiveMember(env, self.backend)
+        if env.warm:  # built while the job trained without this node: now it may join a round
+            env = self.live.await_round()
+        self.live.join_first()
+        self.distributed = self._owns_group = True
+        self.refresh()
+        self.module.to(self.device)
+        return env
+
+    def refresh(self) -> None:
+        """Rank and world size from the current process group."""
+        if self.distributed:
+            self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+
+    def wrap(self, agree_saves: bool) -> None:
+        """``model``: the module in DDP over the current group (when distributed and DDP is on).
+
+        The step flags ride on the last gradient bucket through the live group's hook, or, in restart mode,
+        through :func:`~elastrain.step_flags.flagged_allreduce` when there are saves to agree on
+        (``agree_saves``); without a checkpointer DDP keeps its own all-reduce."""
+        if not (self.distributed and self.config.ddp):
+            return
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        ddp = DistributedDataParallel(self.module, device_ids=ids, **dict(self.config.ddp_kwargs))
+        flags = self.flags
+        # Lambdas: DDP rejects a hook whose annotations are strings (from __future__ import annotations).
+        if self.live is not None:
+            group = self.live.group
+            ddp.register_comm_hook(None, lambda state, bucket: group.comm_hook(state, bucket, flags))
+        elif agree_saves:
+            hook = flagged_allreduce(flags)
+            ddp.register_comm_hook(None, lambda state, bucket: hook(state, bucket))
+        self.model = ddp
+
+    def unwrap(self) -> None:
+        """Drop the DDP wrapper (bound to a group being left)."""
+        self.model = self.module
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """A sum over the current group; in live mode one the watchdog can give up (``GroupBrokenError``)."""
+        if self.live is not None:
+            self.live.group.all_reduce(tensor)
+        else:
+            dist.all_reduce(tensor)
+
+    def close(self) -> None:
+        """Leave the live round and destroy the process group the session started (never the script's own)."""
+        if self.live is not None:
+            self.live.close()
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+
+
+def _default_device(env: WorkerEnv) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")

@@ -1,0 +1,123 @@
+"""One optimizer step of the session's loop: its micro-batches, the scaled backward, the commit."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from elastrain.data import RankStep
+from elastrain.live.group import GroupBrokenError
+from elastrain.session.errors import SessionError
+
+if TYPE_CHECKING:
+    from elastrain.session.loop import Session
+
+
+def move_to(data: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """``data`` with every tensor inside (dicts, lists, tuples) moved to ``device``."""
+    if isinstance(data, torch.Tensor):
+        return data.to(device, non_blocking=non_blocking)
+    if isinstance(data, Mapping):
+        moved_map = {k: move_to(v, device, non_blocking) for k, v in data.items()}
+        try:
+            return type(data)(moved_map)  # type: ignore[call-arg]
+        except TypeError:  # a mapping type that cannot be built from a dict (defaultdict)
+            return moved_map
+    if isinstance(data, (list, tuple)):
+        moved = [move_to(v, device, non_blocking) for v in data]
+        return type(data)(moved) if not hasattr(data, "_fields") else type(data)(*moved)
+    return data
+
+
+class MicroBatch:
+    """One forward/backward pass worth of this rank's data."""
+
+    def __init__(self, data: Any, indices: Sequence[int], loss_scale: float) -> None:
+        self.data = data
+        self.indices = list(indices)
+        """Dataset indices in this micro-batch."""
+        self.loss_scale = loss_scale
+        """Multiply the micro-batch's *mean* loss by this before ``backward`` (``Step.backward`` does)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.indices)
+
+
+class Step:
+    """One optimizer step: iterate it for the micro-batches, then call :meth:`optimizer_step`."""
+
+    def __init__(self, session: Session, rank_step: RankStep, micro: list[MicroBatch], lr: float | None) -> None:
+        self._session = session
+        self.rank_step = rank_step
+        self.micro_batches = micro
+        self.number = session.state.step + 1
+        """The global step number this step gets once done (1-based, continuous across restarts)."""
+        self.epoch = rank_step.range.start.epoch
+        self.lr = lr
+        """The learning rate of the first parameter group for this step (None: the session leaves LR alone)."""
+        self.global_size = rank_step.global_size
+        self._loss_sum: torch.Tensor | float = 0.0
+        self._done = False
+        self.abandoned = False
+        """True when a membership change (live mode) gave this step up: the loop's remaining calls are no-ops."""
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        last = len(self.micro_batches) - 1
+        for i, mb in enumerate(self.micro_batches):
+            if self.abandoned:
+                return
+            # Gradients are all-reduced once per step, on the last micro-batch's backward. The model is
+            # looked up each time, never held: a regroup replaces the DDP wrapper during the step.
+            with self._sync_context(sync=i == last):
+                yield mb
+
+    def _sync_context(self, sync: bool) -> contextlib.AbstractContextManager[Any]:
+        model = self._session.model
+        if sync or not isinstance(model, DistributedDataParallel):
+            return contextlib.nullcontext()
+        return model.no_sync()
+
+    def backward(self, loss: torch.Tensor, mb: MicroBatch) -> None:
+        """``(loss × mb.loss_scale).backward()`` for a loss that is the mean over ``mb``'s samples (or tokens)."""
+        if self.abandoned:
+            return
+        scaled = loss * mb.loss_scale
+        self._loss_sum = self._loss_sum + scaled.detach().to(torch.float64)  # no device sync per micro-batch
+        try:
+            scaled.backward()  # type: ignore[no-untyped-call]
+        except RuntimeError as exc:
+            self._session._collective_broke(exc, self, group_error=True)
+
+    def mean_loss(self) -> float:
+        """The step's loss averaged over all its samples on all ranks (a collective: call it on every rank)."""
+        # On the model's device: nccl reduces CUDA tensors only.
+        if self.abandoned:
+            return math.nan
+        total = torch.as_tensor(self._loss_sum, dtype=torch.float64, device=self._session.device).reshape(1)
+        if self._session.distributed:
+            try:
+                self._session.runtime.all_reduce(total)
+            except GroupBrokenError as exc:
+                # Before optimizer_step() the step is given up; after it, the vote decides whether it stands.
+                self._session._collective_broke(exc, None if self._done else self, group_error=True)
+                return math.nan
+        return float(total.item()) / self._session.world_size
+
+    def optimizer_step(self) -> None:
+        """Apply the optimizer, clear gradients, and commit the step (data cursor, state, checkpoint)."""
+        if self._done:
+            raise SessionError(f"optimizer_step() called twice for step {self.number}")
+        self._done = True
+        if not self.abandoned:
+            self._session._finish(self)
+
+    def log(self, **values: Any) -> None:
+        """Record metrics at this step's global number (rank 0 writes; tensors become floats)."""
+        if not self.abandoned:
+            self._session.log(self.number, **values)
