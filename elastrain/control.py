@@ -94,6 +94,9 @@ class RegroupNotice:
     """The change lost no member (nodes joined): every collective of the old round completes, so the
     workers move at a step boundary they agree on (:mod:`elastrain.step_flags`), finishing the step in
     flight, and the watchdog gives up nothing."""
+    superseded: bool = False
+    """This node's last round was superseded or it was evicted (cut off, then back): the job trained on
+    without it, so its workers drop their state and receive the world's (:mod:`elastrain.live.agreement`)."""
 
     def to_json(self) -> dict[str, object]:
         out = dict(self.__dict__)
@@ -120,6 +123,7 @@ class RegroupNotice:
             previous_world_size=None if previous is None else int(previous),  # type: ignore[call-overload]
             announced_at=float(raw["announced_at"]),  # type: ignore[arg-type]
             no_departure=bool(raw.get("no_departure", False)),
+            superseded=bool(raw.get("superseded", False)),
         )
 
 

@@ -111,6 +111,7 @@ class ElastrainAgent(LocalElasticAgent):
         self._warm = options.live  # the first workers start before the rendezvous (see _start_warm)
         self._warming = False
         self._fenced = False  # the change at hand: another world won the fencing claim (see _live_capable)
+        self._left_behind = False  # the change at hand: this node's round was superseded, or it was evicted
         self._deferred_since: float | None = None  # when a membership change began to wait for closing workers
         self._context: LaunchContext | None = None
         self.control = ControlChannel(tempfile.mkdtemp(prefix="elastrain-control-"))
@@ -224,6 +225,8 @@ class ElastrainAgent(LocalElasticAgent):
                 # Fenced: another world of this job won the claim. Our workers' state diverged from the
                 # winners' (both trained on from the same checkpoint): never carry it into their world.
                 self._fenced = change.kind is ChangeKind.FENCED
+                # Superseded or evicted: the job trained on without this node; its workers' state is behind.
+                self._left_behind = change.kind in (ChangeKind.SUPERSEDED, ChangeKind.EVICTED)
                 lifecycle("membership_changed", cause=str(change), kind=change.kind.value, workers="healthy")
                 if change.kind is ChangeKind.SCALE_UP and not self._live_capable(worker_group):
                     # torch's loop restarts the workers right after this tick (num_nodes_waiting gives the
@@ -458,7 +461,7 @@ class ElastrainAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._raise_if_left()
         self.regroup.forget_workers()  # the new workers say again whether they can regroup
-        self._fenced = False
+        self._fenced = self._left_behind = False
         self._workers_exited = False
         with zygote.forking_from(self._zygote):
             pids: dict[int, Any] = super()._start_workers(worker_group)
@@ -571,7 +574,9 @@ class ElastrainAgent(LocalElasticAgent):
             previous_world_size=old_world_size,
             announced_at=time.time(),
             no_departure=bool(getattr(worker_group.spec.rdzv_handler, "kept_every_member", False)),
+            superseded=self._left_behind,
         )
+        self._left_behind = False
         self.regroup.announce(notice)
         lifecycle("regroup_announced", round=notice.round, world_size=f"{old_world_size}->{notice.world_size}")
         wait_s = self._ack_wait_s()

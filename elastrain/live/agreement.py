@@ -6,7 +6,9 @@ reports whether it holds training state in memory and the last step it completed
 from the *smallest* step among the members that hold state (every one of them completed it, and it
 is what an uninterrupted run had at that step), sent by the lowest rank at that step to all others
 (:mod:`elastrain.live.transfer`). A member ahead of it rolls back; a member with no state (a restarted
-or joining node) receives it. With no state anywhere, the world loads the newest checkpoint.
+or joining node) receives it. A member more than one step behind another holds a superseded world's state
+(members of one world are never further apart): it is treated as having none. With no state anywhere,
+the world loads the newest checkpoint.
 :func:`decide` is the pure rule; :func:`vote` is the collective around it.
 """
 
@@ -37,7 +39,10 @@ class Agreement:
     ahead: tuple[int, ...] = ()
     """Members that roll back: they completed a step beyond the agreed one."""
     receivers: tuple[int, ...] = ()
-    """Members with no state in memory."""
+    """Members with no state in memory, and the stale ones."""
+    stale: tuple[int, ...] = ()
+    """Members whose state is more than one step behind another's: left over from a world the job moved on
+    from (they receive the agreed state; their own is dropped)."""
 
     @property
     def from_checkpoint(self) -> bool:
@@ -47,15 +52,20 @@ class Agreement:
 def decide(ballots: list[Ballot]) -> Agreement:
     """Pure: the agreement for the members' ballots (index = rank)."""
     holders = [(r, b.step) for r, b in enumerate(ballots) if b.has_state]
-    receivers = tuple(r for r, b in enumerate(ballots) if not b.has_state)
+    top = max((s for _, s in holders), default=0)
+    # Members of one world are at most one step apart (a peer died inside the step's all-reduce). A holder
+    # further behind carries the state of a world the job moved on from (a node cut off by a partition):
+    # it receives the state like a member without any, and never rolls the others back to its own.
+    stale = tuple(r for r, s in holders if s < top - 1)
+    holders = [(r, s) for r, s in holders if r not in stale]
+    receivers = tuple(r for r, b in enumerate(ballots) if not b.has_state or r in stale)
     if not holders:
         return Agreement(step=None, source=None, receivers=receivers)
     step = min(s for _, s in holders)
-    top = max(s for _, s in holders)
     source = min(r for r, s in holders if s == step)
     ahead = tuple(r for r, s in holders if s > step)
     behind = tuple(r for r, s in holders if s < top)
-    return Agreement(step=step, source=source, behind=behind, ahead=ahead, receivers=receivers)
+    return Agreement(step=step, source=source, behind=behind, ahead=ahead, receivers=receivers, stale=stale)
 
 
 def vote(mine: Ballot, device: torch.device) -> Agreement:

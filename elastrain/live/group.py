@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket, PrefixStore, TCPStore
 
 from elastrain.errors import ElastrainError
+from elastrain.live.sever import Connection, sever, tcp_sockets
 from elastrain.log import lifecycle
 from elastrain.step_flags import StepFlags, carries_flags
 
@@ -81,6 +82,7 @@ class TrainingGroup:
         self._abandoned: list[_Pending] = []
         self._graveyard: list[Any] = []  # stores and groups of left rounds that gloo may still use
         self._store: Any = None
+        self._connections: frozenset[Connection] = frozenset()  # the current round's (see elastrain.live.sever)
 
     # -- joining and leaving ----------------------------------------------------------------------
     def join(self, round_: int, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
@@ -91,6 +93,7 @@ class TrainingGroup:
             # The new rank 0 starts the round's store while the others start to connect: a client that
             # finds no server backs off randomly (measured 0.7 s here); wait for the port instead.
             _wait_listening(master_addr, master_port, join.total_seconds())
+        before = tcp_sockets()
         store = TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=join)
         dist.init_process_group(
             self.backend,
@@ -102,6 +105,7 @@ class TrainingGroup:
         if self.timeout is not None:
             dist.distributed_c10d._set_pg_timeout(self.timeout)  # collectives: --collective-timeout
         self._store = store
+        self._connections = tcp_sockets() - before
         self.round = round_
         self.broken.clear()
         lifecycle(
@@ -117,9 +121,15 @@ class TrainingGroup:
         """Leave the current round's group without waiting for its peers (some may be dead)."""
         self.abort(GroupBrokenError("the worker left the round's group"))
         with self._lock:
-            self._abandoned.extend(p for p in self._pending if not p.work.done())
+            left = [p for p in self._pending if not p.work.done()]
+            self._abandoned.extend(left)
             self._pending.clear()
-            self.round = None
+            left_round, self.round = self.round, None
+        connections, self._connections = self._connections, frozenset()
+        if left and self.backend == "gloo":
+            # Work given up stays in gloo until its timeout: end it here, and in any peer still blocked in it
+            # (a node cut off by a partition would otherwise complete it once the network heals).
+            lifecycle("round_severed", round=left_round, pending=len(left), connections=sever(connections))
         if dist.is_initialized():
             world = dist.group.WORLD
             self._graveyard.append(world)  # never destructed while gloo may still run its abandoned work

@@ -378,8 +378,11 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 store_backoff.sleep()
         else:
             raise RendezvousTimeoutError("no round settled after 1000 attempts (the membership kept changing)")
+        # Only a round that directly follows this node's last one can have kept its members: a node that missed
+        # rounds (cut off, then back) was left behind, whoever the new round holds.
+        follows = self._round >= 0 and state.round == self._round + 1
         self._round = state.round
-        self._kept_every_member = self.node_id in self._members and set(self._members) <= set(state.members)
+        self._kept_every_member = follows and self.node_id in self._members and set(self._members) <= set(state.members)
         self._members = state.members
         master = state.nodes[state.members[0]]
         rank = state.members.index(self.node_id)

@@ -151,14 +151,15 @@ class Session:
                 self._flags.add(REGROUP_FLAG, lambda: live.pending_notice() is not None)
         else:
             self.runtime.start(self.env)
-        self._enter_world(has_state=False, started=started)
+        self._enter_world(has_state=False, started=started, regroup=False)
         if self.runtime.live is not None:
             self.runtime.live.ready()
         return self
 
-    def _enter_world(self, has_state: bool, started: float) -> None:
-        """Everything a worker does once it is in a world's group (a start, or a live regroup): checkpointer,
-        agreed state, DDP, batch plan, records. Collective, in this order, on every member."""
+    def _enter_world(self, has_state: bool, started: float, regroup: bool) -> None:
+        """Everything a worker does once it is in a world's group (a start, or a live ``regroup``): checkpointer,
+        agreed state (``has_state``: this worker's counts), DDP, batch plan, records. Collective, in this order,
+        on every member."""
         runtime = self.runtime
         runtime.refresh()
         rank, world_size = runtime.rank, runtime.world_size
@@ -177,17 +178,14 @@ class Session:
         agreed_step: int | None = None
         sent = 0
         ahead: tuple[int, ...] = ()
+        stale: tuple[int, ...] = ()
         receivers = 0
         if runtime.live is None:
             self.restored = self._restore()
         else:
             agreement = vote(Ballot(has_state, held), runtime.device)
-            source, agreed_step, ahead, receivers = (
-                agreement.source,
-                agreement.step,
-                agreement.ahead,
-                len(agreement.receivers),
-            )
+            source, agreed_step, ahead, stale = agreement.source, agreement.step, agreement.ahead, agreement.stale
+            receivers = len(agreement.receivers)
             if agreement.from_checkpoint:
                 self.restored = self._restore()
             elif source is not None:
@@ -203,14 +201,15 @@ class Session:
         self.records.reopen(rank, self.env, self.segment, restored_step)
         if rank != 0:
             return
-        if has_state:
+        if regroup:
             fields: dict[str, Any] = {
                 "round": self.env.round,
                 "world_size": f"{previous if previous is not None else 'none'}->{world_size}",
                 "step": self.state.step,
                 "source": source,
-                "rolled_back": held - self.state.step,
+                "rolled_back": held - self.state.step if has_state and rank not in stale else 0,
                 "ranks_ahead": ",".join(map(str, ahead)) or None,
+                "ranks_stale": ",".join(map(str, stale)) or None,  # held a superseded world's state: dropped
                 "receivers": receivers,
                 "bytes": sent,
                 "took_s": round(time.monotonic() - started, 3),
@@ -495,12 +494,14 @@ class Session:
             round=f"{live.round}->{notice.round}",
             step=self.state.step,
             cause=type(cause).__name__ if cause is not None else "notice",
+            state="dropped: the job trained on without this node" if notice.superseded else "kept",
         )
         self._leave_world()
         for attempt in range(1, 11):
             try:
                 self.env = live.move_to(notice)
-                self._enter_world(has_state=True, started=started)
+                # Left behind (cut off while the job trained on): this state is a superseded world's; receive.
+                self._enter_world(has_state=not notice.superseded, started=started, regroup=True)
                 self._collect_garbage = True
                 return
             except (RuntimeError, dist.DistError, TimeoutError) as exc:

@@ -32,7 +32,10 @@ from support import alive, elastrain_cmd, reaped, spawn, wait_for
 
 from elastrain.log import format_event, parse_event_line
 
-SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "partition_worker.py")
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPT = str(SCRIPTS / "partition_worker.py")
+SESSION_SCRIPT = str(SCRIPTS / "partition_session_worker.py")
+"""Under ``--live true``: a Session job whose workers regroup in place (same lines, read from the current round)."""
 PORT = 29400  # every node namespace has its own ports: a fixed one never collides
 HEARTBEAT_TIMEOUT_S = 4.0
 BOUND = 90.0  # only stops hangs: three cold starts of torch on a loaded 2-core machine take ~20 s
@@ -40,6 +43,9 @@ STOP_BOUND = HEARTBEAT_TIMEOUT_S + 20.0
 """A cut-off node must have stopped its workers by then: far sooner than their gloo timeout (PW_TIMEOUT),
 so only the agent (told by its rendezvous) can have stopped them, not a collective that timed out."""
 WORKER_TIMEOUT_S = 120.0
+LIVE_COLLECTIVE_TIMEOUT_S = 60.0
+"""Live mode: the majority's workers must leave the collective the cut-off peer never joins long before this (the
+watchdog gives it up on the agent's notice); gloo then ends it at this timeout, which a worker waits for at exit."""
 SETTLE_S = 3 * HEARTBEAT_TIMEOUT_S + 12.0
 """How long a split with no majority is watched before the heal: long enough for either side to detect the
 split (heartbeat timeout), fail the store over (read and store-lost timeouts) and claim a generation."""
@@ -140,8 +146,8 @@ class NodeLog:
                 start = 0.0
             if e["event"] == "rendezvous_done":
                 world = f"{e.get('master')}/r{e.get('round')}"
-            elif e["event"] == "workers_started" and world:
-                start = t
+            elif e["event"] in ("workers_started", "regroup_announced") and world:
+                start = t  # regroup_announced: live workers moved into the round in place
         if start:
             out.append((world, start, time.time() if self.exit_code() is None else last))
         return out
@@ -150,7 +156,7 @@ class NodeLog:
 class Node(NodeLog):
     """One elastrain-run agent inside node ``index``'s namespace (the pattern of tests/e2e/test_membership.py)."""
 
-    def __init__(self, net: Network, index: int, tmp: Path, stop_file: Path) -> None:
+    def __init__(self, net: Network, index: int, tmp: Path, stop_file: Path, live: bool = False) -> None:
         super().__init__(index, net.nodes[index].addr, tmp / f"node{index}.log")
         n = len(net.nodes)
         conf = f"is_host={'1' if index == 0 else '0'},heartbeat_timeout={HEARTBEAT_TIMEOUT_S}"
@@ -164,7 +170,8 @@ class Node(NodeLog):
             "--local-addr", self.addr,
             "--max-restarts", "3",
             "--checkpoint-dir", str(tmp / "ckpt"),
-            SCRIPT,
+            *(("--live", "true", "--collective-timeout", str(LIVE_COLLECTIVE_TIMEOUT_S)) if live else ()),
+            SESSION_SCRIPT if live else SCRIPT,
         )  # fmt: skip
         env = {
             "PW_STOP_FILE": str(stop_file),
@@ -307,6 +314,19 @@ class History:
                     f"(nodes {sorted(worlds[s.world][2])}, ws {s.ws}) that lacks nodes {sorted(required)}"
                 )
 
+    def check_no_step_lost(self) -> None:
+        """Live mode: every regroup continued from the newest step trained before it, or the one before (a step
+        whose all-reduce a departed peer broke); never from a left-behind node's older state."""
+        for n in self.nodes:
+            for e in n.events("regrouped"):
+                t, agreed = float(e["t"]), int(e["step"])
+                newest = max((s.step for s in self.steps() if s.t < t), default=0)
+                if agreed < newest - 1:
+                    raise self.fail(
+                        f"node{n.index}'s regroup into round {e.get('round')} at {t - self.t0:.1f}s continued from "
+                        f"step {agreed}, but step {newest} had been trained: {newest - agreed} steps lost"
+                    )
+
     def check_no_round_alone(self, i: int, start: float, end: float) -> None:
         """Node ``i``, cut off from the majority, completed no rendezvous round between ``start`` and ``end``."""
         rounds = [e for e in self.nodes[i].events("rendezvous_done") if start < float(e["t"]) < end]
@@ -323,13 +343,14 @@ class History:
 class Scenario(History):
     """One test's nodes, started in the namespaces of ``net``, and the cuts and heals done to them."""
 
-    def __init__(self, net: Network, tmp: Path) -> None:
+    def __init__(self, net: Network, tmp: Path, live: bool = False) -> None:
         self.net = net
+        self.live = live
         self.stop_file = tmp / "stop"
         t0 = time.time()
         self.agents: list[Node] = []
         for i in range(len(net.nodes)):
-            self.agents.append(Node(net, i, tmp, self.stop_file))
+            self.agents.append(Node(net, i, tmp, self.stop_file, live))
             if i == 0:
                 time.sleep(0.5)  # the store host first, as a launcher would
         super().__init__(self.agents, t0)
@@ -367,7 +388,10 @@ class Scenario(History):
 
     def finish(self) -> None:
         """Stop the job through the stop file; every agent must exit 0."""
-        self.stop_file.touch()
+        if self.live:  # a Session job stops at one step on every rank: a few steps ahead of the newest
+            self.stop_file.write_text(str(max((s.step for s in self.steps()), default=0) + 10))
+        else:
+            self.stop_file.touch()
         for n in self.agents:
             try:
                 rc = n.proc.wait(timeout=BOUND)
@@ -394,12 +418,12 @@ def make_network(request: pytest.FixtureRequest) -> Callable[[int], Network]:
 
 
 @pytest.fixture
-def scenario(make_network: Callable[[int], Network], tmp_path: Path) -> Iterator[Callable[[int], Scenario]]:
+def scenario(make_network: Callable[[int], Network], tmp_path: Path) -> Iterator[Callable[..., Scenario]]:
     """Start a Scenario of N nodes; every process it started is killed at teardown, by pid."""
     started: list[Scenario] = []
 
-    def start(n: int) -> Scenario:
-        sc = Scenario(make_network(n), tmp_path)
+    def start(n: int, live: bool = False) -> Scenario:
+        sc = Scenario(make_network(n), tmp_path, live)
         started.append(sc)
         return sc
 
@@ -540,13 +564,18 @@ def test_history_finds_two_worlds_from_events_alone(tmp_path: Path) -> None:
 
 # -- partitions --------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_minority_node_cut_off_stops_and_rejoins(scenario: Callable[[int], Scenario]) -> None:
-    sc = scenario(3)
+@pytest.mark.parametrize("live", [False, True], ids=["restart", "live"])
+def test_minority_node_cut_off_stops_and_rejoins(scenario: Callable[..., Scenario], live: bool) -> None:
+    sc = scenario(3, live)
     sc.wait_world([0, 1, 2], sc.t0, "all three nodes train in one world")
 
     cut = sc.isolate(2)
     sc.wait_world([0, 1], cut, "the majority {0,1} trains on at world size 2")
-    sc.wait_workers_stopped(2, cut)
+    if not live:
+        sc.wait_workers_stopped(2, cut)
+    # Live mode keeps the cut-off node's workers alive while its agent looks for a round (they would regroup
+    # in place into one); blocked in a collective of the old round, they train nothing: no step of theirs
+    # lands in a world without the majority (below), and the node completes no round alone (checked by wait).
     healed_at = sc.heal()
     sc.check_no_world_without({0, 1}, cut, healed_at, "the cut-off node 2 trained in a world of its own")
 
@@ -554,6 +583,8 @@ def test_minority_node_cut_off_stops_and_rejoins(scenario: Callable[[int], Scena
     sc.check_one_world_at_a_time()
     sc.finish()
     sc.check_one_world_at_a_time()
+    if live:
+        sc.check_no_step_lost()
 
 
 @pytest.mark.slow

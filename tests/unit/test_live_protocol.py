@@ -33,8 +33,18 @@ from elastrain.live.agreement import Agreement, Ballot, decide
         # A restarted member's step (from a checkpoint it did not load) never counts.
         ([Ballot(False, 99), Ballot(True, 3)], Agreement(step=3, source=1, receivers=(0,))),
         (
-            [Ballot(True, 4), Ballot(True, 6), Ballot(True, 4), Ballot(False, 0)],
+            [Ballot(True, 4), Ballot(True, 5), Ballot(True, 4), Ballot(False, 0)],
             Agreement(step=4, source=0, behind=(0, 2), ahead=(1,), receivers=(3,)),
+        ),
+        # A member further behind holds a world the job moved on from (a node cut off by a partition whose
+        # workers lived on): it receives, and never rolls the others back to its step.
+        (
+            [Ballot(True, 151), Ballot(True, 151), Ballot(True, 3)],
+            Agreement(step=151, source=0, receivers=(2,), stale=(2,)),
+        ),
+        (
+            [Ballot(True, 3), Ballot(True, 151), Ballot(True, 150), Ballot(False, 0)],
+            Agreement(step=150, source=2, behind=(2,), ahead=(1,), receivers=(0, 3), stale=(0,)),
         ),
     ],
 )
