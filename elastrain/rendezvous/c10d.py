@@ -51,6 +51,7 @@ class C10dStores:
     """Creates the TCPStores: the first one at the endpoint, later ones on a successor's standby port."""
 
     def __init__(self, params: RendezvousParameters) -> None:
+        self.params = params
         self.run_id = str(params.run_id)
         self.root: str | None = None  # the checkpoint root, where the running job's store is published
         raw = params.get("read_timeout", None)
@@ -67,6 +68,12 @@ class C10dStores:
             published = self._published(str(root))
             if published is not None:
                 return published
+        return self.at_endpoint()
+
+    def at_endpoint(self) -> tuple[TCPStore, bool, str]:
+        """The store at ``--rdzv-endpoint``: hosted here when this node is the endpoint's host (and the port is
+        free), else a client of it; raises :class:`RendezvousStoreLostError` when neither works."""
+        params = self.params
         host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
         cfg_is_host = params.get_as_bool("is_host")
         try_host = cfg_is_host if cfg_is_host is not None else _matches_machine_hostname(host)
@@ -126,6 +133,10 @@ class C10dStores:
         host, port = _split(address)
         store = TCPStore(host, port, is_master=False, timeout=self.timeout)
         return self.backend(store), store
+
+    def refound(self) -> tuple[RendezvousBackend, Store, str, bool]:
+        store, hosts, address = self.at_endpoint()
+        return self.backend(store), store, address, hosts
 
     def answers(self, address: str, timeout_s: float) -> bool:
         host, port = _split(address)

@@ -92,14 +92,18 @@ class HandlerSettings:
     poll_min_s: float = 0.02
     poll_max_s: float = 0.25
     poll_forming_s: float = 0.05
-    suspect_after: float = 0.9
-    """Heartbeat intervals without a move after which the judge probes a node (a refused probe evicts it)."""
     """How often, at most, a node waits between reads while a round it belongs to is forming (a member departed
     or re-joined): the round completes within moments, and every waiter should see it at once."""
+    suspect_after: float = 0.9
+    """Heartbeat intervals without a move after which the judge probes a node (a refused probe evicts it)."""
     leave_timeout_s: float = 5.0
     store_op_timeout_s: float = 10.0
     """A store call that has not returned by then is abandoned: a TCPStore client whose packets are silently
     dropped (a network cut) blocks in its receive forever, whatever its own timeout."""
+    refound_after_s: float = 60.0
+    """A node that never joined a round and found no live store of its job for this long (the published store
+    silent: every member died with its host) starts the job over at ``--rdzv-endpoint`` (c10d): a first start
+    from the newest checkpoint, under the next fencing generation (a world that was only slow is then fenced)."""
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0:
@@ -114,6 +118,11 @@ class HandlerSettings:
             raise UsageError("--rdzv-conf scale_up_window", f"must be >= 0, got {self.scale_up_window_s}")
         if self.claim_grace_s is not None and self.claim_grace_s < 0:
             raise UsageError("--rdzv-conf claim_grace", f"must be >= 0, got {self.claim_grace_s}")
+        if self.refound_after_s <= self.store_lost_timeout_s:
+            raise UsageError(
+                "--rdzv-conf refound_after",
+                f"must be > store_lost_timeout ({self.store_lost_timeout_s} s), got {self.refound_after_s}",
+            )
 
     @property
     def stall_s(self) -> float:
@@ -150,6 +159,7 @@ class HandlerSettings:
             scale_up_window_s=req("scale_up_window", d.scale_up_window_s),
             store_op_timeout_s=req("store_op_timeout", d.store_op_timeout_s),
             claim_grace_s=num("claim_grace", None),
+            refound_after_s=req("refound_after", d.refound_after_s),
         )
 
 
@@ -179,6 +189,11 @@ class StoreFactory(Protocol):
 
     def answers(self, address: str, timeout_s: float) -> bool:
         """Whether a live job's rendezvous answers at ``host:port``."""
+        ...
+
+    def refound(self) -> tuple[RendezvousBackend, Store, str, bool]:
+        """The store at the endpoint, where a job with no live store starts over: (backend, store, address,
+        hosted here); raises :class:`RendezvousStoreLostError` when it can be neither hosted nor reached."""
         ...
 
 
@@ -1036,13 +1051,15 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             since = self._store_failing_since
             if since is None:
                 since = self._store_failing_since = now
-            if self._failover(exc):
-                self._store_failing_since = None
-                raise _StoreSwitched() from exc
             # A node that never joined a round has nothing at stake and knows no successor: it keeps looking
             # for the store the job's world publishes with its next fencing claim (a survivor that took the
-            # store over claims when its round forms), as long as it would wait for a round.
+            # store over claims when its round forms), as long as it would wait for a round; with none alive
+            # for refound_after, every member is gone with it, and it starts the job over at the endpoint.
             newcomer = self._round < 0 and self.node_id not in self._cached.nodes
+            refound = newcomer and now - since >= self._settings.refound_after_s
+            if self._failover(exc) or (refound and self._refound(now - since)):
+                self._store_failing_since = None
+                raise _StoreSwitched() from exc
             limit = self._settings.join_timeout_s if newcomer else self._settings.store_lost_timeout_s
             if now - since >= limit:
                 raise RendezvousStoreLostError(
@@ -1052,6 +1069,28 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             raise
         self._store_failing_since = None
         return out
+
+    def _refound(self, silent_s: float) -> bool:
+        """Start the job over at the endpoint's store (c10d; hosted here when this node may host it)."""
+        if self._stores is None:
+            return False
+        try:
+            self._backend, self._store, self._store_address, self._hosts_store = self._stores.refound()
+        except RendezvousStoreLostError as exc:
+            self._quiet.log("refound_failed", exc, node=self.node_id)
+            return False
+        address, hosts = self._store_address, self._hosts_store
+        self._cached, self._cached_version = st.RendezvousState(), None
+        lifecycle(
+            "job_refounded",
+            level=logging.WARNING,
+            node=self.node_id,
+            store=address,
+            hosts=hosts,
+            silent_s=round(silent_s, 1),
+            why="no live store of this job: its published store is silent and this node never joined a round",
+        )
+        return True
 
     def _failover(self, exc: BaseException) -> bool:
         """Move the state store to the first reachable successor of its dead host (c10d only)."""
