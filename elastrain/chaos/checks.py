@@ -144,20 +144,27 @@ def segment_order(metrics_file: str | os.PathLike[str]) -> tuple[list[str], dict
 
 
 def workers_started(logs: Iterable[str | os.PathLike[str]]) -> dict[int, float]:
-    """Worker PID -> when its agent started it, from the nodes' ``event=workers_started pids=A,B t=T`` lines."""
-    out: dict[int, float] = {}
+    """Worker PID -> when it entered a world: when its agent started it (the nodes' ``event=workers_started
+    pids=A,B t=T`` lines), or, for a worker started warm (``--live``: built before its node joined a round, it
+    trains nothing until then), when it was given its first round (its own ``event=worker_warm_joined`` line)."""
+    started: dict[int, float] = {}
+    joined: dict[int, float] = {}
     for path in logs:
         for line in Path(path).read_text(errors="replace").splitlines():
-            if "event=workers_started" not in line:
+            warm = "event=worker_warm_joined" in line
+            if not warm and "event=workers_started" not in line:
                 continue
             fields = dict(p.split("=", 1) for p in line[line.index("event=") :].split() if "=" in p)
             try:
                 t = float(fields["t"])
+                if warm:
+                    joined[int(fields["pid"])] = t
+                    continue
                 for pid in fields.get("pids", "").split(","):
-                    out[int(pid)] = t
+                    started[int(pid)] = t
             except (KeyError, ValueError):
                 continue
-    return out
+    return {pid: max(t, joined.get(pid, t)) for pid, t in started.items()}
 
 
 def segments(

@@ -327,6 +327,23 @@ def test_a_world_exists_from_when_its_agent_started_its_workers(tmp_path):
     assert "segments overlap for 1.500s" in check_one_world(spans).violations[0]
 
 
+def test_a_warm_worker_enters_its_world_when_it_is_given_a_round(tmp_path):
+    """--live: a node's workers start before it joins a round; they train nothing until their first round."""
+    log = tmp_path / "node-3.log"
+    log.write_text(
+        "x elastrain event=workers_started pids=400 t=5.5 pid=399\n"
+        "x elastrain event=workers_warming workers=1 up_to_s=600.000 t=5.5 pid=399\n"
+        "x elastrain event=worker_warm_joined round=1 waited_s=3.4 t=8.9 pid=400\n"
+        "x elastrain event=workers_started pids=401 t=6.0 pid=398\n"
+    )
+    assert workers_started([log]) == {400: 8.9, 401: 6.0}
+    events = tmp_path / "events.jsonl"
+    append_json_line(events, {"time": 1.0, "event": "start", "pid": 200, "segment": "a", "world_size": 1})
+    append_json_line(events, {"time": 7.0, "event": "preemption", "pid": 200, "segment": "a", "step": 9})
+    append_json_line(events, {"time": 9.0, "event": "start", "pid": 400, "segment": "b", "world_size": 1})
+    assert check_one_world(segments(events, started=workers_started([log]))).ok
+
+
 def test_only_the_first_world_and_those_after_a_whole_job_kill_found_the_job():
     def seg(token, start, reason):
         return Segment(token, start, start + 5.0, start_reason=reason, first_record=start + 1.0)
