@@ -7,8 +7,9 @@ one all-reduce per step that every rank joins: DDP's gradient buckets. :class:`S
 few numbers to the step's last bucket (:func:`flagged_allreduce`, a DDP comm hook; live mode's
 :meth:`elastrain.live.group.TrainingGroup.comm_hook` does the same), so that after the backward every
 rank holds, for each flag, whether any rank raised it. The checkpointer's save trigger reads them at
-the step boundary (:meth:`elastrain.checkpoint.schedule.SaveTrigger.use_flags`) and runs its own
-agreement only for a step whose backward made no sync (then on every rank alike).
+the step boundary (:meth:`elastrain.checkpoint.schedule.SaveTrigger.use_flags`). A step whose backward
+made no sync (no DDP: a sharded model; a step without micro-batches) agrees them by a small all-reduce
+of its own (:meth:`StepFlags.agree`, on every rank alike), as it must for any decision it shares.
 
 The values are summed in the gradients' dtype: a sum of zeros and ones is zero only if every value
 is zero, in any dtype, so "any rank raised it" survives fp16 and bf16 buckets. The agreed numbers
@@ -58,6 +59,17 @@ class StepFlags:
         grads.copy_(packed[:n])
         self._agreed, self._agreed_view = packed[n:].detach().clone(), None
         return grads
+
+    def agree(self, all_reduce: Callable[[torch.Tensor], object], device: torch.device) -> None:
+        """For a step whose backward made no gradient sync to ride on (no DDP: FSDP2, ``ddp=False``; a step
+        without micro-batches): agree the flags by an all-reduce of their own (``all_reduce`` sums in place),
+        on every rank alike. Nothing when this step's sync carried them, or when no flag is registered."""
+        if self._agreed is not None or not self._sources:
+            return
+        self._names = tuple(self._sources)
+        raised = torch.tensor([1.0 if self._sources[n]() else 0.0 for n in self._names], device=device)
+        all_reduce(raised)
+        self._agreed, self._agreed_view = raised, None
 
     def agreed(self) -> dict[str, bool] | None:
         """Every flag, True if any rank raised it in this step's sync; None if this step made no sync."""

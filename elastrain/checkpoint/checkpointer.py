@@ -215,6 +215,15 @@ class Checkpointer:
         comm hook), instead of an all-reduce of our own per step; steps without a sync still use ours."""
         self._trigger.use_flags(flags)
 
+    def continue_as(self, generation: int | None) -> None:
+        """This world goes on as the newer ``generation``: every one of its members is a member of that world (nodes
+        only joined it, under the claim its leader just made), so this world's next commit is that generation's.
+        For a live regroup whose new world starts from this world's checkpoint (a sharded model)."""
+        current = self._commit.generation
+        if generation is None or (current is not None and generation < current):
+            raise CheckpointError(f"continue_as({generation}): a world goes on only as a generation after {current}")
+        self._commit.generation = generation
+
     @property
     def schedule(self) -> SaveSchedule:
         """When this checkpointer saves; assign a new one to change it from the next step on."""

@@ -83,6 +83,7 @@ class TrainingGroup:
         self._graveyard: list[Any] = []  # stores and groups of left rounds that gloo may still use
         self._store: Any = None
         self._connections: frozenset[Connection] = frozenset()  # the current round's (see elastrain.live.sever)
+        self._severed: int | None = None  # the last round whose connections were shut down
 
     # -- joining and leaving ----------------------------------------------------------------------
     def join(self, round_: int, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
@@ -125,11 +126,11 @@ class TrainingGroup:
             self._abandoned.extend(left)
             self._pending.clear()
             left_round, self.round = self.round, None
-        connections, self._connections = self._connections, frozenset()
-        if left and self.backend == "gloo":
+        if left and left_round is not None:
             # Work given up stays in gloo until its timeout: end it here, and in any peer still blocked in it
             # (a node cut off by a partition would otherwise complete it once the network heals).
-            lifecycle("round_severed", round=left_round, pending=len(left), connections=sever(connections))
+            self._sever(left_round, len(left))
+        self._connections = frozenset()
         if dist.is_initialized():
             world = dist.group.WORLD
             self._graveyard.append(world)  # never destructed while gloo may still run its abandoned work
@@ -137,6 +138,24 @@ class TrainingGroup:
         if self._store is not None:
             self._graveyard.append(self._store)
             self._store = None
+
+    def sever(self, only_round: int) -> None:
+        """A member of ``only_round`` is gone (the agent's notice): end every collective of that round now, here and
+        in its peers, whether handed out by this group or not (FSDP2's all-gathers, a checkpoint agreement), by
+        shutting its connections down (:mod:`elastrain.live.sever`). Nothing if the group moved on meanwhile."""
+        with self._lock:
+            if self.round != only_round:
+                return
+            pending = sum(1 for p in self._pending if not p.work.done())
+        self._sever(only_round, pending)
+
+    def _sever(self, round_: int, pending: int) -> None:
+        with self._lock:
+            if self.backend != "gloo" or self._severed == round_:
+                return  # NCCL: its own sockets, never ours to shut; a round is severed once
+            self._severed = round_
+            connections = self._connections
+        lifecycle("round_severed", round=round_, pending=pending, connections=sever(connections))
 
     def drain(self, timeout_s: float) -> None:
         """Before the process exits: wait (bounded) for gloo to finish the collectives given up on."""

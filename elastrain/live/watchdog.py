@@ -42,6 +42,9 @@ class Watchdog:
             failed = self._group.abort(GroupBrokenError(f"round {over} is over: regroup into {notice.round}"), over)
             if failed:
                 lifecycle("collectives_given_up", round=over, next_round=notice.round, pending=failed)
+            # A member is gone: a collective of the round that no future of ours stands for (FSDP2's, the
+            # session's own) must not wait for it either.
+            self._group.sever(over)
 
     def close(self) -> None:
         self._stop.set()

@@ -18,6 +18,7 @@ from typing import Any, Literal, TypedDict, TypeVar, Unpack
 import torch
 
 from elastrain.data import EpochEnd
+from elastrain.live.sharded import ShardFn
 from elastrain.scaling import Policy, ScalingConfig, Schedule
 from elastrain.session.errors import SessionConfigError
 
@@ -69,6 +70,9 @@ class RuntimeConfig:
     ddp_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     device: torch.device | None = None
     """None: ``cuda:<local_rank>`` when CUDA is available, else the CPU."""
+    shard: ShardFn | None = None
+    """``shard(module, mesh)``: shard the model (FSDP2's ``fully_shard`` calls) instead of wrapping it in DDP. The
+    session calls it in every world, on that world's mesh (:mod:`elastrain.live.sharded`); pass the model unsharded."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,8 @@ class SessionConfig:
         for name, fn in (("collate_fn", data.collate_fn), ("token_count", data.token_count)):
             if fn is not None and not callable(fn):
                 raise SessionConfigError(name, f"must be callable, got {type(fn).__name__}")
+        if self.runtime.shard is not None and not callable(self.runtime.shard):
+            raise SessionConfigError("shard", f"must be a function shard(module, mesh), got {self.runtime.shard!r}")
         if self.lr_schedule is not None and not callable(self.lr_schedule):
             raise SessionConfigError("lr_schedule", f"must map samples seen to a multiplier, got {self.lr_schedule!r}")
 
@@ -151,6 +157,7 @@ class SessionConfig:
                 ddp=bool(s.get("ddp", True)),
                 ddp_kwargs=MappingProxyType(dict(s.get("ddp_kwargs") or {})),
                 device=_device(s.get("device")),
+                shard=s.get("shard"),
             ),
         )
 
@@ -187,6 +194,7 @@ class SessionSettings(TypedDict, total=False):
     ddp: bool
     ddp_kwargs: Mapping[str, Any] | None
     device: torch.device | str | None
+    shard: ShardFn | None
 
 
 def _at_least(name: str, value: int | None, low: int) -> None:

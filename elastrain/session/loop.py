@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from elastrain.checkpoint import Checkpointer, RestoreInfo
-from elastrain.collective_failure import note_if_collective_failure
+from elastrain.collective_failure import is_collective_failure, note_if_collective_failure
 from elastrain.control import ControlChannel, RegroupChannel, SaveCause
 from elastrain.data import ElasticSampler, RankStep
 from elastrain.env import WorkerEnv
@@ -171,6 +171,8 @@ class Session:
         else:
             sampler = self.feed.require_sampler()
             self.feed.replan(first_plan, rank)
+        sharded = runtime.sharded is not None
+        runtime.shard(self.optimizer)  # a sharded model: this world's, before the checkpointer registers it
         self._build_checkpointer(sampler)
         held = self.state.step
         self.restored = None
@@ -183,11 +185,18 @@ class Session:
         if runtime.live is None:
             self.restored = self._restore()
         else:
-            agreement = vote(Ballot(has_state, held), runtime.device)
+            # Sharded state never travels by broadcast: a member's shards die with it (the checkpoint holds all).
+            agreement = vote(Ballot(has_state and not sharded, held), runtime.device)
             source, agreed_step, ahead, stale = agreement.source, agreement.step, agreement.ahead, agreement.stale
             receivers = len(agreement.receivers)
             if agreement.from_checkpoint:
                 self.restored = self._restore()
+                if sharded and has_state and self.restored is None:
+                    # The module was rebuilt for this world: without a checkpoint its state is gone.
+                    raise SessionError(
+                        f"the sharded model's state at step {held} is lost: a member holding shards of it left "
+                        "before any checkpoint was committed (save_every_steps= keeps what a departure costs small)"
+                    )
             elif source is not None:
                 sent = broadcast_state(source, runtime.module, self.optimizer, self._statefuls(), runtime.device)
         runtime.wrap(agree_saves=self.checkpointer is not None)
@@ -212,6 +221,7 @@ class Session:
                 "ranks_stale": ",".join(map(str, stale)) or None,  # held a superseded world's state: dropped
                 "receivers": receivers,
                 "bytes": sent,
+                "checkpoint": self.restored.path if self.restored else None,  # no member held state (sharded)
                 "took_s": round(time.monotonic() - started, 3),
             }
             lifecycle("regrouped", **fields)
@@ -407,6 +417,12 @@ class Session:
         self.optimizer.zero_grad(set_to_none=True)
         sampler.commit(step.rank_step)
         self.state.advance(step.global_size, sampler.epoch)
+        if self.distributed:
+            try:  # no gradient sync carried the step's flags (no DDP, or no micro-batch): agree them now
+                self._flags.agree(self.runtime.all_reduce, self.device)
+            except GroupBrokenError as exc:
+                self._collective_broke(exc, None, group_error=True)  # the step stands or falls by the vote
+                return
         request = self._control.pending() if self._control is not None else None
         try:
             # A requested save's hold waits for the next step boundary, after the script's step.log().
@@ -443,8 +459,10 @@ class Session:
         other error is taken for one only if the agent announces a regroup within the regroup timeout.
         """
         live = self.live
-        if live is None or (group_error and not live.group.broken.is_set()):
+        if live is None:
             raise exc
+        if group_error and not live.group.broken.is_set() and not is_collective_failure(exc):
+            raise exc  # not a collective that broke (the script's own error): no regroup can help
         self._regroup(exc)
         if step is not None:
             step.abandoned = True
@@ -496,6 +514,8 @@ class Session:
             cause=type(cause).__name__ if cause is not None else "notice",
             state="dropped: the job trained on without this node" if notice.superseded else "kept",
         )
+        if notice.no_departure and cause is None:
+            self._save_shards(notice.generation)
         self._leave_world()
         for attempt in range(1, 11):
             try:
@@ -515,6 +535,28 @@ class Session:
                     raise
                 notice = nxt
         raise SessionError("no regroup succeeded in 10 rounds in a row")
+
+    def _save_shards(self, generation: int | None) -> None:
+        """A sharded model before an announced move (nodes joined, every member at this agreed boundary): commit
+        the step, since the next world builds its model from the checkpoint. The new round's leader has claimed
+        ``generation`` already; every member of this world is in it, so the save is that generation's."""
+        if self.runtime.sharded is None or self.checkpointer is None or self.state.step == 0:
+            return
+        try:
+            self.checkpointer.wait()  # an interval save in flight whose commit may come after the new claim
+        except StaleGenerationError as exc:
+            lifecycle(
+                "checkpoint_superseded",
+                level=logging.WARNING,
+                step=self.state.step,
+                why="this world's save came after its next round's claim; it is saved again as that round's",
+                error=str(exc)[:200],
+            )
+        if generation is not None:
+            self.checkpointer.continue_as(generation)
+        if self.checkpointer.save(self.state.step, blocking=True, reason="regroup"):
+            self.records.checkpointed(self.state.step)
+            self.events.record("checkpoint", step=self.state.step, reason="regroup")
 
     def _leave_world(self) -> None:
         """Drop everything bound to the current group: checkpointer (its save in flight is given up), DDP."""

@@ -14,10 +14,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from elastrain.env import WorkerEnv
 from elastrain.live.member import LiveMember
+from elastrain.live.sharded import ShardedModel, parameter_names, repoint_optimizer
 from elastrain.session.config import RuntimeConfig
 from elastrain.step_flags import StepFlags, flagged_allreduce
 
@@ -38,6 +40,8 @@ class Runtime:
         self.distributed = False
         self.live: LiveMember | None = None
         """Set under ``--live true``: this process's membership of the current round."""
+        self.sharded = ShardedModel(module, config.shard) if config.shard is not None else None
+        """With ``shard=``: the model is sharded anew in every world (no DDP; its state comes from checkpoints)."""
         self._owns_group = False
 
     @property
@@ -80,13 +84,23 @@ class Runtime:
         if self.distributed:
             self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
 
+    def shard(self, optimizer: torch.optim.Optimizer) -> None:
+        """A sharded model's module for this world: sharded on its mesh (the script's own module in the first
+        world, a fresh one after: uninitialised until the checkpoint loads), the optimizer pointed at it."""
+        if self.sharded is None or not self.distributed:
+            return  # one process: nothing to shard over
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        names = parameter_names(self.module)  # before fully_shard replaces the parameters
+        self.module = self.model = self.sharded.build(self.module, mesh, self.device)
+        repoint_optimizer(optimizer, names, self.module)
+
     def wrap(self, agree_saves: bool) -> None:
         """``model``: the module in DDP over the current group (when distributed and DDP is on).
 
         The step flags ride on the last gradient bucket through the live group's hook, or, in restart mode,
         through :func:`~elastrain.step_flags.flagged_allreduce` when there are saves to agree on
         (``agree_saves``); without a checkpointer DDP keeps its own all-reduce."""
-        if not (self.distributed and self.config.ddp):
+        if not (self.distributed and self.config.ddp) or self.sharded is not None:
             return
         ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(self.module, device_ids=ids, **dict(self.config.ddp_kwargs))
