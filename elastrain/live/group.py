@@ -5,15 +5,24 @@ fresh start does) and its own default process group. DDP's gradient all-reduce g
 :meth:`TrainingGroup.comm_hook`, which hands DDP a future of ours: when the agent's regroup notice
 arrives while a rank waits in a collective that a live-but-departed peer will never join, the
 watchdog (:mod:`elastrain.live.watchdog`) fails those futures and the training thread gets out at
-once. gloo cannot be aborted (pytorch#130345): the abandoned operation stays in gloo's thread until
-its timeout, and a process that exits while one is pending is aborted by gloo, so
-:meth:`TrainingGroup.drain` waits for them (bounded) before the process ends.
+once. gloo cannot be aborted (pytorch#130345): the abandoned operation would stay in gloo's thread until
+its timeout, so a round a member left has its connections shut down (:mod:`elastrain.live.sever`), and
+:meth:`TrainingGroup.drain` waits (bounded) for what is left before the process ends (gloo aborts a
+process that exits with an operation pending).
+
+NCCL (CUDA): a left round's group is aborted, never destroyed (``destroy_process_group`` waits for
+in-flight work since pytorch#141510, which a dead peer never completes), and on a departure the
+watchdog aborts its communicators at once, which fails the pending kernels; the worker sets
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean up, keep the process) unless the user set it. Written to
+torch 2.13's API (``ProcessGroup.abort``, ``_abort_process_group``) but not run here: this machine
+has no GPU; ``python bench/nccl_live.py`` checks it where one is.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 import socket
 import threading
 import time
@@ -66,10 +75,24 @@ class _Pending:
             return True
 
 
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_CLEANUP_ONLY = "2"
+"""torch's ``CleanUpOnly``: NCCL's watchdog aborts a failed or timed-out communicator and the process survives
+(``1``, torch's default, tears the process down), so a live worker regroups instead of dying."""
+
+
+def release_by_abort(backend: str) -> bool:
+    """Whether a left round's group is aborted (NCCL: never destroyed, which waits for in-flight work) rather than
+    destroyed (gloo, whose abandoned work the severed connections end)."""
+    return backend.lower() == "nccl"
+
+
 class TrainingGroup:
     """The default process group of the current round, and the collectives handed out on it."""
 
     def __init__(self, backend: str, timeout_s: float | None, join_timeout_s: float | None = None) -> None:
+        if release_by_abort(backend):
+            os.environ.setdefault(NCCL_ERROR_HANDLING, NCCL_CLEANUP_ONLY)  # before any NCCL group exists
         self.backend = backend
         self.timeout = timedelta(seconds=timeout_s) if timeout_s else None
         # Joining waits for every member of the round, which may include a worker the agent restarted
@@ -134,7 +157,12 @@ class TrainingGroup:
         if dist.is_initialized():
             world = dist.group.WORLD
             self._graveyard.append(world)  # never destructed while gloo may still run its abandoned work
-            dist.destroy_process_group()
+            if release_by_abort(self.backend):
+                # NCCL: destroy_process_group waits for in-flight work (pytorch#141510), which a dead peer never
+                # completes; aborting the communicators ends it, and the process lives on.
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
         if self._store is not None:
             self._graveyard.append(self._store)
             self._store = None
@@ -151,10 +179,18 @@ class TrainingGroup:
 
     def _sever(self, round_: int, pending: int) -> None:
         with self._lock:
-            if self.backend != "gloo" or self._severed == round_:
-                return  # NCCL: its own sockets, never ours to shut; a round is severed once
+            if self._severed == round_:
+                return  # a round is severed once
             self._severed = round_
             connections = self._connections
+            world = dist.group.WORLD if dist.is_initialized() and self.round == round_ else None
+        if release_by_abort(self.backend):
+            # NCCL: its sockets are its own; aborting the round's communicators fails every pending kernel and
+            # collective (TORCH_NCCL_ASYNC_ERROR_HANDLING=2 keeps the process alive), from this thread.
+            if world is not None:
+                world.abort()
+            lifecycle("round_aborted", round=round_, pending=pending, backend=self.backend)
+            return
         lifecycle("round_severed", round=round_, pending=pending, connections=sever(connections))
 
     def drain(self, timeout_s: float) -> None:
