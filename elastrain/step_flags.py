@@ -48,10 +48,13 @@ class StepFlags:
 
     def pack(self, grads: torch.Tensor) -> torch.Tensor:
         """``grads`` followed by this rank's flags (a new tensor, to all-reduce with SUM)."""
-        self._names = tuple(self._sources)
-        raised = [1.0 if self._sources[n]() else 0.0 for n in self._names]
-        flags = torch.tensor(raised, dtype=grads.dtype).to(grads.device, non_blocking=True)
+        flags = self._raised(grads.dtype).to(grads.device, non_blocking=True)
         return torch.cat([grads, flags])
+
+    def _raised(self, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+        """This rank's flags now, one number per registered name (the names' order is kept for :meth:`agreed`)."""
+        self._names = tuple(self._sources)
+        return torch.tensor([1.0 if self._sources[n]() else 0.0 for n in self._names], dtype=dtype, device=device)
 
     def unpack(self, packed: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
         """After the all-reduce: the gradients back into ``grads``; the flags kept as agreed for this step."""
@@ -66,8 +69,7 @@ class StepFlags:
         on every rank alike. Nothing when this step's sync carried them, or when no flag is registered."""
         if self._agreed is not None or not self._sources:
             return
-        self._names = tuple(self._sources)
-        raised = torch.tensor([1.0 if self._sources[n]() else 0.0 for n in self._names], device=device)
+        raised = self._raised(torch.float32, device)
         all_reduce(raised)
         self._agreed, self._agreed_view = raised, None
 
