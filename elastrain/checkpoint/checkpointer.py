@@ -127,6 +127,7 @@ class _SaveJob:
     t0: float
     synchronous: bool
     captured_at: float  # wall clock: the training state the save holds
+    defer_answer: bool = False  # the request it answers is told later (SaveTrigger.answer)
     stall_s: float = 0.0
     waited_at_start: float = 0.0
 
@@ -265,7 +266,8 @@ class Checkpointer:
             return False
         if reason is SaveReason.INTERVAL:
             return self.save(step, blocking=not self.async_save, reason=reason.value)
-        saved = self.save(step, blocking=True, reason=reason.value)
+        # hold=False: the caller's step goes on (its metrics' collective) before the launcher hears of the save.
+        saved = self._save(step, blocking=True, reason=reason.value, defer_answer=not hold)
         if saved and hold:
             self._trigger.hold(step)
         elif saved:
@@ -281,6 +283,10 @@ class Checkpointer:
     def save(self, step: int, blocking: bool = False, reason: str = "explicit") -> bool:
         """Save ``step`` on every rank (collective). False if that step is already saved, or (with
         ``on_save_error="warn"``) if the save failed."""
+        return self._save(step, blocking, reason)
+
+    def _save(self, step: int, blocking: bool, reason: str, defer_answer: bool = False) -> bool:
+        """``save``; ``defer_answer``: the launcher's request this save answers is told at the hold (or close)."""
         if self._closed:
             raise CheckpointError("save() after close(): create a new Checkpointer")
         self.wait()
@@ -317,6 +323,7 @@ class Checkpointer:
             t0=t0,
             synchronous=sync,
             captured_at=time.time(),
+            defer_answer=defer_answer and request is not None,
         )
         job.stall_s = time.perf_counter() - t0
         job.waited_at_start = self._stager.waited_s
@@ -368,7 +375,8 @@ class Checkpointer:
             "checkpoint_committed", step=step, path=path, stall_s=job.stall_s, step_wait_s=step_wait, total_s=total
         )
         # A blocking save held training until now; an async one holds the state of when it was staged.
-        self._trigger.committed(step, path, time.time() if job.synchronous else job.captured_at)
+        current_at = time.time() if job.synchronous else job.captured_at
+        self._trigger.committed(step, path, current_at, defer_answer=job.defer_answer)
         return SaveResult(step=step, path=path, stall_s=job.stall_s, total_s=total, step_wait_s=step_wait)
 
     def _failed(self, e: BaseException) -> None:
@@ -406,6 +414,7 @@ class Checkpointer:
             return
         self._closed = True
         try:
+            self._trigger.answer()  # a requested save whose hold never came (the loop ended at that step)
             self.wait()
         finally:
             self._executor.shutdown(wait=True)

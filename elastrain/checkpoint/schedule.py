@@ -113,6 +113,7 @@ class SaveTrigger:
         self.last_saved_step: int | None = None
         self._last_save_time = time.monotonic()
         self._answer: SaveAck | None = None
+        self._unanswered = False  # a committed requested save the launcher was not told of yet
         self._flags: StepFlags | None = None
 
     def use_flags(self, flags: StepFlags) -> None:
@@ -156,17 +157,33 @@ class SaveTrigger:
         self.last_saved_step = step
         self._last_save_time = time.monotonic()
 
-    def committed(self, step: int, path: str, current_at: float) -> None:
-        """A save committed; the workers' state was that checkpoint until ``current_at`` (wall clock)."""
+    def committed(self, step: int, path: str, current_at: float, defer_answer: bool = False) -> None:
+        """A save committed; the workers' state was that checkpoint until ``current_at`` (wall clock).
+
+        ``defer_answer``: tell the launcher at :meth:`answer` instead (the step's own collectives, such as its
+        mean loss, come first: the launcher acts on the answer, a leaving node by stopping its workers)."""
         self._answer = SaveAck(step=step, checkpoint=path, current_at=current_at)
-        if self.channel is None:
+        self._unanswered = defer_answer
+        if not defer_answer:
+            self._send(current_at)
+
+    def answer(self) -> None:
+        """Tell the launcher of the save whose answer :meth:`committed` deferred (nothing if none is due)."""
+        if self._unanswered:
+            self._unanswered = False
+            self._send(time.time())  # the state is still that checkpoint's: no step ran since
+
+    def _send(self, current_at: float) -> None:
+        if self.channel is None or self._answer is None:
             return
         if self._is_local_leader:
-            self.channel.ack(step, path, current_at)
+            self.channel.ack(self._answer.step, self._answer.checkpoint, current_at)
         else:
             self.channel.answered(current_at)
 
     def hold(self, step: int) -> None:
-        """After a requested save: wait (bounded) for the restart, answering later requests with that save."""
+        """After a requested save: answer it (if deferred), then wait (bounded) for the restart, answering later
+        requests with that save."""
+        self.answer()
         answer = self._answer if self._is_local_leader else None
         hold_for_restart(self.schedule.hold_after_request_s, step, self._log, self.channel, answer)

@@ -44,7 +44,7 @@ from elastrain.session.feed import Feed
 from elastrain.session.records import Records
 from elastrain.session.regroup import REGROUP_FLAG, regroup_due, supersedes
 from elastrain.session.runtime import Runtime
-from elastrain.session.step import MicroBatch, Step
+from elastrain.session.step import LOSS_TOTAL, MicroBatch, Step
 from elastrain.step_flags import StepFlags
 from elastrain.train_state import TrainState
 
@@ -80,6 +80,7 @@ class Session:
         self._checkpoint_dir = self.config.checkpoint.directory or self.env.checkpoint_dir
 
         self._flags = StepFlags()  # raised at each step's gradient sync, agreed by every rank
+        self._flags.add_total(LOSS_TOTAL, self._loss_sum)  # the step's mean loss without a collective of its own
         self.runtime = Runtime(model, self.config.runtime, self.env, self._flags)
         self.feed = Feed(dataset, self.config.data, self.runtime.device)
         self.records = Records(self.config.output, self._checkpoint_dir)
@@ -259,6 +260,10 @@ class Session:
             sampler=sampler,
             **self._extra_state,
         )
+
+    def _loss_sum(self) -> torch.Tensor | float:
+        """This rank's share of the current step's loss, so far (read at the step's gradient sync)."""
+        return self._current.loss_sum if self._current is not None else 0.0
 
     def _statefuls(self) -> dict[str, Any]:
         """The small state that travels with the model and optimizer in live mode: train state, data position,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -12,10 +13,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastrain.data import RankStep
 from elastrain.live.group import GroupBrokenError
+from elastrain.log import lifecycle
 from elastrain.session.errors import SessionError
 
 if TYPE_CHECKING:
     from elastrain.session.loop import Session
+
+LOSS_TOTAL = "loss"  # the step flags' total that carries the step's loss (StepFlags.add_total)
 
 
 def move_to(data: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -62,7 +66,9 @@ class Step:
         self.lr = lr
         """The learning rate of the first parameter group for this step (None: the session leaves LR alone)."""
         self.global_size = rank_step.global_size
-        self._loss_sum: torch.Tensor | float = 0.0
+        self.loss_sum: torch.Tensor | float = 0.0
+        """This rank's loss so far: the sum of its micro-batches' scaled losses (float64, on the device)."""
+        self._loss_lost = False
         self._done = False
         self.abandoned = False
         """True when a membership change (live mode) gave this step up: the loop's remaining calls are no-ops."""
@@ -88,26 +94,42 @@ class Step:
         if self.abandoned:
             return
         scaled = loss * mb.loss_scale
-        self._loss_sum = self._loss_sum + scaled.detach().to(torch.float64)  # no device sync per micro-batch
+        self.loss_sum = self.loss_sum + scaled.detach().to(torch.float64)  # no device sync per micro-batch
         try:
             scaled.backward()  # type: ignore[no-untyped-call]
         except RuntimeError as exc:
             self._session._collective_broke(exc, self, group_error=True)
 
     def mean_loss(self) -> float:
-        """The step's loss averaged over all its samples on all ranks (a collective: call it on every rank)."""
-        # On the model's device: nccl reduces CUDA tensors only.
-        if self.abandoned:
+        """The step's loss averaged over all its samples on all ranks (call it on every rank).
+
+        Its sum usually rode on the step's gradient sync (:meth:`StepFlags.add_total`): then no collective is
+        made here, and a peer lost after the step cannot take the value with it. Otherwise (no such sync, or a
+        half-precision one) it is an all-reduce of its own."""
+        if self.abandoned or self._loss_lost:
             return math.nan
-        total = torch.as_tensor(self._loss_sum, dtype=torch.float64, device=self._session.device).reshape(1)
-        if self._session.distributed:
+        session = self._session
+        agreed = session._flags.total(LOSS_TOTAL) if session.distributed else None
+        if agreed is not None:
+            return agreed / session.world_size
+        # On the model's device: nccl reduces CUDA tensors only.
+        total = torch.as_tensor(self.loss_sum, dtype=torch.float64, device=session.device).reshape(1)
+        if session.distributed:
             try:
-                self._session.runtime.all_reduce(total)
+                session.runtime.all_reduce(total)
             except GroupBrokenError as exc:
                 # Before optimizer_step() the step is given up; after it, the vote decides whether it stands.
-                self._session._collective_broke(exc, None if self._done else self, group_error=True)
+                session._collective_broke(exc, None if self._done else self, group_error=True)
+                if self._done and not self.abandoned:
+                    self._loss_lost = True
+                    lifecycle(
+                        "step_loss_lost",
+                        level=logging.WARNING,
+                        step=self.number,
+                        why="a member left before the step's mean loss was summed; the step's metrics are not logged",
+                    )
                 return math.nan
-        return float(total.item()) / self._session.world_size
+        return float(total.item()) / session.world_size
 
     def optimizer_step(self) -> None:
         """Apply the optimizer, clear gradients, and commit the step (data cursor, state, checkpoint)."""
@@ -119,5 +141,5 @@ class Step:
 
     def log(self, **values: Any) -> None:
         """Record metrics at this step's global number (rank 0 writes; tensors become floats)."""
-        if not self.abandoned:
+        if not (self.abandoned or self._loss_lost):
             self._session.log(self.number, **values)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from support import REPO, elastrain_cmd, free_port, kill_tree, reaped, spawn, wait_for
 
-from elastrain.metrics import read_metrics
+from elastrain.metrics import read_events, read_metrics
 
 JOB = REPO / "tests" / "e2e" / "ledger_job.py"
 SAMPLES, GLOBAL_BATCH, MICRO_BATCH, MAX_STEPS, SAVE_EVERY = 60, 8, 2, 30, 4
@@ -234,12 +234,28 @@ def assert_each_sample_once_per_epoch(steps: LedgerSteps) -> None:
             assert sorted(counts) == list(range(SAMPLES)), f"epoch {epoch} skipped samples"
 
 
+def _worlds(run: ChainResult) -> str:
+    """The elastic run's starts and regroups, a line each (for a failure's message)."""
+    path = run.ckpt / "events.jsonl"
+    kinds = ("start", "restore", "regroup", "checkpoint", "finish")
+    events = read_events(path) if path.exists() else []
+    return "\n".join(json.dumps(e, sort_keys=True) for e in events if e["event"] in kinds)
+
+
 def assert_matches(elastic: ChainResult, reference: ChainResult, max_steps: int) -> None:
     """The elastic run ends where the uninterrupted one ends, and every step's loss matches on the way."""
-    assert elastic.result()["step"] == reference.result()["step"] == max_steps
-    assert elastic.result()["final_loss"] == pytest.approx(reference.result()["final_loss"], rel=1e-4)
+    got_end, want_end = elastic.result(), reference.result()
+    assert got_end["step"] == want_end["step"] == max_steps, f"final steps: {got_end} vs {want_end}"
     # Not only the end: every step's loss matches (the steps re-run after a kill replace the cut-off ones).
-    got = read_metrics(elastic.ckpt / "metrics.jsonl").series("loss")
-    want = read_metrics(reference.ckpt / "metrics.jsonl").series("loss")
-    assert [s for s, _ in got] == [s for s, _ in want]
-    assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-4)
+    got_series = read_metrics(elastic.ckpt / "metrics.jsonl").series("loss")
+    got, want = dict(got_series), dict(read_metrics(reference.ckpt / "metrics.jsonl").series("loss"))
+    where = f"\nthe elastic run's worlds:\n{_worlds(elastic)}"
+    assert len(got) == len(got_series), f"a step has two losses: {sorted(s for s, _ in got_series)} {where}"
+    assert sorted(got) == sorted(want), (
+        f"steps with a loss: missing {sorted(set(want) - set(got))}, extra {sorted(set(got) - set(want))} {where}"
+    )
+    differ = [(s, got[s], want[s]) for s in sorted(want) if got[s] != pytest.approx(want[s], rel=1e-4)]
+    assert not differ, (
+        f"the loss differs at {len(differ)} steps, first (step, elastic, uninterrupted): {differ[:5]} {where}"
+    )
+    assert got_end["final_loss"] == pytest.approx(want_end["final_loss"], rel=1e-4), f"{got_end} vs {want_end}"

@@ -2,7 +2,9 @@
 
     SF_REQUEST_AT=<step>  group rank 1 writes a save request into its own node's control channel before
                           that step's backward (as its agent does for a leave): only that rank sees it.
-Prints ``SF_DONE rank= agree_calls= hash=`` at the end (``hash``: the model's parameters).
+Prints ``SF_DONE rank= agree_calls= loss_calls= losses= hash=`` at the end (``loss_calls``: the session's own
+all-reduces made while ``step.mean_loss()`` ran; ``losses``: the mean losses, comma-separated; ``hash``: the
+model's parameters).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from torch.utils.data import TensorDataset
 from elastrain.checkpoint.group import Group
 from elastrain.control import ControlChannel, SaveCause
 from elastrain.session import Session
+from elastrain.session.runtime import Runtime
 
-CALLS = {"all_max": 0}
+CALLS = {"all_max": 0, "all_reduce": 0}
 _all_max = Group.all_max
+_all_reduce = Runtime.all_reduce
 
 
 def _counted(self: Group, values: list[int]) -> list[int]:
@@ -26,7 +30,13 @@ def _counted(self: Group, values: list[int]) -> list[int]:
     return _all_max(self, values)
 
 
+def _counted_reduce(self: Runtime, tensor: torch.Tensor) -> None:
+    CALLS["all_reduce"] += 1
+    _all_reduce(self, tensor)
+
+
 Group.all_max = _counted  # type: ignore[method-assign]
+Runtime.all_reduce = _counted_reduce  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -44,6 +54,8 @@ def main() -> None:
         max_steps=int(os.environ.get("SF_MAX_STEPS", "12")),
         ddp_kwargs={"bucket_cap_mb": 0.0001},  # several buckets: the flags ride on the last one only
     )
+    losses: list[float] = []
+    loss_calls = 0
     with session:
         for step in session:
             if step.number == request_at and session.env.group_rank == 1 and session.env.control_dir:
@@ -52,8 +64,15 @@ def main() -> None:
                 x, y = mb.data
                 step.backward(torch.nn.functional.mse_loss(session.model(x), y), mb)
             step.optimizer_step()
+            before = CALLS["all_reduce"]
+            losses.append(step.mean_loss())
+            loss_calls += CALLS["all_reduce"] - before
         digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-        print(f"SF_DONE rank={session.rank} agree_calls={CALLS['all_max']} hash={digest[:16]}", flush=True)
+        print(
+            f"SF_DONE rank={session.rank} agree_calls={CALLS['all_max']} loss_calls={loss_calls} "
+            f"losses={','.join(repr(v) for v in losses)} hash={digest[:16]}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -3,13 +3,16 @@
 Two nodes through the real elastrain-run (c10d, gloo): a save asked for on one node's control channel
 only is made by every rank at the same step, the checkpointer's own agreement all-reduce is never run
 while steps sync gradients, and the trained model is the same as without any checkpointer (DDP's own
-all-reduce): the flags do not touch the gradients.
+all-reduce): the flags do not touch the gradients. The step's loss rides along too: ``step.mean_loss()``
+makes no collective of its own when the step synced, and gives what the all-reduce of its own gives.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
 
 from tests.support import REPO, elastrain_cmd, free_port, reaped, spawn, wait_logged
 
@@ -46,6 +49,12 @@ def test_a_save_one_rank_was_asked_for_is_agreed_through_the_gradient_sync(tmp_p
     plain = _job(tmp_path / "plain", {}, None)
     # The checkpointer's per-step agreement never ran: every step synced gradients and carried the flags.
     assert all(d["agree_calls"] == "0" for d in flagged), flagged
+    # The step's loss rode on the sync: no collective of its own, the same values as the plain run's all-reduce
+    # (float32 bucket vs float64 all-reduce).
+    assert all(d["loss_calls"] == "0" for d in flagged) and all(d["loss_calls"] == "12" for d in plain)
+    for d in flagged + plain:
+        want = [float(v) for v in plain[0]["losses"].split(",")]
+        assert [float(v) for v in d["losses"].split(",")] == pytest.approx(want, rel=1e-6)
     # The flags leave the gradients alone: the same model on every rank, equal to the run without them.
     assert len({d["hash"] for d in flagged + plain}) == 1, (flagged, plain)
     # Rank 0 saw no request of its own, yet saved step 5 for node 1's: the ranks agreed.

@@ -231,7 +231,8 @@ def test_a_deferred_hold_waits_for_the_next_step_boundary(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Session defers the hold after a requested save until its next step, so the saved step's metrics point
-    # is written before the restart that the request announced can cut the process off.
+    # (and its mean loss, a collective) is done before the launcher hears of the save: it acts on the answer
+    # (a restart, a node leaving) and may cut the process off.
     control = tmp_path / "control"
     monkeypatch.setenv(env_vars.CONTROL_DIR, str(control))
     agent = ControlChannel(control)
@@ -241,14 +242,32 @@ def test_a_deferred_hold_waits_for_the_next_step_boundary(
         job.step(1)
         request = agent.request_save(SaveCause.SCALE_UP, "waiting")
         assert ckpt.maybe_save(1, hold=False)
-        assert "event=checkpoint_hold " not in caplog.text  # saved and acked, not holding yet
+        assert "event=checkpoint_hold " not in caplog.text  # saved, not holding yet
+        assert agent.wait_ack(request.request_id, timeout_s=0.2) is None  # nor answered
+        ckpt.hold_if_requested()
         ack = agent.wait_ack(request.request_id, timeout_s=30)
         assert ack is not None and ack.step == 1
-        ckpt.hold_if_requested()
         assert "event=checkpoint_hold " in caplog.text and "event=checkpoint_hold_over " in caplog.text
         caplog.clear()
         ckpt.hold_if_requested()  # once only
         assert "checkpoint_hold" not in caplog.text
+
+
+def test_a_deferred_answer_is_given_at_close_when_no_step_follows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The loop may end at the step that answered a request (its last step): closing answers it.
+    control = tmp_path / "control"
+    monkeypatch.setenv(env_vars.CONTROL_DIR, str(control))
+    agent = ControlChannel(control)
+    job = Job()
+    with job.checkpointer(tmp_path / "c", hold_after_request_s=0.2) as ckpt:
+        job.step(1)
+        request = agent.request_save(SaveCause.LEAVE, "leave: SIGTERM")
+        assert ckpt.maybe_save(1, hold=False)
+        assert agent.wait_ack(request.request_id, timeout_s=0.2) is None
+    ack = agent.wait_ack(request.request_id, timeout_s=30)
+    assert ack is not None and ack.step == 1
 
 
 def test_interval_in_seconds(tmp_path: Path) -> None:

@@ -55,3 +55,43 @@ def test_the_save_trigger_decides_from_the_agreed_flags_without_its_own_collecti
     agreed: list[list[int]] = []
     trigger._agree = lambda values: agreed.append(values) or [0, 1]  # type: ignore[assignment, func-returns-value]
     assert trigger.check(9) is SaveReason.REQUEST and agreed == [[0, 0]]
+
+
+@pytest.mark.parametrize("world", [1, 2, 5])
+def test_a_total_rides_with_the_flags_and_sums_over_the_ranks(world: int) -> None:
+    # The step's loss: each rank's share (a float64 tensor or a float) summed in the same all-reduce.
+    shares = [torch.tensor(0.25 * (r + 1), dtype=torch.float64) for r in range(world)]
+    ranks = []
+    for r in range(world):
+        flags = _rank({"regroup": False})
+        flags.add_total("loss", lambda r=r: shares[r] if r % 2 == 0 else float(shares[r]))
+        ranks.append(flags)
+    grads = [torch.ones(4) for _ in range(world)]
+    total = torch.stack([f.pack(g) for f, g in zip(ranks, grads, strict=True)]).sum(dim=0)
+    for flags, g in zip(ranks, grads, strict=True):
+        assert flags.total("loss") is None
+        flags.unpack(total.clone(), g)
+        assert flags.agreed() == {"regroup": False}
+        assert flags.total("loss") == pytest.approx(sum(float(s) for s in shares))
+        assert torch.equal(g, torch.full((4,), float(world)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_sync_carries_no_total(dtype: torch.dtype) -> None:
+    # A loss summed in 3 significant digits would be a wrong metric: the caller sums it on its own instead.
+    flags = _rank({"save": True})
+    flags.add_total("loss", lambda: 1234.567)
+    grads = torch.zeros(2, dtype=dtype)
+    packed = flags.pack(grads)
+    assert packed.numel() == 3
+    flags.unpack(packed, grads)
+    assert flags.agreed() == {"save": True} and flags.total("loss") is None
+
+
+def test_agree_sums_the_totals_in_float64_when_no_sync_carried_them() -> None:
+    flags = _rank({"save": False})
+    flags.add_total("loss", lambda: torch.tensor(1 / 3, dtype=torch.float64))
+    seen: list[torch.Tensor] = []
+    flags.agree(lambda t: seen.append(t.mul_(2)), torch.device("cpu"))  # two ranks alike
+    assert seen[0].dtype == torch.float64
+    assert flags.total("loss") == 2 / 3 and flags.agreed() == {"save": False}
