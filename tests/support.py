@@ -139,3 +139,61 @@ def reaped(*procs: subprocess.Popen[bytes]) -> Iterator[None]:
                 kill_tree(p.pid)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=10)
+
+
+def printed_fields(line: str) -> dict[str, str]:
+    """The ``key=value`` words of a line a test worker printed, after its tag (``LW_STEP step=3 ws=2``)."""
+    return dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
+
+
+class LiveNode:
+    """One test "node": an ``elastrain-run --live true`` agent with one worker running ``script`` on 127.0.0.1
+    (c10d, the first node's agent hosts the store); its log, the lines its worker printed, its events."""
+
+    def __init__(
+        self,
+        name: str,
+        tmp: Path,
+        port: int,
+        script: str,
+        env: Mapping[str, str],
+        *,
+        rdzv_id: str,
+        nnodes: str,
+        last_call_s: float,
+        collective_timeout: float,
+        extra: Sequence[str] = (),
+    ) -> None:
+        self.name = name
+        self.log = tmp / f"{name}.log"
+        cmd = elastrain_cmd(
+            "--nnodes", nnodes,
+            "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", rdzv_id,
+            "--rdzv-conf", f"last_call_timeout={last_call_s:g}",
+            "--max-restarts", "0",
+            "--live", "true",
+            "--collective-timeout", f"{collective_timeout:g}",
+            *extra,
+            script,
+        )  # fmt: skip
+        self.proc = spawn(cmd, self.log, env=env)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def lines(self, prefix: str) -> list[dict[str, str]]:
+        """The fields of every line the worker printed with tag ``prefix``."""
+        return [printed_fields(line) for line in self.text().splitlines() if line.startswith(prefix + " ")]
+
+    def events(self, name: str) -> list[dict[str, str]]:
+        """The agent's and worker's lifecycle lines named ``name``."""
+        from elastrain.log import parse_event_line
+
+        out = [parse_event_line(line) for line in self.text().splitlines()]
+        return [e for e in out if e is not None and e.get("event") == name]
+
+    def dump(self) -> str:
+        return f"--- {self.name} ---\n" + self.text()[-6000:]

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import alive, descendants, elastrain_cmd, free_port, kill_tree, reaped, spawn, wait_for
+from support import alive, descendants, elastrain_cmd, free_port, kill_tree, printed_fields, reaped, spawn, wait_for
 
 from elastrain.log import parse_event_line
 
@@ -23,10 +23,6 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "membership_worker.py")
 BOUND = 60.0  # generous: one worker cold start on a loaded 2-core machine is 2-5 s
-
-
-def _fields(line: str) -> dict[str, str]:
-    return dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
 
 
 class Node:
@@ -55,7 +51,7 @@ class Node:
 
     def lines(self, prefix: str) -> list[dict[str, str]]:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return [_fields(line) for line in text.splitlines() if line.startswith(prefix)]
+        return [printed_fields(line) for line in text.splitlines() if line.startswith(prefix)]
 
     def events(self, name: str) -> list[dict[str, str]]:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""

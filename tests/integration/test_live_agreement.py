@@ -5,13 +5,9 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from support import PYTHON, free_port, kill_tree, worker_env
+from support import PYTHON, free_port, kill_tree, printed_fields, worker_env
 
 WORKER = str(Path(__file__).resolve().parent / "live_agreement_worker.py")
-
-
-def _fields(line: str) -> dict[str, str]:
-    return dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
 
 
 def _run_ranks(*args: str, world: int, timeout: float = 60.0) -> list[str]:
@@ -40,7 +36,7 @@ def _run_ranks(*args: str, world: int, timeout: float = 60.0) -> list[str]:
 
 
 def _lines(outs: list[str], prefix: str) -> list[dict[str, str]]:
-    return [_fields(line) for out in outs for line in out.splitlines() if line.startswith(prefix + " ")]
+    return [printed_fields(line) for out in outs for line in out.splitlines() if line.startswith(prefix + " ")]
 
 
 def test_a_rank_ahead_rolls_back_and_a_rank_without_state_receives_it() -> None:

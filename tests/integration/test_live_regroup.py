@@ -18,20 +18,14 @@ import time
 from pathlib import Path
 
 import pytest
-from support import elastrain_cmd, free_port, kill_tree, reaped, spawn, wait_for, wait_logged
-
-from elastrain.log import parse_event_line
+from support import LiveNode, elastrain_cmd, free_port, kill_tree, reaped, spawn, wait_for, wait_logged
 
 SCRIPT = str(Path(__file__).resolve().parent / "live_worker.py")
 BOUND = 90.0  # generous: only stops hangs (3 cold starts of torch on a loaded 2-core machine)
 GLOBAL_BATCH = 24
 
 
-def _fields(line: str) -> dict[str, str]:
-    return dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
-
-
-class Node:
+class Node(LiveNode):
     def __init__(
         self,
         name: str,
@@ -43,44 +37,18 @@ class Node:
         extra: tuple[str, ...] = (),
         last_call_s: float = 1,
     ) -> None:
-        self.name = name
-        self.log = tmp / f"{name}.log"
-        cmd = elastrain_cmd(
-            "--nnodes",
-            nnodes,
-            "--nproc-per-node",
-            "1",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{port}",
-            "--rdzv-id",
-            "live-test",
-            "--rdzv-conf",
-            f"last_call_timeout={last_call_s:g}",
-            "--max-restarts",
-            "0",
-            "--live",
-            "true",
-            "--collective-timeout",
-            str(collective_timeout),
-            *extra,
+        super().__init__(
+            name,
+            tmp,
+            port,
             SCRIPT,
+            env,
+            rdzv_id="live-test",
+            nnodes=nnodes,
+            last_call_s=last_call_s,
+            collective_timeout=collective_timeout,
+            extra=extra,
         )
-        self.proc = spawn(cmd, self.log, env=env)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def lines(self, prefix: str) -> list[dict[str, str]]:
-        return [_fields(line) for line in self.text().splitlines() if line.startswith(prefix + " ")]
-
-    def events(self, name: str) -> list[dict[str, str]]:
-        out = [parse_event_line(line) for line in self.text().splitlines()]
-        return [e for e in out if e is not None and e.get("event") == name]
-
-    def dump(self) -> str:
-        return f"--- {self.name} ---\n" + self.text()[-6000:]
 
 
 def _run(tmp: Path, names: list[str], env: dict[str, str], nnodes: str) -> list[Node]:

@@ -28,7 +28,7 @@ from pathlib import Path
 import netns
 import pytest
 from netns import Network
-from support import alive, elastrain_cmd, reaped, spawn, wait_for
+from support import alive, elastrain_cmd, printed_fields, reaped, spawn, wait_for
 
 from elastrain.log import format_event, parse_event_line
 
@@ -58,10 +58,6 @@ SEGMENT_ENDS = {
     "job_succeeded", "job_failed", "rendezvous_store_lost", "node_left", "agent_signalled",
 }  # fmt: skip
 """Events after which a node's workers of the last round no longer run."""
-
-
-def _fields(line: str) -> dict[str, str]:
-    return dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
 
 
 class SplitBrain(AssertionError):
@@ -100,7 +96,7 @@ class NodeLog:
         out = []
         for line in self.text().splitlines():
             if line.startswith("PW_STEP"):
-                f = _fields(line)
+                f = printed_fields(line)
                 out.append(
                     Step(
                         node=self.index,

@@ -16,47 +16,20 @@ import sys
 import time
 from pathlib import Path
 
-from support import elastrain_cmd, free_port, reaped, spawn, wait_for, worker_env
-
-from elastrain.log import parse_event_line
+from support import LiveNode, free_port, printed_fields, reaped, wait_for, worker_env
 
 SCRIPT = str(Path(__file__).resolve().parent / "sharded_worker.py")
 BOUND = 120.0  # only stops hangs
 MAX_STEPS = 40
 
 
-def _fields(line: str) -> dict[str, str]:
-    return dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
-
-
-class Node:
-    def __init__(self, name: str, tmp: Path, port: int, env: dict[str, str]) -> None:
-        self.name = name
-        self.log = tmp / f"{name}.log"
-        cmd = elastrain_cmd(
-            "--nnodes", "2:3",
-            "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", "sharded-live",
-            "--rdzv-conf", "last_call_timeout=3",  # the first round: a and b (the minimum), c joins later
-            "--max-restarts", "0",
-            "--live", "true",
-            "--collective-timeout", "30",
-            "--checkpoint-dir", str(tmp / "ckpt"),
-            SCRIPT,
-        )  # fmt: skip
-        self.proc = spawn(cmd, self.log, env=env)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def lines(self, prefix: str) -> list[dict[str, str]]:
-        return [_fields(line) for line in self.text().splitlines() if line.startswith(prefix + " ")]
-
-    def events(self, name: str) -> list[dict[str, str]]:
-        out = [parse_event_line(line) for line in self.text().splitlines()]
-        return [e for e in out if e is not None and e.get("event") == name]
+def _node(name: str, tmp: Path, port: int, env: dict[str, str]) -> LiveNode:
+    # The first round: a and b (the minimum) after a 3 s last call; c joins later.
+    ckpt = ("--checkpoint-dir", str(tmp / "ckpt"))
+    return LiveNode(
+        name, tmp, port, SCRIPT, env, rdzv_id="sharded-live", nnodes="2:3", last_call_s=3, collective_timeout=30,
+        extra=ckpt,
+    )  # fmt: skip
 
 
 def test_a_sharded_job_grows_and_loses_a_node_in_place(tmp_path: Path) -> None:
@@ -64,20 +37,20 @@ def test_a_sharded_job_grows_and_loses_a_node_in_place(tmp_path: Path) -> None:
     alone = subprocess.run(
         [sys.executable, SCRIPT], env=worker_env(env), capture_output=True, text=True, timeout=BOUND, check=True
     )
-    (baseline,) = [_fields(line) for line in alone.stdout.splitlines() if line.startswith("SW_DONE ")]
+    (baseline,) = [printed_fields(line) for line in alone.stdout.splitlines() if line.startswith("SW_DONE ")]
 
     port = free_port()
     joined = tmp_path / "joined"
     env.update({"SW_DIE_NODE": "2", "SW_DIE_AFTER": "7"})  # the joiner (group rank 2), 7 steps after it joined
     env["SW_SLOW_UNTIL"] = str(joined)  # a and b train slowly until c trains with them
-    nodes: list[Node] = []
+    nodes: list[LiveNode] = []
     try:
-        nodes = [Node("a", tmp_path, port, env)]
+        nodes = [_node("a", tmp_path, port, env)]
         time.sleep(0.3)
-        nodes.append(Node("b", tmp_path, port, env))
+        nodes.append(_node("b", tmp_path, port, env))
         a, b = nodes
         wait_for(lambda: len(a.lines("SW_STEP")) >= 6, BOUND, what="a and b to train a few steps")
-        nodes.append(Node("c", tmp_path, port, env))
+        nodes.append(_node("c", tmp_path, port, env))
         c = nodes[2]
         wait_for(lambda: bool(c.lines("SW_STEP")) or c.proc.poll() is not None, BOUND, what="c to train")
         joined.touch()
