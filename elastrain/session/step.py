@@ -66,6 +66,8 @@ class Step:
         self.lr = lr
         """The learning rate of the first parameter group for this step (None: the session leaves LR alone)."""
         self.global_size = rank_step.global_size
+        # The world that computes it (a regroup may come after its gradient sync).
+        self._world_size, self._segment = session.world_size, session.segment
         self.loss_sum: torch.Tensor | float = 0.0
         """This rank's loss so far: the sum of its micro-batches' scaled losses (float64, on the device)."""
         self._loss_lost = False
@@ -111,7 +113,9 @@ class Step:
         session = self._session
         agreed = session._flags.total(LOSS_TOTAL) if session.distributed else None
         if agreed is not None:
-            return agreed / session.world_size
+            return agreed / self._world_size
+        if session.segment != self._segment:  # a regroup after the step: its ranks' shares are in no group now
+            return self._loss_is_lost()
         # On the model's device: nccl reduces CUDA tensors only.
         total = torch.as_tensor(self.loss_sum, dtype=torch.float64, device=session.device).reshape(1)
         if session.distributed:
@@ -120,16 +124,21 @@ class Step:
             except GroupBrokenError as exc:
                 # Before optimizer_step() the step is given up; after it, the vote decides whether it stands.
                 session._collective_broke(exc, None if self._done else self, group_error=True)
-                if self._done and not self.abandoned:
-                    self._loss_lost = True
-                    lifecycle(
-                        "step_loss_lost",
-                        level=logging.WARNING,
-                        step=self.number,
-                        why="a member left before the step's mean loss was summed; the step's metrics are not logged",
-                    )
-                return math.nan
+                self._rolled_back()
+                return self._loss_is_lost()
         return float(total.item()) / session.world_size
+
+    def _loss_is_lost(self) -> float:
+        """NaN; a step that stands (not given up) logs no metrics, and says so."""
+        if not self.abandoned:
+            self._loss_lost = True
+            lifecycle(
+                "step_loss_lost",
+                level=logging.WARNING,
+                step=self.number,
+                why="a member left before the step's mean loss was summed; the step's metrics are not logged",
+            )
+        return math.nan
 
     def optimizer_step(self) -> None:
         """Apply the optimizer, clear gradients, and commit the step (data cursor, state, checkpoint)."""
@@ -138,6 +147,13 @@ class Step:
         self._done = True
         if not self.abandoned:
             self._session._finish(self)
+            self._rolled_back()
+
+    def _rolled_back(self) -> None:
+        """After a regroup inside this step's commit: if the world agreed on an earlier step, this one runs
+        again, so it is given up here (its metrics are the re-run's to log)."""
+        if self._done and self._session.state.step < self.number:
+            self.abandoned = True
 
     def log(self, **values: Any) -> None:
         """Record metrics at this step's global number (rank 0 writes; tensors become floats)."""
