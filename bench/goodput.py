@@ -21,7 +21,8 @@ left, if later). Node 0 hosts the c10d store and is never touched.
 
 700 steps by default: at ~5 steps/s with 2 nodes and ~9 with one, the returning node needs
 ≈ 8 + 15 s (≈ 200 steps alone) to train again, and both returns must land well before the end; the
-five modes then take ≈ 15 min here. ``--steps`` goes bigger.
+five modes then take ≈ 15 min here. ``--steps`` goes bigger: a faster machine (20 steps/s on a quiet day
+here) ends the job before the trace does; the bench then says which modes and the ``--steps`` it needs.
 
 Per mode, from the job's ``metrics.jsonl`` point records and the harness's ``timeline.json``:
 
@@ -125,6 +126,7 @@ def node_command(mode: Mode, script: Sequence[str], port: int, run_id: str, chec
 class Result:
     mode: str
     ok: bool
+    fired: int = 0  # trace events that fired before the job ended
     stalls: list[float | None] = field(default_factory=list)
     redone: list[int] = field(default_factory=list)
     train_s: float | None = None
@@ -186,7 +188,9 @@ def collect(mode: Mode, out: Path) -> Result:
     timeline_file = out / "chaos" / "timeline.json"
     done = json.loads(timeline_file.read_text()).get("result", {}) if timeline_file.exists() else {}
     ok = bool(done.get("succeeded")) and (out / "summary.json").exists()
-    result = Result(mode.name, ok, elapsed_s=float(done.get("elapsed_s", 0.0)))
+    events = json.loads(timeline_file.read_text()).get("events", []) if timeline_file.exists() else []
+    fired = sum(1 for e in events if e.get("action") == "fired")
+    result = Result(mode.name, ok, fired=fired, elapsed_s=float(done.get("elapsed_s", 0.0)))
     if (out / "metrics.jsonl").exists() and (out / "summary.json").exists():
         measure(mode, load_run(mode.name, out), result, out)
     return result
@@ -303,6 +307,23 @@ def live_targets(live: Result, base: Result | None, steps: int) -> list[str]:
     ]  # fmt: skip
 
 
+# Seconds of training the trace needs after its first event at 25%: back (8) + the return's cold start and
+# --settle (30) + notice (15) + back (8) + the second return's cold start, with a margin.
+TRACE_NEEDS_S = 100.0
+
+
+def unfinished_trace(short: Sequence[Result], base: Result | None, steps: int) -> str:
+    """One line: which modes ended before their trace did, and the ``--steps`` that gives it time here."""
+    modes = ", ".join(f"{r.mode} ({r.fired} of {len(EVENT_LABELS)})" for r in short)
+    rate = steps / base.train_s if base and base.train_s else None
+    hint = f"--steps {int(rate * TRACE_NEEDS_S) // 100 * 100 + 100}" if rate else "a larger --steps"
+    speed = f" (the uninterrupted run trained {rate:.0f} steps/s)" if rate else ""
+    return (
+        f"the trace did not finish before the job ended in: {modes} events fired; their figures are not the "
+        f"issue's trace. This machine is faster than {steps} steps assume{speed}: run again with {hint}."
+    )
+
+
 def _folder(mode: Mode) -> str:
     return mode.name.replace("+", "-")
 
@@ -340,6 +361,9 @@ def main() -> int:
     print(text)
     live = next((r for r in results if r.mode == "live"), None)
     base = next((r for r in results if r.mode == "uninterrupted"), None)
+    short = [r for r in results if r.mode != "uninterrupted" and r.fired < len(EVENT_LABELS)]
+    if short:
+        print("\n" + unfinished_trace(short, base, a.steps))
     if live is not None:
         print(f"\nlive: {live.rolled_back} step(s) rolled back by regroup agreement (events.jsonl)")
         print("\n".join(live_targets(live, base, a.steps)))
