@@ -13,6 +13,9 @@ dist.init_process_group("gloo", timeout=timedelta(seconds=env.collective_timeout
 t = torch.tensor([float(env.rank + 1)])
 dist.all_reduce(t)
 if env.rank == 0:
-    print(f"world_size={env.world_size} sum={int(t.item())} start_reason={env.start_reason.value} "
-          f"restart_count={env.restart_count} pid={os.getpid()}", flush=True)
+    print(
+        f"world_size={env.world_size} sum={int(t.item())} start_reason={env.start_reason.value} "
+        f"restart_count={env.restart_count} pid={os.getpid()}",
+        flush=True,
+    )
 dist.destroy_process_group()

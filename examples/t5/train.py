@@ -142,7 +142,12 @@ def progress_bar(initial: int, world_size: int) -> Any:
 
 
 def record_ids(step: Step, ids: torch.Tensor) -> None:
-    """--ledger: which samples this rank trained on at which step, for the exactly-once test."""
+    """--ledger: which samples this rank trains on at which step, for the exactly-once test.
+
+    Written before the micro-batch's backward, under the segment (world) that computes the step: a rank
+    SIGKILLed right after the step's gradient sync contributed its samples to a step its peers commit, so its
+    row must already be there; a step that a regroup gives up or rolls back is re-run in a new segment that
+    starts before it, which supersedes these rows (as it does the metrics' points)."""
     row = {"segment": session.segment, "step": step.number, "epoch": step.epoch, "ids": ids.tolist()}
     append_json_line(out / f"ledger-rank{session.rank}.jsonl", row)
 
@@ -155,10 +160,10 @@ with session:
     bar = progress_bar(session.state.step, session.world_size)
     for step in session:  # elastrain: stops at --max-steps, wherever the job restarted
         for mb in step:  # this rank's share of the global batch
+            if args.ledger:  # before the backward, whose gradient sync may be the last thing this rank does
+                record_ids(step, mb.data["ids"])
             loss = session.model(**model_inputs(mb.data)).loss
             step.backward(loss, mb)  # elastrain: scaled so the gradient is the global batch's mean
-            if args.ledger and not step.abandoned:  # --live: a step given up is not trained (it runs again)
-                record_ids(step, mb.data["ids"])
         step.optimizer_step()  # elastrain: optimizer, data cursor, train state, checkpoint when due
         if step.abandoned:  # elastrain --live: a membership change gave this step up; the next one redoes it
             continue

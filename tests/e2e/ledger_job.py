@@ -79,15 +79,15 @@ def main(argv: list[str] | None = None) -> None:
                     ledger.close()
                 path, first = out / "ledger.jsonl", session.state.step
                 ledger = MetricsWriter(path, session.segment, first, open_segment=session.rank == 0)
-            ids: list[int] = []
+            # Recorded before the step's backward: a step is in a checkpoint only if it is in the ledger, and a rank
+            # SIGKILLed right after the step's gradient sync gave its samples to a step its peers commit. (A step
+            # that a live regroup gave up is logged too: the next segment, from the agreed step, supersedes it.)
+            ids = [int(i) for mb in step.micro_batches for i in mb.data[0]]
+            ledger.log(step.number, rank=session.rank, world_size=session.world_size, epoch=step.epoch, ids=ids)
             for mb in step:
-                idx, x, y = mb.data
+                _, x, y = mb.data
                 loss = ((session.model(x).squeeze(-1) - y) ** 2).mean()
                 step.backward(loss, mb)
-                ids.extend(int(i) for i in idx)
-            # Recorded before the step can be checkpointed: a step is in a checkpoint only if it is in the ledger.
-            # (A step that a live regroup gave up is logged too: the next segment, from the agreed step, supersedes it.)
-            ledger.log(step.number, rank=session.rank, world_size=session.world_size, epoch=step.epoch, ids=ids)
             step.optimizer_step()
             step.log(loss=step.mean_loss(), lr=optimizer.param_groups[0]["lr"])
             if a.sleep:
