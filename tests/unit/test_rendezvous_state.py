@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -32,6 +33,39 @@ def test_encode_roundtrip() -> None:
 def test_decode_rejects_foreign_state() -> None:
     with pytest.raises(RendezvousStateCorruptError, match="rdzv-id"):
         st.decode(b'{"some": "other launcher"}')
+
+
+_GOOD = json.loads(st.encode(st.join(formed("a", "b"), "c", INFO)))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"departed": []},  # a list where an object belongs: was AttributeError
+        {"nodes": {"a": {"addr": "x"}}},  # was KeyError
+        {"nodes": {"a": ["x", 1, 2]}},  # a node's address cut short
+        {"nodes": {"a": [1, 2, 3, 4]}},  # a number where the address belongs
+        {"heartbeats": {"a": "7"}},
+        {"members": "ab"},  # a string where the list belongs: would have been members ("a", "b")
+        {"members": [["a"]]},
+        {"round": True},
+        {"round": 1.5},
+        {"closed": "no"},
+        {"generation": 5},
+        {"generation": [1]},
+        {"superseded_by": ["x"]},
+        {"failed": {"a": 1}},
+    ],
+)
+def test_decode_refuses_json_of_the_wrong_shape_with_a_typed_error(change: dict[str, object]) -> None:
+    with pytest.raises(RendezvousStateCorruptError, match="not elastrain's"):
+        st.decode(json.dumps({**_GOOD, **change}).encode())
+
+
+@pytest.mark.parametrize("data", [b"[]", b"null", b"5", b'"state"', b"[" * 100_000, b"\xff\xfe"])
+def test_decode_refuses_what_is_no_state_object(data: bytes) -> None:
+    with pytest.raises(RendezvousStateCorruptError):
+        st.decode(data)
 
 
 def test_join_is_idempotent_and_ordered() -> None:
@@ -259,3 +293,6 @@ def test_a_rejoin_key_roundtrips_and_a_foreign_one_is_refused() -> None:
     assert st.decode_info(st.encode_info(info)) == info
     with pytest.raises(RendezvousStateCorruptError):
         st.decode_info(b"not json")
+    for bad in (b'{"addr": "x"}', b'["x", 1, 2]', b'["x", "1", 2, 3]', b"null"):
+        with pytest.raises(RendezvousStateCorruptError):
+            st.decode_info(bad)
