@@ -427,6 +427,9 @@ def _become_worker(req: dict[str, Any]) -> None:
         sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]  # python -u
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        from elastrain.rendezvous.binding import host_worker_store
+
+        host_worker_store(os.environ)  # rank 0: the round's store, on MASTER_ADDR's interface only
         import runpy
 
         argv: list[str] = req["argv"]
