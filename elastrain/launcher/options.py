@@ -335,6 +335,13 @@ def _check_rendezvous(args: argparse.Namespace, conf: dict[str, str], min_nodes:
     elif endpoint:
         c10d.parse_endpoint(endpoint)  # host[:port] for every other backend (static's is the master's)
     if backend not in (registry.C10D, registry.ETCD_V3):
+        if conf.get("secret_file") or os.environ.get(RDZV_SECRET_FILE):
+            setting = "--rdzv-conf secret_file" if conf.get("secret_file") else RDZV_SECRET_FILE
+            raise UsageError(
+                setting,
+                f"only elastrain's rendezvous (--rdzv-backend c10d or etcd-v3) signs the rendezvous with a secret; "
+                f"torch's {backend} backend would ignore it",
+            )
         return  # torch's own handlers read the rest of --rdzv-conf their own way
     params = RendezvousParameters(
         backend, endpoint, args.rdzv_id or "none", min_nodes, max_nodes, args.local_addr, **conf

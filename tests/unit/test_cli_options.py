@@ -132,6 +132,7 @@ def test_single_node_default_like_torchrun() -> None:
         (["--standalone", "--rdzv-conf", "heartbeat_interval=soon", SCRIPT], "--rdzv-conf heartbeat_interval"),
         (["--standalone", "--rdzv-conf", "secret=hunter2", SCRIPT], "--rdzv-conf secret"),
         (["--standalone", "--rdzv-conf", "secret_file=/no/such/file", SCRIPT], "--rdzv-conf secret_file"),
+        (["--nnodes", "2", "--rdzv-conf", f"secret_file={SCRIPT}", SCRIPT], "--rdzv-conf secret_file"),  # static
         (
             [
                 "--nnodes",
