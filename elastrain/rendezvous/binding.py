@@ -15,6 +15,7 @@ once (``event=listen_all``).
 
 from __future__ import annotations
 
+import atexit
 import errno
 import functools
 import ipaddress
@@ -196,8 +197,9 @@ def host_worker_store(environ: Mapping[str, str]) -> None:
 
     torch's ``init_process_group`` (``env://``) makes rank 0 host the store at ``MASTER_ADDR:MASTER_PORT`` and
     binds every interface; its store is multi-tenant, so it takes this process's server on that port instead. The
-    server lives as long as the process. Nothing is done for warm ``--live`` workers (no round yet) or when torch's
-    agent store is used.
+    server lives as long as the process (a script that destroys its default group and creates it again on the same
+    port finds the first one's keys there). Nothing is done for warm ``--live`` workers (no round yet) or when
+    torch's agent store is used.
     """
     addr, port = environ.get("MASTER_ADDR", ""), environ.get("MASTER_PORT", "")
     if environ.get("RANK") != "0" or not addr or not port.isdigit() or int(port) == 0:
@@ -208,6 +210,7 @@ def host_worker_store(environ: Mapping[str, str]) -> None:
         return  # torch binds every interface itself, as before
     try:
         _held.append(tcp_store_server(addr, int(port), timedelta(seconds=60), wait_for_workers=False))
+        atexit.register(_held.clear)  # stopped while the interpreter is whole, not during its finalization
     except (OSError, RuntimeError, ValueError) as exc:
         # The script's own init then reports the port (or binds it as torch does).
         lifecycle("worker_store_early_failed", level=logging.WARNING, master=f"{addr}:{port}", error=repr(exc)[:160])

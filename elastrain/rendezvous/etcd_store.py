@@ -96,9 +96,7 @@ class EtcdStore(Store):
             try:
                 new = value if found is None else int(found[0]) + value
             except ValueError:  # as c10d's stores: a typed store error, not a crash
-                raise DistStoreError(
-                    f"the etcd store key {key} holds {len(found[0])} bytes that are no integer"
-                ) from None
+                raise DistStoreError(f"the etcd store key {key} holds a value that is no integer") from None
             revision = None if found is None else found[1]
 
             def compare(t: Any, revision: int | None = revision) -> list[Any]:
