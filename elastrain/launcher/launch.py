@@ -49,7 +49,7 @@ def launch(
         params.config["checkpoint_root"] = options.checkpoint_dir
     elif not options.checkpoint_dir and config.max_nodes > 1:
         lifecycle("fencing_off", level=logging.WARNING, why=fencing_off_advice(config.rdzv_backend))
-    _listen_on_loopback(binding.advertised_address(config.local_addr, config.rdzv_endpoint))
+    listen_on_loopback(binding.advertised_address(config.local_addr, config.rdzv_endpoint))
     master_addr, master_port = _get_addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     lifecycle(
@@ -153,10 +153,11 @@ def fencing_off_advice(backend: str) -> str:
 
 
 # Where gloo and NCCL listen, in the workers (they inherit the agent's environment); the user's setting wins.
-SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+# gloo takes an interface name; NCCL a list of prefixes, where "=" asks for that exact name.
+SOCKET_IFNAME_FORMATS = {"GLOO_SOCKET_IFNAME": "{}", "NCCL_SOCKET_IFNAME": "={}"}
 
 
-def _listen_on_loopback(address: str) -> None:
+def listen_on_loopback(address: str) -> None:
     """A node that peers reach on loopback (--standalone, a loopback endpoint): its workers' gloo and NCCL sockets
     listen on the loopback interface too, not on the one the host name resolves to."""
     if binding.listen_host(address) == binding.ANY or not binding.is_loopback(binding.listen_host(address)):
@@ -164,8 +165,8 @@ def _listen_on_loopback(address: str) -> None:
     name = binding.loopback_interface()
     if name is None:
         return
-    for var in SOCKET_IFNAME_VARIABLES:
-        os.environ.setdefault(var, name)
+    for var, form in SOCKET_IFNAME_FORMATS.items():
+        os.environ.setdefault(var, form.format(name))
 
 
 def _leave(handler: Any, reason: str, kind: Departure = Departure.FAILED) -> None:

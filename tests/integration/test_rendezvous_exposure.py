@@ -25,7 +25,7 @@ import psutil
 import pytest
 from support import REPO, elastrain_cmd, free_port, reaped, run, spawn, wait_for
 
-from elastrain.rendezvous import auth
+from elastrain.rendezvous import auth, binding
 
 pytestmark = pytest.mark.slow
 
@@ -76,6 +76,8 @@ def test_standalone_listens_on_loopback_only(tmp_path: Path) -> None:
     with reaped(node):
         wait_for(lambda: {r for r, _ in steps(log)} == {0, 1}, BOUND_S, what=f"training\n{log.read_text()}")
         assert_loopback_only([node], workers=2)
+        workers = [p for p in psutil.Process(node.pid).children(recursive=True) if "GLOO_SOCKET_IFNAME" in p.environ()]
+        assert workers and {p.environ()["GLOO_SOCKET_IFNAME"] for p in workers} == {binding.loopback_interface()}
         stop.touch()
         assert node.wait(timeout=BOUND_S) == 0, log.read_text()
 

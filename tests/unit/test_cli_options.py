@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -184,6 +185,21 @@ def test_fencing_off_advice_fits_the_backend() -> None:
     assert "--rdzv-backend etcd-v3" in fencing_off_advice("c10d")
     etcd = fencing_off_advice("etcd-v3")
     assert "--checkpoint-dir" in etcd and "use --rdzv-backend etcd-v3" not in etcd
+
+
+def test_a_loopback_run_makes_the_workers_gloo_and_nccl_listen_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastrain.launcher.launch import listen_on_loopback
+    from elastrain.rendezvous.binding import loopback_interface
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "=eth9")  # the user's choice wins
+    listen_on_loopback("127.0.0.1")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == loopback_interface()
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "=eth9"
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME")
+    listen_on_loopback("192.0.2.7")  # a node reached elsewhere: gloo and NCCL choose as before
+    assert "GLOO_SOCKET_IFNAME" not in os.environ and "NCCL_SOCKET_IFNAME" not in os.environ
 
 
 def test_elastrain_options_read_pet_variables(monkeypatch: pytest.MonkeyPatch) -> None:
