@@ -151,6 +151,14 @@ def test_observer_that_stalled_restarts_its_baselines() -> None:
     assert st.dead_nodes(obs, 10.0, timeout_s=1.25, exclude="a") == []
 
 
+def test_a_failover_target_is_always_a_member_or_joiner_of_the_job() -> None:
+    s = formed("a", "b")
+    # An address in ``nodes`` that is neither a member nor a joiner (a forged entry) is never a successor.
+    s = replace(s, store_host="a", nodes={**s.nodes, "x": st.NodeInfo("10.6.6.6", 1, 2, 3)})
+    assert st.store_successors(s) == ["b"]
+    assert st.store_successors(replace(s, store_host="x")) == ["a", "b"]  # a host that is no node: members only
+
+
 def test_store_successors_skip_the_host_and_follow_rank_order() -> None:
     s = joined("d", base=formed("a", "b", "c"))
     s = st.RendezvousState(**{**s.__dict__, "store_host": "a"})
