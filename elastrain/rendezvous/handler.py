@@ -71,7 +71,6 @@ from elastrain.errors import (
     RendezvousError,
     RendezvousStateCorruptError,
     RendezvousStoreLostError,
-    RendezvousValueCorruptError,
     StaleGenerationError,
     UsageError,
 )
@@ -264,21 +263,6 @@ class _Throttled:
         hidden = self._hidden.pop(key, 0)
         self._last[key] = now
         lifecycle(event, level=logging.WARNING, error=repr(exc)[:200], not_logged_since=hidden, **fields)
-
-
-class _Unreadable:
-    """A state value that the backend could not decode (not elastrain's), with its token to write over it."""
-
-    def __init__(self, exc: RendezvousValueCorruptError) -> None:
-        self.exc = exc
-        self.token = exc.token
-
-
-def _or_unreadable(op: Callable[[], _T]) -> _T | _Unreadable:
-    try:
-        return op()
-    except RendezvousValueCorruptError as exc:
-        return _Unreadable(exc)
 
 
 def _with_deadline(op: Callable[[], _T], timeout_s: float) -> _T:
@@ -1014,7 +998,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         for _ in range(10):
             try:
                 with self._lock:
-                    got = self._call(lambda: _or_unreadable(self._backend.get_state))
+                    got = self._call(lambda: trust.or_unreadable(self._backend.get_state))
                 break
             except _StoreSwitched:
                 continue
@@ -1026,7 +1010,9 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self._cached = state
         return state
 
-    def _decode(self, got: tuple[bytes, Token] | _Unreadable | None) -> tuple[st.RendezvousState, Token | None, bool]:
+    def _decode(
+        self, got: tuple[bytes, Token] | trust.Unreadable | None
+    ) -> tuple[st.RendezvousState, Token | None, bool]:
         """The state in ``got``, its token, and whether it was ignored: a forged or corrupt value, or a state that
         vanished from the store it was read from, is never acted on; the last good one stands in for it
         (:class:`trust.StandIn`, which raises while there is none)."""
@@ -1037,7 +1023,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 return st.RendezvousState(), None, False
             self._quiet.log("rendezvous_value_ignored", RendezvousStateCorruptError("the state vanished"), key="state")
             return good, None, True
-        if isinstance(got, _Unreadable):
+        if isinstance(got, trust.Unreadable):
             self._quiet.log("rendezvous_value_ignored", got.exc, key="state")
             return self._standin.replace(source, got.exc), got.token, True
         try:
@@ -1061,7 +1047,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
     def _update_once(self, fn: Callable[[st.RendezvousState], st.RendezvousState | None]) -> st.RendezvousState:
         backoff = _Backoff(0.001, 0.05)
         with self._lock:
-            got = self._call(lambda: _or_unreadable(self._backend.get_state))
+            got = self._call(lambda: trust.or_unreadable(self._backend.get_state))
             for _ in range(1000):
                 state, token, ignored = self._decode(got)
                 new = fn(state)
@@ -1072,12 +1058,12 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                     new = state  # what stood in for an ignored value: written back over it
                 payload = self._auth.seal_state(st.encode(new))
                 result = self._call(
-                    lambda p=payload, t=token: _or_unreadable(lambda: self._backend.set_state(p, t))  # type: ignore[misc]
+                    lambda p=payload, t=token: trust.or_unreadable(lambda: self._backend.set_state(p, t))  # type: ignore[misc]
                 )
                 if result is None:
-                    got = self._call(lambda: _or_unreadable(self._backend.get_state))
+                    got = self._call(lambda: trust.or_unreadable(self._backend.get_state))
                     continue
-                if isinstance(result, _Unreadable):
+                if isinstance(result, trust.Unreadable):
                     got = result  # another unreadable value won the race
                     backoff.sleep()
                     continue

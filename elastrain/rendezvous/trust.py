@@ -16,11 +16,37 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
-from elastrain.errors import RendezvousError, RendezvousForgeryError, RendezvousSecretError, RendezvousStateCorruptError
+from elastrain.errors import (
+    RendezvousError,
+    RendezvousForgeryError,
+    RendezvousSecretError,
+    RendezvousStateCorruptError,
+    RendezvousValueCorruptError,
+)
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import SECRET_SETTING
 from elastrain.rendezvous.binding import endpoint_hosts
+
+_T = TypeVar("_T")
+
+
+class Unreadable:
+    """A state value that the backend could not decode (not elastrain's), with its token to write over it."""
+
+    def __init__(self, exc: RendezvousValueCorruptError) -> None:
+        self.exc = exc
+        self.token = exc.token
+
+
+def or_unreadable(op: Callable[[], _T]) -> _T | Unreadable:
+    """``op()`` (a backend's ``get_state`` or ``set_state``), or what it could not decode."""
+    try:
+        return op()
+    except RendezvousValueCorruptError as exc:
+        return Unreadable(exc)
 
 
 class StateUnsettledError(RendezvousError):
