@@ -29,9 +29,7 @@ T5 = SlurmJobParams(
 def rendered() -> dict[str, str]:
     header = (
         "Rendered by `python -m elastrain.platforms.slurm examples --write`; do not edit by hand.\n"
-        "From the repository root, on a filesystem every node mounts (the job runs in the submit directory):\n"
-        "once, the environment the step runs (.venv/bin/python):\n"
-        f"  {T5.install.command()}\n"
-        f"then: {SUBMIT}" + warnings_block(warnings(T5))
+        f"Submit from the repository root (the job runs in the submit directory): {SUBMIT}"
+        + warnings_block(warnings(T5))
     )
     return {"t5-elastic.sbatch": sbatch_script(T5, header=header)}

@@ -228,7 +228,12 @@ def sbatch_script(p: SlurmJobParams, header: str = "") -> str:
     directives = "".join(f"#SBATCH {k}={v}\n" if v is not None else f"#SBATCH {k}\n" for k, v in sbatch_directives(p))
     env = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in p.env).rstrip("\n")
     body = _BODY.format(env=env, srun=" \\\n    ".join(_shell_line(line) for line in srun_lines(p)))
-    comment = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
+    if p.python is None:
+        header += (
+            f"\nThe step runs {p.interpreter} of the submit directory, on a filesystem every node mounts;"
+            f"\nmake it there once, before the first submission:\n  {p.install.command()}"
+        )
+    comment = "".join(f"# {line}".rstrip() + "\n" for line in header.strip("\n").splitlines())
     return f"#!/bin/bash\n{directives}{comment}{body}"
 
 
