@@ -13,7 +13,7 @@ from support import elastrain_cmd, run
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = r'''
+SCRIPT = r"""
 import atexit, os, sys, threading, time
 
 out, mode = sys.argv[1], sys.argv[2]
@@ -45,7 +45,7 @@ if mode == "exit_message":
     sys.exit("a message for stderr")
 if mode == "raise":
     raise RuntimeError("boom from the script")
-'''
+"""
 
 
 def _observe(tmp_path: Path, zygote: str, mode: str) -> dict[str, object]:
@@ -74,9 +74,7 @@ def _observe(tmp_path: Path, zygote: str, mode: str) -> dict[str, object]:
     }
 
 
-@pytest.mark.parametrize(
-    ("mode", "worker_exit_code"), [("ok", 0), ("exit3", 3), ("exit_message", 1), ("raise", 1)]
-)
+@pytest.mark.parametrize(("mode", "worker_exit_code"), [("ok", 0), ("exit3", 3), ("exit_message", 1), ("raise", 1)])
 def test_a_forked_worker_exits_as_the_same_script_started_the_normal_way(
     tmp_path: Path, mode: str, worker_exit_code: int
 ) -> None:
