@@ -98,19 +98,26 @@ class Zygote:
         self._next = 0
         self.ready_s: float | None = None
         self._started = time.monotonic()
+        self._closing = False
         threading.Thread(target=self._read, name="elastrain-zygote", daemon=True).start()
 
     def _read(self) -> None:
-        for raw in self._file:
-            msg = json.loads(raw)
-            if "ready" in msg:
-                self.ready_s = time.monotonic() - self._started
-                self._ready.set()
-            elif "spawned" in msg:
-                self._pids[int(msg["spawned"])] = int(msg["pid"])
-                self._spawned[int(msg["spawned"])].set()
-            elif "exited" in msg:
-                self.exit_codes[int(msg["exited"])] = int(msg["code"])
+        try:
+            for raw in self._file:
+                msg = json.loads(raw)
+                if "ready" in msg:
+                    self.ready_s = time.monotonic() - self._started
+                    self._ready.set()
+                elif "spawned" in msg:
+                    self._pids[int(msg["spawned"])] = int(msg["pid"])
+                    self._spawned[int(msg["spawned"])].set()
+                elif "exited" in msg:
+                    self.exit_codes[int(msg["exited"])] = int(msg["code"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # closed (close()), or a message out of shape
+            if not self._closing:
+                # Its workers' exits could no longer be told: end it, and them with it (PDEATHSIG), as reported below.
+                lifecycle("zygote_channel_broken", level=logging.ERROR, error=repr(exc)[:200], action="killing it")
+                self.proc.kill()
         # The zygote is gone: its workers died with it (PDEATHSIG).
         self._ready.set()
         for pid in list(self._pids.values()):
@@ -153,12 +160,17 @@ class Zygote:
         return self._pids[rid]
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
+        self._closing = True
+        try:
             self._sock.close()
+        except OSError as exc:
+            lifecycle("zygote_close_failed", level=logging.WARNING, error=repr(exc)[:200])
         if self.alive:
             self.proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            try:
                 self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                lifecycle("zygote_not_reaped", level=logging.WARNING, pid=self.proc.pid, waited_s=5)
 
 
 def python_command(entrypoint: str, args: tuple[Any, ...]) -> list[str] | None:
