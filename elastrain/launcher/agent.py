@@ -23,6 +23,7 @@ that cannot, or do not acknowledge in time, are restarted into the same round (t
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import tempfile
@@ -70,8 +71,11 @@ _ROUND_VARIABLES = (
 )  # fmt: skip
 
 
-def _remove_control_dir(directory: Path) -> None:
-    """Remove this agent's own control directory (one per agent, made by ``tempfile.mkdtemp``)."""
+def _remove_control_dir(directory: Path, owner_pid: int) -> None:
+    """Remove this agent's own control directory (one per agent, made by ``tempfile.mkdtemp``); never from a
+    forked copy of the agent's process, whose exit would take it from the agent still running."""
+    if os.getpid() != owner_pid:
+        return
     try:
         shutil.rmtree(directory)
     except FileNotFoundError:
@@ -132,7 +136,7 @@ class ElastrainAgent(LocalElasticAgent):
         self._context: LaunchContext | None = None
         self.control = ControlChannel(tempfile.mkdtemp(prefix="elastrain-control-"))
         # Removed when run() ends, however it ends; at the latest when the interpreter exits (an agent never run).
-        self._remove_control_dir = weakref.finalize(self, _remove_control_dir, self.control.directory)
+        self._remove_control_dir = weakref.finalize(self, _remove_control_dir, self.control.directory, os.getpid())
         self.regroup = RegroupChannel(self.control.directory)
         self._leave = Leave()
         self._workers_running = False
