@@ -86,3 +86,8 @@ class DataStateError(ElastrainError):
 
 class TraceError(ElastrainError, ValueError):
     """A chaos preemption trace is malformed or impossible (a kill of a node that is down, ...); names the event."""
+
+
+class ControlMessageError(ElastrainError):
+    """A file of a node's control channel (``ELASTRAIN_CONTROL_DIR``) is not a message of the expected shape;
+    names the file and the field. Readers log it and take it as no message."""
