@@ -188,6 +188,23 @@ class Commit:
             )
         return WorldSupersededExit(message)
 
+    def ensure_current(self) -> None:
+        """Collective: raise (as :meth:`prepare` would) if a newer world claimed the root. For a format whose files
+        are written before the commit without :meth:`prepare` (the Trainer's): a stale world writes nothing."""
+        self.claim()
+        verdict: str | None = None
+        if self.rank == 0:
+            try:
+                self._fence(self.root, self.generation, self.storage)
+                verdict = ""
+            except StaleGenerationError as e:
+                verdict = str(e)
+            except OSError:
+                verdict = ""  # storage trouble: the commit reports it, naming the step
+        stale: str = self.group.broadcast(verdict)
+        if stale:
+            raise self._stale(stale)
+
     # -- 1. prepare ------------------------------------------------------------------------------
     def prepare(self, step: int) -> str | None:
         """Collective: the directory to write ``step`` into (created, owned), or ``None`` if already committed."""

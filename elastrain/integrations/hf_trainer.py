@@ -383,6 +383,16 @@ class ElasticCallback(TrainerCallback):
             self.trigger().claim()
             self._requested = True
             control.should_save = True
+        self._before_save(control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._before_save(control)
+
+    def _before_save(self, control: Any) -> None:
+        """The Trainer writes ``checkpoint-N`` before the commit: a world that lost the root must stop before it
+        writes there (collective: every rank decides ``should_save`` alike)."""
+        if control.should_save:
+            self.run.protocol().ensure_current()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step
