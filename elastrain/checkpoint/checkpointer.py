@@ -51,6 +51,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -477,6 +478,12 @@ class Checkpointer:
         problem: list[Any] | None = None  # [why, tampered]
         try:
             md = read_metadata(d.path, self.storage, entries.get(METADATA) if entries else None)
+            pickled = [k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
+            if pickled:  # elastrain gives DCP tensors only: bytes (unpickled by DCP) were put there by hand
+                raise CheckpointTamperedError(
+                    f"{d.path}/{METADATA} stores {', '.join(sorted(pickled)[:3])} as pickled bytes, which elastrain "
+                    "never writes"
+                )
             if self.rank == 0:
                 issues = metadata_problems(d.path, md, self.storage)
                 if issues:

@@ -349,8 +349,9 @@ def fsync_dir(path: str) -> None:
 
     Raises :class:`CheckpointDurabilityError` (an ``OSError``) when the directory cannot be opened or
     synced. Where the platform cannot fsync a directory at all (Windows; a filesystem that answers
-    ``EINVAL``/``ENOTSUP``) it logs ``event=fsync_dir_unsupported`` once per reason and returns: there,
-    a rename is as durable as the filesystem makes it.
+    ``EINVAL``, ``ENOTSUP`` or ``ENOSYS``, as some FUSE mounts do) it logs
+    ``event=fsync_dir_unsupported`` once per reason and returns: there, a rename is as durable as the
+    filesystem makes it.
     """
     path = local_path(path) or "."
     if sys.platform == "win32":
@@ -363,7 +364,7 @@ def fsync_dir(path: str) -> None:
     try:
         os.fsync(fd)
     except OSError as e:
-        if e.errno in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        if e.errno in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
             _unsupported(path, f"this filesystem cannot fsync a directory ({e.strerror})")
             return
         raise CheckpointDurabilityError(e.errno, f"fsync of directory {path} failed: {e.strerror}") from e

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import copyreg
 import io
+import json
+import logging
 import os
 import pickle
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -186,3 +189,30 @@ def test_the_load_planner_never_unpickles_an_entry_stored_as_bytes(sentinel: Pat
     )
     with pytest.raises(CheckpointTamperedError, match="model/w is stored as pickled bytes"):
         load_planner().load_bytes(item, io.BytesIO(pickle.dumps(_Reduces(f"touch {sentinel}"))))
+
+
+def test_an_entry_stored_as_pickled_bytes_is_refused_and_an_older_step_restored(
+    tmp_path: Path, sentinel: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """DCP would unpickle an entry stored as bytes with ``weights_only=False``; elastrain never writes one."""
+    model = torch.nn.Linear(2, 1)
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.register(model=model)
+        ckpt.save(1, blocking=True)
+        ckpt.save(2, blocking=True)
+    step = tmp_path / layout.step_dir_name(2)
+    md = pickle.loads((step / METADATA).read_bytes())
+    md.state_dict_metadata["model/weight"] = BytesStorageMetadata()
+    data = pickle.dumps(md)
+    (step / METADATA).write_bytes(data)
+    marker = json.loads((step / layout.MARKER).read_text())
+    marker["files"][METADATA] = {"size": len(data), "crc32": zlib.crc32(data)}
+    (step / layout.MARKER).write_text(json.dumps(marker))
+    again = Checkpointer(tmp_path, async_save=False)
+    again.register(model=torch.nn.Linear(2, 1))
+    with caplog.at_level(logging.ERROR, logger="elastrain"):
+        info = again.restore()
+    again.close()
+    assert info is not None and info.step == 1
+    tampered = [r.getMessage() for r in caplog.records if "event=checkpoint_tampered" in r.getMessage()]
+    assert len(tampered) == 1 and "step=2" in tampered[0] and "model/weight as pickled bytes" in tampered[0]
