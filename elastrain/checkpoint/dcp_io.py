@@ -9,7 +9,7 @@ would follow a dotted name through the module's attributes to anything it import
 refused as tampering (:class:`~elastrain.errors.CheckpointTamperedError`), before a single object is
 built from it, and so is a metadata file that places data outside its step directory. Tensor data is
 read by DCP with ``weights_only=True``; entries stored as bytes (which DCP would unpickle with
-``weights_only=False``) are refused by :func:`check_fits` and by the load planner (:func:`load_planner`).
+``weights_only=False``) are refused before loading and by the load planner (:func:`load_planner`).
 
 Checksums cost no extra reads. The writer (:func:`writer_for`) computes each file's CRC-32, and the
 CRC-32 of every stored item in it (a tensor shard, between DCP's two ``tell()`` calls around it), on
@@ -110,25 +110,45 @@ def load_metadata_bytes(data: bytes, where: str) -> Metadata:
 
 
 def _check_structure(md: Metadata, where: str) -> None:
-    """Every entry is a tensor or bytes entry, and every stored item lies in a file inside the step directory."""
+    """Every entry is a well-formed tensor or bytes entry, and every stored item lies in a file inside the step
+    directory: what the loader then reads from the metadata is what DCP itself would have written."""
+    bad = f"{where}/{METADATA}"
     entries = md.state_dict_metadata
     if not isinstance(entries, dict) or not all(isinstance(k, str) for k in entries):
-        raise CheckpointTamperedError(f"{where}/{METADATA}: its entries are not a dict keyed by name")
+        raise CheckpointTamperedError(f"{bad}: its entries are not a dict keyed by name")
     for key, value in entries.items():
-        if not isinstance(value, (TensorStorageMetadata, BytesStorageMetadata)):
-            raise CheckpointTamperedError(f"{where}/{METADATA}: entry {key} is a {type(value).__name__}")
+        if isinstance(value, TensorStorageMetadata):
+            props, chunks = value.properties, value.chunks
+            well_formed = (
+                isinstance(value.size, torch.Size)
+                and isinstance(props, dcp_metadata.TensorProperties)
+                and isinstance(props.dtype, torch.dtype)
+                and isinstance(chunks, list)
+                and all(
+                    isinstance(c, dcp_metadata.ChunkStorageMetadata)
+                    and isinstance(c.offsets, torch.Size)
+                    and isinstance(c.sizes, torch.Size)
+                    for c in chunks
+                )
+            )
+            if not well_formed:
+                raise CheckpointTamperedError(f"{bad}: tensor entry {key} is malformed")
+        elif not isinstance(value, BytesStorageMetadata):
+            raise CheckpointTamperedError(f"{bad}: entry {key} is a {type(value).__name__}")
     storage = md.storage_data if md.storage_data is not None else {}
     if not isinstance(storage, dict):
-        raise CheckpointTamperedError(f"{where}/{METADATA}: its storage data is a {type(storage).__name__}")
+        raise CheckpointTamperedError(f"{bad}: its storage data is a {type(storage).__name__}")
     for index, info in storage.items():
+        if not isinstance(index, dcp_metadata.MetadataIndex) or not isinstance(index.fqn, str):
+            raise CheckpointTamperedError(f"{bad}: its storage data is keyed by a {type(index).__name__}")
         if not isinstance(info, dcp_filesystem._StorageInfo) or not isinstance(info.relative_path, str):
-            raise CheckpointTamperedError(f"{where}/{METADATA}: the storage of {index} is not a file and offset")
+            raise CheckpointTamperedError(f"{bad}: the storage of {index.fqn} is not a file and offset")
         rel = info.relative_path
         parts = pathlib.PurePosixPath(rel).parts
         if not parts or rel.startswith(("/", "\\")) or ".." in parts or "\\" in rel or "\x00" in rel:
-            raise CheckpointTamperedError(f"{where}/{METADATA} places {index.fqn} in {rel!r}, outside its directory")
+            raise CheckpointTamperedError(f"{bad} places {index.fqn} in {rel!r}, outside its directory")
         if not all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length)):
-            raise CheckpointTamperedError(f"{where}/{METADATA}: {index.fqn} has a bad offset or length")
+            raise CheckpointTamperedError(f"{bad}: {index.fqn} has a bad offset or length")
 
 
 class _TensorsOnly(DefaultLoadPlanner):

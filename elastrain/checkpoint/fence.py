@@ -116,7 +116,7 @@ def read_claim(root: str, generation: int, storage: Storage | None = None) -> Cl
         return Claim.from_json(storage.read_bytes(storage.join(fence_dir(root, storage), _name(generation))))
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         # A claim is written whole (exclusive create of a complete file) except by a crash mid-write:
         # its number is taken all the same, only its store address is unknown.
         lifecycle("fence_claim_unreadable", level=logging.WARNING, generation=generation, error=repr(exc)[:200])

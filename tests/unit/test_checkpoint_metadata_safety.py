@@ -216,3 +216,30 @@ def test_an_entry_stored_as_pickled_bytes_is_refused_and_an_older_step_restored(
     assert info is not None and info.step == 1
     tampered = [r.getMessage() for r in caplog.records if "event=checkpoint_tampered" in r.getMessage()]
     assert len(tampered) == 1 and "step=2" in tampered[0] and "model/weight as pickled bytes" in tampered[0]
+
+
+def _malformed(kind: str) -> bytes:
+    props = TensorProperties(dtype=torch.float32)
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([2]))
+    tensor = TensorStorageMetadata(properties=props, size=torch.Size([2]), chunks=[chunk])
+    info = dcp_filesystem._StorageInfo("__0_0.distcp", 0, 8)
+    storage: dict[object, object] = {MetadataIndex("model/w", torch.Size([0])): info}
+    if kind == "size":
+        tensor.size = [2]  # type: ignore[assignment]
+    elif kind == "chunks":
+        tensor.chunks = {"0": chunk}  # type: ignore[assignment]
+    elif kind == "dtype":
+        props.dtype = "float32"  # type: ignore[assignment]
+    elif kind == "index":
+        storage = {"model/w": info}
+    elif kind == "offset":
+        info.offset = -8
+    md = Metadata(state_dict_metadata={"model/w": tensor}, storage_data=storage)
+    return pickle.dumps(md, protocol=4)
+
+
+@pytest.mark.parametrize("kind", ["size", "chunks", "dtype", "index", "offset"])
+def test_malformed_metadata_is_refused_with_a_typed_error(kind: str) -> None:
+    with pytest.raises(CheckpointTamperedError):
+        load_metadata_bytes(_malformed(kind), "step-7")
+    load_metadata_bytes(_malformed("none"), "step-7")
