@@ -12,16 +12,19 @@ module, not here.
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from elastrain.control_codec import Fields, MessageReader
 from elastrain.env import LIVE, ROUND
 
 _REQUEST = "save-request.json"
@@ -32,9 +35,9 @@ _LIVE = "live-{local_rank}.json"
 _BROKEN = "broken-{local_rank}.json"
 _WARM = "warm-{local_rank}.json"
 _FINISHING = "finishing-{local_rank}.json"
-# What reading one of the channel's files can raise: gone, foreign, or not of the expected shape.
-_UNREADABLE = (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError)
 _T = TypeVar("_T")
+# Temporary names unique per process, thread and call: two writers of one file never share one.
+_TMP_SEQUENCE = itertools.count()
 
 
 class SaveCause(str, enum.Enum):
@@ -50,6 +53,14 @@ class SaveRequest:
     reason: str  # for people: the cause and what caused it
     requested_at: float
     cause: SaveCause = SaveCause.SCALE_UP
+
+    @classmethod
+    def decode(cls, f: Fields) -> SaveRequest:
+        try:
+            cause = SaveCause(f.text("cause", default=SaveCause.SCALE_UP.value))
+        except ValueError:
+            cause = SaveCause.SCALE_UP  # a newer launcher's cause: a save is a save
+        return cls(f.integer("request_id"), f.text("reason"), f.number("requested_at"), cause)
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,10 @@ class SaveAck:
     def answers(self, request: SaveRequest) -> bool:
         """Whether this checkpoint answers ``request``: the workers had trained no further when it was made."""
         return self.current_at >= request.requested_at
+
+    @classmethod
+    def decode(cls, f: Fields) -> SaveAck:
+        return cls(step=f.integer("step"), checkpoint=f.text("checkpoint"), current_at=f.number("current_at"))
 
 
 @dataclass(frozen=True)
@@ -104,27 +119,35 @@ class RegroupNotice:
         return out
 
     @classmethod
-    def from_json(cls, data: dict[str, object]) -> RegroupNotice:
-        raw = dict(data)
-        ranks = raw.pop("ranks")
-        if not isinstance(ranks, dict):
-            raise TypeError(f"ranks must be a mapping, got {ranks!r}")
-        generation, previous = raw["generation"], raw["previous_world_size"]
+    def from_json(cls, data: object, source: str = _REGROUP) -> RegroupNotice:
+        """The notice in ``data`` (a decoded JSON value); :class:`ControlMessageError` if it is not one."""
+        return cls.decode(Fields(data, source))
+
+    @classmethod
+    def decode(cls, f: Fields) -> RegroupNotice:
         return cls(
-            round=int(raw["round"]),  # type: ignore[call-overload]
-            generation=None if generation is None else int(generation),  # type: ignore[call-overload]
-            world_size=int(raw["world_size"]),  # type: ignore[call-overload]
-            group_rank=int(raw["group_rank"]),  # type: ignore[call-overload]
-            group_world_size=int(raw["group_world_size"]),  # type: ignore[call-overload]
-            ranks={int(k): int(v) for k, v in ranks.items()},
-            master_addr=str(raw["master_addr"]),
-            master_port=int(raw["master_port"]),  # type: ignore[call-overload]
-            start_reason=str(raw["start_reason"]),
-            previous_world_size=None if previous is None else int(previous),  # type: ignore[call-overload]
-            announced_at=float(raw["announced_at"]),  # type: ignore[arg-type]
-            no_departure=bool(raw.get("no_departure", False)),
-            superseded=bool(raw.get("superseded", False)),
+            round=f.integer("round"),
+            generation=f.optional_integer("generation"),
+            world_size=f.integer("world_size"),
+            group_rank=f.integer("group_rank"),
+            group_world_size=f.integer("group_world_size"),
+            ranks=f.integer_map("ranks"),
+            master_addr=f.text("master_addr"),
+            master_port=f.integer("master_port"),
+            start_reason=f.text("start_reason"),
+            previous_world_size=f.optional_integer("previous_world_size"),
+            announced_at=f.number("announced_at"),
+            no_departure=f.flag("no_departure", default=False),
+            superseded=f.flag("superseded", default=False),
         )
+
+
+def _round(f: Fields) -> int:
+    return f.integer("round")
+
+
+def _local_rank_and_pid(f: Fields) -> tuple[int, int]:
+    return f.integer("local_rank"), f.integer("pid")
 
 
 def _poll(get: Callable[[], _T], done: Callable[[_T], bool], timeout_s: float, poll_s: float) -> _T:
@@ -138,9 +161,15 @@ def _poll(get: Callable[[], _T], done: Callable[[_T], bool], timeout_s: float, p
 
 
 def _write_atomic(path: Path, payload: dict[str, object]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
+    """Write ``path`` whole or not at all; safe from any number of threads and processes at once."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_TMP_SEQUENCE)}.tmp")
+    try:
+        with open(tmp, "x") as f:  # exclusive: a name that is somehow taken fails here, not at the rename
+            f.write(json.dumps(payload))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class ControlChannel:
@@ -158,29 +187,28 @@ class ControlChannel:
         self._answered_at = -math.inf
         self._last_mtime: int | None = None
         self._mine: dict[int, SaveRequest] = {}
+        self._reader = MessageReader()
+        # The agent's threads (the main loop, a preemption watcher) may ask at once: one id each. Reentrant,
+        # because the SIGTERM handler runs on the main thread, perhaps in the middle of its own request.
+        self._request_lock = threading.RLock()
+        self._last_id = 0
 
     # -- agent side -------------------------------------------------------------------------------
     def request_save(self, cause: SaveCause, detail: str) -> SaveRequest:
-        previous = self.current_request()
-        req = SaveRequest(
-            request_id=(previous.request_id + 1) if previous else 1,
-            reason=f"{cause.value}: {detail}",
-            requested_at=time.time(),
-            cause=cause,
-        )
-        _write_atomic(self.directory / _REQUEST, {**req.__dict__, "cause": cause.value})
-        self._mine[req.request_id] = req
+        """Ask the workers for a checkpoint; ``OSError`` if the request cannot be written."""
+        with self._request_lock:
+            previous = self.current_request()
+            self._last_id = max(self._last_id, previous.request_id if previous else 0) + 1
+            req = SaveRequest(
+                request_id=self._last_id, reason=f"{cause.value}: {detail}", requested_at=time.time(), cause=cause
+            )
+            self._mine[req.request_id] = req
+            _write_atomic(self.directory / _REQUEST, {**req.__dict__, "cause": cause.value})
         return req
 
     def latest_ack(self) -> SaveAck | None:
         """The newest commit the workers reported, whatever it answers."""
-        try:
-            data = json.loads((self.directory / _ACK).read_text())
-            return SaveAck(
-                step=int(data["step"]), checkpoint=str(data["checkpoint"]), current_at=float(data["current_at"])
-            )
-        except _UNREADABLE:
-            return None
+        return self._reader.read(self.directory / _ACK, SaveAck.decode)
 
     def ack_for(self, request: SaveRequest | int) -> SaveAck | None:
         """The commit that answers ``request`` (a request or the id of one made here), or ``None`` yet."""
@@ -203,15 +231,7 @@ class ControlChannel:
 
     # -- worker side ------------------------------------------------------------------------------
     def current_request(self) -> SaveRequest | None:
-        try:
-            data = json.loads((self.directory / _REQUEST).read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
-        try:
-            cause = SaveCause(data.get("cause", SaveCause.SCALE_UP.value))
-        except ValueError:
-            cause = SaveCause.SCALE_UP  # a newer launcher's cause: a save is a save
-        return SaveRequest(int(data["request_id"]), str(data["reason"]), float(data["requested_at"]), cause)
+        return self._reader.read(self.directory / _REQUEST, SaveRequest.decode)
 
     def pending(self) -> SaveRequest | None:
         """The newest request neither marked handled nor answered by this process; cheap when nothing changed."""
@@ -258,17 +278,15 @@ class RegroupChannel:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._last_mtime: int | None = None
         self._last: RegroupNotice | None = None
+        self._reader = MessageReader()
 
     # -- agent side -------------------------------------------------------------------------------
     def announce(self, notice: RegroupNotice) -> None:
         _write_atomic(self.directory / _REGROUP, notice.to_json())
 
     def acked(self, local_rank: int, round_: int) -> bool:
-        try:
-            data = json.loads((self.directory / _REGROUP_ACK.format(local_rank=local_rank)).read_text())
-            return int(data["round"]) >= round_
-        except _UNREADABLE:
-            return False
+        acked = self._reader.read(self.directory / _REGROUP_ACK.format(local_rank=local_rank), _round)
+        return acked is not None and acked >= round_
 
     def wait_acks(self, local_ranks: list[int], round_: int, timeout_s: float, poll_s: float = 0.02) -> list[int]:
         """Wait (bounded) until every local rank acknowledged ``round_``; the ranks that did not."""
@@ -286,10 +304,9 @@ class RegroupChannel:
         """What each ``broken-<local_rank>.json`` says: its file's local rank (as named) -> round."""
         out: dict[str, int] = {}
         for path in self.directory.glob(_BROKEN.format(local_rank="*")):
-            try:
-                out[path.stem.split("-", 1)[1]] = int(json.loads(path.read_text())["round"])
-            except _UNREADABLE:
-                continue
+            round_ = self._reader.read(path, _round)
+            if round_ is not None:
+                out[path.stem.split("-", 1)[1]] = round_
         return out
 
     def forget_workers(self) -> None:
@@ -313,11 +330,9 @@ class RegroupChannel:
     def _pids(self, pattern: str) -> dict[int, int]:
         out: dict[int, int] = {}
         for path in self.directory.glob(pattern.format(local_rank="*")):
-            try:
-                data = json.loads(path.read_text())
-                out[int(data["local_rank"])] = int(data["pid"])
-            except _UNREADABLE:
-                continue
+            found = self._reader.read(path, _local_rank_and_pid)
+            if found is not None:
+                out[found[0]] = found[1]
         return out
 
     # -- worker side ------------------------------------------------------------------------------
@@ -344,11 +359,10 @@ class RegroupChannel:
         except FileNotFoundError:
             return None
         if mtime != self._last_mtime:
-            try:
-                self._last = RegroupNotice.from_json(json.loads(path.read_text()))
-                self._last_mtime = mtime
-            except _UNREADABLE:
-                return self._last  # a torn read cannot happen (atomic replace); a foreign file can
+            notice = self._reader.read(path, RegroupNotice.decode)
+            if notice is None:
+                return self._last  # a torn read cannot happen (atomic replace); a foreign file can (logged)
+            self._last, self._last_mtime = notice, mtime
         return self._last
 
     def newer_than(self, round_: int) -> RegroupNotice | None:

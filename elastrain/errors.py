@@ -88,6 +88,37 @@ class TraceError(ElastrainError, ValueError):
     """A chaos preemption trace is malformed or impossible (a kill of a node that is down, ...); names the event."""
 
 
+class ControlMessageError(ElastrainError):
+    """A file of a node's control channel (``ELASTRAIN_CONTROL_DIR``) is not a message of the expected shape;
+    names the file and the field. Readers log it and take it as no message."""
+
+
+class CheckpointDurabilityError(CheckpointError, OSError):
+    """Storage did not confirm that written data is durable (an fsync failed); an OSError, so a save reports it."""
+
+
+class CheckpointTamperedError(CheckpointCorruptError):
+    """A checkpoint file holds what elastrain never writes (a pickled reference to code, a path outside its step
+    directory): it is refused, never loaded, and reported loudly, since someone may have written it on purpose."""
+
+
+class WireFormatError(ElastrainError, ValueError):
+    """A value cannot travel as plain data (see elastrain.wire), or what arrived is not a well-formed message."""
+
+
+class WorldSupersededExit(SystemExit):
+    """This process's world lost the checkpoint root to a newer world of the job (the workers' own fence, without
+    the launcher's): the process exits with EX_CONFIG, so that elastrain-run ends its node instead of restarting
+    workers that would claim the root back. The reason is logged (``event=world_superseded``) before it is raised."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(EX_CONFIG)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.reason
+
+
 class RendezvousForgeryError(RendezvousStateCorruptError):
     """A rendezvous value is not signed with the job's shared secret (``--rdzv-conf secret_file``): it is ignored.
 

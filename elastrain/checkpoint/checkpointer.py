@@ -51,15 +51,18 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from elastrain.checkpoint import layout
+from elastrain.checkpoint import fence, layout
 from elastrain.checkpoint.commit import Commit, entry_of, save_error
 from elastrain.checkpoint.dcp_io import (
     METADATA,
     check_crc,
     check_fits,
+    is_tampering,
+    load_planner,
     metadata_problems,
     read_metadata,
     reader_for,
@@ -81,6 +84,7 @@ from elastrain.errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointSaveError,
+    CheckpointTamperedError,
     StaleGenerationError,
 )
 from elastrain.log import lifecycle
@@ -200,7 +204,14 @@ class Checkpointer:
         agree = self._sync.all_max if self._sync.distributed else None
         self._trigger = SaveTrigger(schedule, channel, agree, is_local_leader=env.local_rank == 0, log=self._log)
         self._commit = Commit(
-            self.root, self.storage, self._io, kind=KIND, generation=env.generation, keep_last=keep_last, log=self._log
+            self.root,
+            self.storage,
+            self._io,
+            kind=KIND,
+            generation=env.generation,
+            keep_last=keep_last,
+            log=self._log,
+            claim_as=fence.worker_world(env, self.root),
         )
         self._stager = Stager(self.registry, overlap=overlap_staging)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastrain-ckpt")
@@ -464,25 +475,31 @@ class Checkpointer:
 
     def _load(self, d: layout.StepDir, marker: layout.CommitMarker) -> RestoreInfo | None:
         entries = marker.files if self.verify_checksums else None
-        problem: str | None = None
+        problem: list[Any] | None = None  # [why, tampered]
         try:
             md = read_metadata(d.path, self.storage, entries.get(METADATA) if entries else None)
+            pickled = [k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
+            if pickled:  # elastrain gives DCP tensors only: bytes (unpickled by DCP) were put there by hand
+                raise CheckpointTamperedError(
+                    f"{d.path}/{METADATA} stores {', '.join(sorted(pickled)[:3])} as pickled bytes, which elastrain "
+                    "never writes"
+                )
             if self.rank == 0:
                 issues = metadata_problems(d.path, md, self.storage)
                 if issues:
-                    problem = f"{d.path}: " + "; ".join(issues)
+                    problem = [f"{d.path}: " + "; ".join(issues), False]
         except (CheckpointCorruptError, OSError) as e:
-            problem = str(e)
-        problem = self._commit.agree(problem)
-        if problem is not None:
-            self._commit.reject(d, problem)
+            problem = [str(e), isinstance(e, CheckpointTamperedError)]
+        agreed = self._commit.agree(problem)
+        if agreed is not None:
+            self._commit.reject(d, str(agreed[0]), tampered=bool(agreed[1]))
             return None
         tensors, _ = self.registry.collect()
         names = set(self.registry.names)
         saved_keys = {k for k in md.state_dict_metadata if k.split("/", 1)[0] in names}
         md.state_dict_metadata = {k: md.state_dict_metadata[k] for k in saved_keys}
         check_fits(md, tensors, d.path)  # raises CheckpointMismatchError on every rank alike
-        error: str | None = None
+        error: list[Any] | None = None  # [why, tampered]
         saved_plain: dict[str, Any] = {}
         rng: dict[str, Any] | None = None
         try:
@@ -490,6 +507,7 @@ class Checkpointer:
             dcp_load(
                 tensors,
                 storage_reader=reader_for(d.path, entries),
+                planner=load_planner(),
                 process_group=self._io.pg,
                 no_dist=not self._io.distributed,
             )
@@ -497,10 +515,10 @@ class Checkpointer:
             if self.rank < marker.world_size:
                 rng = self._read_sidecar(d, self.rank, entries)["rng"]
         except (Exception, CheckpointException) as e:
-            error = f"{d.path}: load failed: {root_cause(e)}"
-        error = self._commit.agree(error)
-        if error is not None:
-            self._commit.reject(d, error)
+            error = [f"{d.path}: load failed: {root_cause(e)}", is_tampering(e)]
+        agreed = self._commit.agree(error)
+        if agreed is not None:
+            self._commit.reject(d, str(agreed[0]), tampered=bool(agreed[1]))
             return None
         try:
             self.registry.apply(saved_plain, tensors, d.path)

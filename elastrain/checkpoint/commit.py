@@ -3,22 +3,29 @@
 A save of step N, on every rank (each phase a collective on the checkpointer's I/O group, whose
 timeout is ``--io-timeout``, because it waits on storage, not on a peer's compute):
 
-1. **prepare** (:meth:`Commit.prepare`): rank 0 decides whether N is to be written. A committed
-   step is never overwritten. A leftover of an interrupted save is removed, unless a newer
-   generation wrote it (then this world is stale: :class:`StaleGenerationError`). The new step
-   directory records the generation that writes it (``elastrain-owner.json``).
+0. **claim** (once, before the first restore or save; only where the workers fence the root
+   themselves, :func:`elastrain.checkpoint.fence.worker_world`): rank 0 claims this world's
+   generation in the root; a world that lost the root to a newer one exits (``WorldSupersededExit``).
+1. **prepare** (:meth:`Commit.prepare`): rank 0 checks the fence and decides whether N is to be
+   written. A committed step is never overwritten. A leftover of an interrupted save is removed,
+   unless a newer generation wrote it (then this world is stale: :class:`StaleGenerationError`). The
+   new step directory records the generation that writes it (``elastrain-owner.json``).
 2. **write**: the format writes its files, and each rank reports the files *it* wrote, fsynced, with
    their lengths and CRC-32s (DCP computes them while writing, :mod:`elastrain.checkpoint.dcp_io`;
    DeepSpeed and the Trainer's ``torch.save`` files are checksummed by their writer right after).
 3. **commit** (:meth:`Commit.commit`): rank 0 gathers the reports (or the ranks' errors), checks
    that every expected file was reported, checks the fence (:func:`elastrain.checkpoint.fence.check`:
-   a newer world claimed the root), writes the commit marker with the generation, and broadcasts
-   the outcome: every rank raises the same :class:`CheckpointSaveError`, naming the path and the
-   cause, when the save failed. Then rank 0 applies retention.
+   a newer world claimed the root), fsyncs the step directory, writes the commit marker with the
+   generation, and checks the fence again: a marker that raced a newer world's claim is withdrawn.
+   It broadcasts the outcome: every rank raises the same :class:`CheckpointSaveError`, naming the
+   path and the cause, when the save failed. Then rank 0 applies retention.
 4. **verify** (:meth:`Commit.verify`): at restore every rank checks its share of the marker's
    files: their lengths, and the CRC-32 of those the format cannot check while it loads them.
-5. **agree** (:meth:`Commit.restore`): from the newest step directory down, every rank's verdict on
-   verification and then on the format's own load; the first step all ranks accept is restored.
+5. **agree** (:meth:`Commit.restore`): newest generation first, then newest step
+   (:func:`elastrain.checkpoint.layout.restore_order`), every rank's verdict on verification and
+   then on the format's own load; the first step all ranks accept is restored.
+
+Everything the ranks exchange is plain data (:mod:`elastrain.wire`), never a pickle.
 """
 
 from __future__ import annotations
@@ -32,16 +39,23 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from elastrain.checkpoint import fence, layout
+from elastrain.checkpoint.fence import World
 from elastrain.checkpoint.group import Group
 from elastrain.checkpoint.layout import CommitMarker, FileEntry, Naming, StepDir
 from elastrain.checkpoint.storage import Storage, check_shared
-from elastrain.errors import CheckpointCorruptError, CheckpointSaveError, StaleGenerationError
+from elastrain.errors import (
+    CheckpointCorruptError,
+    CheckpointSaveError,
+    StaleGenerationError,
+    WorldSupersededExit,
+)
 
 OWNER = "elastrain-owner.json"
 # Files of the protocol itself: never part of a format's file list.
 PROTOCOL_FILES = frozenset({layout.MARKER, OWNER})
 
 T = TypeVar("T")
+P = TypeVar("P")
 
 
 def may_remove_leftover(owner_generation: int | None, generation: int | None) -> bool:
@@ -113,14 +127,18 @@ class Commit:
         keep_last: int = 3,
         log: Callable[..., None] | None = None,
         fence: Callable[[str, int | None, Storage], None] | None = None,
+        claim_as: World | None = None,
     ) -> None:
-        """``fence(root, generation, storage)`` is called right before the marker is written
-        (default :func:`check_fence`)."""
+        """``fence(root, generation, storage)`` is called at prepare and around the marker's write
+        (default :func:`check_fence`). ``claim_as``: the world claims its own generation in ``root``
+        before its first restore or save (the launcher claimed none there; see
+        :func:`elastrain.checkpoint.fence.worker_world`), and ``generation`` is then the claim's."""
         self.root = root
         self.storage = storage
         self.group = group
         self.kind = kind
-        self.generation = generation
+        self.claim_as = claim_as
+        self.generation = generation if claim_as is None else None
         self.naming = naming
         self.keep_last = keep_last
         self._log = log or (lambda *a, **k: None)
@@ -141,9 +159,56 @@ class Commit:
     def path(self, step: int) -> str:
         return self.storage.join(self.root, self.naming.name(step))
 
+    # -- 0. claim --------------------------------------------------------------------------------
+    def claim(self) -> int | None:
+        """Collective, once: this world's generation in the root, claimed where the workers fence it themselves
+        (:class:`elastrain.checkpoint.fence.WorkerClaim`); a world that lost the root raises :meth:`_stale`'s."""
+        if self.claim_as is None or self.generation is not None:
+            return self.generation
+        try:
+            self.generation = fence.WorkerClaim(self.root, self.claim_as, self.storage).claim(self.group)
+        except StaleGenerationError as e:
+            raise self._stale(str(e)) from None
+        self._log("generation_claimed", generation=self.generation, root=self.root, by="workers")
+        return self.generation
+
+    def _stale(self, message: str) -> BaseException:
+        """What a world that lost the root raises: the launcher's fence stops its workers itself; with the workers'
+        own fence, the workers exit with EX_CONFIG (one line says why), so that no restart claims the root back."""
+        if self.claim_as is None:
+            return StaleGenerationError(message)
+        if self.rank == 0:
+            self._log(
+                "world_superseded",
+                logging.ERROR,
+                root=self.root,
+                generation=self.generation,
+                why=message,
+                action="this world stops: its workers exit with EX_CONFIG (78) and elastrain-run ends its nodes",
+            )
+        return WorldSupersededExit(message)
+
+    def ensure_current(self) -> None:
+        """Collective: raise (as :meth:`prepare` would) if a newer world claimed the root. For a format whose files
+        are written before the commit without :meth:`prepare` (the Trainer's): a stale world writes nothing."""
+        self.claim()
+        verdict: str | None = None
+        if self.rank == 0:
+            try:
+                self._fence(self.root, self.generation, self.storage)
+                verdict = ""
+            except StaleGenerationError as e:
+                verdict = str(e)
+            except OSError:
+                verdict = ""  # storage trouble: the commit reports it, naming the step
+        stale: str = self.group.broadcast(verdict)
+        if stale:
+            raise self._stale(stale)
+
     # -- 1. prepare ------------------------------------------------------------------------------
     def prepare(self, step: int) -> str | None:
         """Collective: the directory to write ``step`` into (created, owned), or ``None`` if already committed."""
+        self.claim()
         path = self.path(step)
         decision: tuple[str, str] | None = None
         if self.rank == 0:
@@ -155,13 +220,15 @@ class Commit:
                 decision = ("error", f"cannot create the step directory: {type(e).__name__}: {e}")
         verdict, message = self.group.broadcast(decision)
         if verdict == "stale":
-            raise StaleGenerationError(message)
+            raise self._stale(message)
         if verdict == "error":
             raise save_error(path, step, message)
         return path if verdict == "go" else None
 
     def _prepare_on_leader(self, step: int, path: str) -> bool:
         st = self.storage
+        # A stale world writes nothing: its files could land in a directory the newer world is writing.
+        self._fence(self.root, self.generation, st)
         if st.exists(path):
             if step not in self.bad_steps and st.exists(st.join(path, layout.MARKER)):
                 self._log("checkpoint_save_skipped", step_dir=path, why="already committed; never overwritten")
@@ -207,21 +274,24 @@ class Commit:
         :class:`CheckpointSaveError` on every rank if any rank failed or the marker could not be
         written, and :class:`StaleGenerationError` if a newer world claimed the root.
         """
-        parts: list[tuple[dict[str, FileEntry] | None, str | None]] = self.group.all_gather(
-            (dict(report) if report is not None else None, error)
-        )
+        self.claim()
+        mine = None if report is None else {name: layout.entry_to_json(e) for name, e in report.items()}
+        parts: list[list[Any]] = self.group.all_gather([mine, error])
         outcome: tuple[str, Any] | None = None
         if self.rank == 0:
-            outcome = self._commit_on_leader(step, path, parts, expected, extra)
+            reports = [
+                (None if rep is None else {n: layout.entry_from_json(e) for n, e in rep.items()}, err)
+                for rep, err in parts
+            ]
+            outcome = self._commit_on_leader(step, path, reports, expected, extra)
         verdict, value = self.group.broadcast(outcome)
         if verdict == "stale":
-            raise StaleGenerationError(value)
+            raise self._stale(value)
         if verdict == "error":
             raise save_error(path, step, value)
         if self.rank == 0:
             self.purge()
-        marker: CommitMarker = value
-        return marker
+        return CommitMarker.from_json(str(value).encode(), path)
 
     def _commit_on_leader(
         self,
@@ -247,19 +317,60 @@ class Commit:
         )
         try:
             self._fence(self.root, self.generation, self.storage)
+            self.storage.sync_tree(path)  # every file's directory entry durable before the marker says "complete"
             layout.write_commit_marker(path, marker, self.storage)
         except StaleGenerationError as e:
             return "stale", str(e)
         except OSError as e:
             return "error", f"cannot write the commit marker: {type(e).__name__}: {e}"
-        return "ok", marker
+        try:
+            # A newer world may have claimed the root between the check above and the marker's rename.
+            self._fence(self.root, self.generation, self.storage)
+        except StaleGenerationError as e:
+            return "stale", f"{e} (its commit of step {step} raced the claim: {self._withdraw(path)})"
+        except OSError as e:  # the marker stands; restore skips it if it raced a claim
+            self._log(
+                "fence_check_failed", logging.WARNING, root=self.root, step=step, error=f"{type(e).__name__}: {e}"
+            )
+        return "ok", marker.to_json().decode()
+
+    def _withdraw(self, path: str) -> str:
+        """Remove the marker this (stale) world just wrote; what became of it, for the error message."""
+        try:
+            self.storage.remove(self.storage.join(path, layout.MARKER))
+            self.storage.sync_tree(path)
+        except OSError as e:
+            return f"its marker could not be withdrawn ({type(e).__name__}: {e}); restore skips it"
+        return "its marker was withdrawn"
 
     # -- 4. verify, 5. agree ---------------------------------------------------------------------
-    def candidates(self) -> list[StepDir]:
-        """Collective: rank 0's listing of the step directories, oldest first."""
-        dirs = layout.list_step_dirs(self.root, self.storage, self.naming) if self.rank == 0 else None
-        listed: list[StepDir] = self.group.broadcast(dirs)
-        return listed
+    def candidates(self) -> tuple[list[tuple[StepDir, str | None]], list[StepDir]]:
+        """Collective: rank 0's listing: the committed step directories in restore order (:func:`layout.restore_order`),
+        each with why it is skipped (or None), and the uncommitted ones, oldest first."""
+        listing: list[Any] | None = None
+        if self.rank == 0:
+            dirs = layout.list_step_dirs(self.root, self.storage, self.naming)
+            committed = [self._candidate(d) for d in dirs if d.committed]
+            order = layout.restore_order(committed, fence.claim_times(self.root, self.storage))
+            listing = [
+                [[d.step, d.path, why] for d, why in order],
+                [[d.step, d.path] for d in dirs if not d.committed],
+            ]
+        ordered, uncommitted = self.group.broadcast(listing)
+        return (
+            [(StepDir(int(step), str(path), True), why) for step, path, why in ordered],
+            [StepDir(int(step), str(path), False) for step, path in uncommitted],
+        )
+
+    def _candidate(self, d: StepDir) -> layout.Candidate:
+        """Rank 0: a committed step directory's generation and commit time (unknown where its marker is unreadable:
+        verification then rejects it)."""
+        marker_path = self.storage.join(d.path, layout.MARKER)
+        try:
+            generation = layout.read_commit_marker(d.path, self.storage).generation
+            return layout.Candidate(d, generation, self.storage.mtime(marker_path))
+        except (CheckpointCorruptError, OSError):
+            return layout.Candidate(d, None, None)
 
     def verify(self, d: StepDir, read_crc: Callable[[str, FileEntry], bool]) -> CommitMarker | str:
         """Collective: the marker of ``d`` if every rank found its share intact, else the first problem.
@@ -267,17 +378,18 @@ class Commit:
         Every rank checks the lengths of its share of the files, and reads those for which
         ``read_crc(name, entry)`` is true to check their CRC-32 (the format checks the rest as it loads).
         """
-        found: CommitMarker | str
+        found: dict[str, str] | None = None
         if self.rank == 0:
             try:
-                found = layout.read_commit_marker(d.path, self.storage)
+                found = {"marker": layout.read_commit_marker(d.path, self.storage).to_json().decode()}
             except CheckpointCorruptError as e:
-                found = str(e)
+                found = {"problem": str(e)}
             except OSError as e:
-                found = f"{d.path}: {type(e).__name__}: {e}"
-        marker: CommitMarker | str = self.group.broadcast(found if self.rank == 0 else None)
-        if isinstance(marker, str):
-            return marker
+                found = {"problem": f"{d.path}: {type(e).__name__}: {e}"}
+        answer: dict[str, str] = self.group.broadcast(found)
+        if "problem" in answer:
+            return answer["problem"]
+        marker = CommitMarker.from_json(answer["marker"].encode(), d.path)
         problem: str | None = None
         mine = {n: marker.files[n] for n in layout.share(list(marker.files), self.rank, self.world_size)}
         try:
@@ -290,12 +402,26 @@ class Commit:
             problem = f"{d.path}: {type(e).__name__}: {e}"
         return self.agree(problem) or marker
 
-    def agree(self, problem: str | None) -> str | None:
-        """Collective: the first problem any rank reports, or ``None`` when none does."""
-        return next((p for p in self.group.all_gather(problem) if p is not None), None)
+    def agree(self, problem: P | None) -> P | None:
+        """Collective: the first problem any rank reports (plain data: a message, or a list), or ``None``."""
+        first: P | None = next((p for p in self.group.all_gather(problem) if p is not None), None)
+        return first
 
-    def reject(self, d: StepDir, problem: str) -> None:
+    def reject(self, d: StepDir, problem: str, *, tampered: bool = False) -> None:
+        """Skip ``d`` at this restore (and let the next save of its step replace it). A checkpoint refused as
+        tampered is reported loudly (``event=checkpoint_tampered``): someone may have written it on purpose."""
         self.bad_steps.add(d.step)
+        if tampered:
+            self._log(
+                "checkpoint_tampered",
+                logging.ERROR,
+                step=d.step,
+                bad=d.path,
+                reason=problem,
+                action="not loaded; an older checkpoint is restored if one loads",
+                hint="find out who can write the checkpoint root, and move this step directory away to inspect it",
+            )
+            return
         self._log("checkpoint_fallback", logging.WARNING, bad=d.path, reason=problem)
 
     def restore(
@@ -303,14 +429,21 @@ class Commit:
         load: Callable[[StepDir, CommitMarker], T | None],
         read_crc: Callable[[str, FileEntry], bool] = lambda name, entry: True,
     ) -> T | None:
-        """Collective: the first step directory, newest first, that every rank verifies and ``load``s.
+        """Collective: the first step directory (in :func:`layout.restore_order`) every rank verifies and ``load``s.
 
         ``load(d, marker)`` is the format's collective load; it returns ``None`` after calling
         :meth:`reject` when the ranks agree it failed (and raises on a mismatch the user must fix).
+        Where the workers fence the root themselves, this world claims its generation first, so that no
+        world that came before it commits after it chose what to restore.
         """
-        for d in reversed(self.candidates()):
-            if not d.committed:
-                self.reject(d, f"{d.path}: no commit marker {layout.MARKER} (a save that never finished)")
+        self.claim()
+        ordered, uncommitted = self.candidates()
+        pending = sorted(uncommitted, key=lambda d: d.step, reverse=True)
+        for d, skip in ordered:
+            while pending and pending[0].step > d.step:
+                self._reject_uncommitted(pending.pop(0))
+            if skip is not None:
+                self.reject(d, skip)
                 continue
             verified = self.verify(d, read_crc)
             if isinstance(verified, str):
@@ -322,7 +455,12 @@ class Commit:
             if self.rank == 0:
                 self.purge()
             return result
+        for d in pending:
+            self._reject_uncommitted(d)
         return None
+
+    def _reject_uncommitted(self, d: StepDir) -> None:
+        self.reject(d, f"{d.path}: no commit marker {layout.MARKER} (a save that never finished)")
 
     def purge(self) -> None:
         """Rank 0: retention (the newest ``keep_last`` complete checkpoints stay); failures are logged."""

@@ -1,9 +1,15 @@
 """torch.distributed.checkpoint (DCP) readers and writers, made safe and checkable.
 
-DCP stores its ``.metadata`` with :mod:`pickle`. A checkpoint directory may come from anywhere
-(a shared bucket, another job), so :class:`SafeReader` reads it with an unpickler that only builds
-DCP's own metadata classes, torch sizes and dtypes. Tensor data is read by DCP with
-``weights_only=True``; elastrain never hands DCP a non-tensor value, so nothing else is unpickled.
+DCP stores its ``.metadata`` with :mod:`pickle`, and pickle runs whatever callable the file names. A
+checkpoint directory may come from anywhere (a shared bucket, another job, whoever can write the root,
+who can also write a matching commit marker), so :class:`SafeReader` reads it with an unpickler that
+resolves only an exact list of names: DCP's metadata classes, ``torch.Size``, the torch dtypes, the
+layout helper and the path classes, each an exact ``(module, name)`` pair with no dots (protocol 4
+would follow a dotted name through the module's attributes to anything it imports). Anything else is
+refused as tampering (:class:`~elastrain.errors.CheckpointTamperedError`), before a single object is
+built from it, and so is a metadata file that places data outside its step directory. Tensor data is
+read by DCP with ``weights_only=True``; entries stored as bytes (which DCP would unpickle with
+``weights_only=False``) are refused before loading and by the load planner (:func:`load_planner`).
 
 Checksums cost no extra reads. The writer (:func:`writer_for`) computes each file's CRC-32, and the
 CRC-32 of every stored item in it (a tensor shard, between DCP's two ``tell()`` calls around it), on
@@ -14,8 +20,10 @@ on the very bytes DCP loads, and the ``.metadata`` CRC-32 on the bytes it unpick
 
 from __future__ import annotations
 
+import collections
 import io
 import os
+import pathlib
 import pickle
 import threading
 import zlib
@@ -25,52 +33,137 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 import torch
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
 
+from elastrain import wire
 from elastrain.checkpoint.layout import Chunk, FileEntry
 from elastrain.checkpoint.storage import Storage, is_url
-from elastrain.errors import CheckpointCorruptError, CheckpointMismatchError
+from elastrain.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointTamperedError
 
 METADATA = ".metadata"
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-_ALLOWED = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("pathlib", "Path"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
+_MD = "torch.distributed.checkpoint.metadata"
+_FS = "torch.distributed.checkpoint.filesystem"
+_PATHS = (pathlib.PurePath, pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.Path, pathlib.PosixPath)
+# Every global a DCP .metadata written by torch 2.13 refers to (FSDP2/DTensor, optimizer state, bytes entries,
+# plain, fsspec), and nothing else: exact (module, name) pairs, resolved here, never imported by name.
+_ALLOWED: dict[tuple[str, str], Any] = {
+    (_MD, "Metadata"): dcp_metadata.Metadata,
+    (_MD, "MetadataIndex"): dcp_metadata.MetadataIndex,
+    (_MD, "StorageMeta"): dcp_metadata.StorageMeta,
+    (_MD, "TensorStorageMetadata"): dcp_metadata.TensorStorageMetadata,
+    (_MD, "BytesStorageMetadata"): dcp_metadata.BytesStorageMetadata,
+    (_MD, "ChunkStorageMetadata"): dcp_metadata.ChunkStorageMetadata,
+    (_MD, "TensorProperties"): dcp_metadata.TensorProperties,
+    (_MD, "_MEM_FORMAT_ENCODING"): dcp_metadata._MEM_FORMAT_ENCODING,
+    (_FS, "_StorageInfo"): dcp_filesystem._StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    **{("torch", name): dtype for name, dtype in wire.DTYPES.items()},
+    # storage_meta.checkpoint_id: a path (Python 3.13 names pathlib's module pathlib._local).
+    **{(module, cls.__name__): cls for cls in _PATHS for module in ("pathlib", "pathlib._local")},
+    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
+    ("pathlib._local", "WindowsPath"): pathlib.PureWindowsPath,
 }
+
+
+class _Refused(pickle.UnpicklingError):
+    """The metadata names something a DCP metadata file never holds."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module in _DCP_MODULES and not name.startswith("__"):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) or name == "_MEM_FORMAT_ENCODING":
-                return obj
-        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        elif (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which elastrain does not load")
+        found = _ALLOWED.get((module, name)) if "." not in name else None
+        if found is None:
+            raise _Refused(f"it refers to {module}.{name}, which a DCP checkpoint never holds")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Refused(f"it holds a persistent reference ({pid!r:.60}), which a DCP checkpoint never holds")
 
 
 def load_metadata_bytes(data: bytes, where: str) -> Metadata:
-    """Unpickle DCP metadata allowing only DCP's metadata types; corrupt input raises CheckpointCorruptError."""
+    """Unpickle DCP metadata allowing only DCP's metadata types.
+
+    A file that names anything else, or places data outside its step directory, raises
+    :class:`CheckpointTamperedError` (nothing it names is ever called); any other damage,
+    :class:`CheckpointCorruptError`.
+    """
     try:
-        md = _MetadataUnpickler(io.BytesIO(data)).load()
+        md = _MetadataUnpickler(io.BytesIO(data), fix_imports=False).load()
+    except _Refused as e:
+        raise CheckpointTamperedError(f"{where}/{METADATA} was refused: {e}") from None
     except Exception as e:
         raise CheckpointCorruptError(f"{where}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
     if not isinstance(md, Metadata):
-        raise CheckpointCorruptError(f"{where}: {METADATA} does not hold DCP metadata")
+        raise CheckpointTamperedError(f"{where}/{METADATA} does not hold DCP metadata (it holds a {type(md).__name__})")
+    _check_structure(md, where)
     return md
+
+
+def _check_structure(md: Metadata, where: str) -> None:
+    """Every entry is a well-formed tensor or bytes entry, and every stored item lies in a file inside the step
+    directory: what the loader then reads from the metadata is what DCP itself would have written."""
+    bad = f"{where}/{METADATA}"
+    entries = md.state_dict_metadata
+    if not isinstance(entries, dict) or not all(isinstance(k, str) for k in entries):
+        raise CheckpointTamperedError(f"{bad}: its entries are not a dict keyed by name")
+    for key, value in entries.items():
+        if isinstance(value, TensorStorageMetadata):
+            props, chunks = value.properties, value.chunks
+            well_formed = (
+                isinstance(value.size, torch.Size)
+                and isinstance(props, dcp_metadata.TensorProperties)
+                and isinstance(props.dtype, torch.dtype)
+                and isinstance(chunks, list)
+                and all(
+                    isinstance(c, dcp_metadata.ChunkStorageMetadata)
+                    and isinstance(c.offsets, torch.Size)
+                    and isinstance(c.sizes, torch.Size)
+                    for c in chunks
+                )
+            )
+            if not well_formed:
+                raise CheckpointTamperedError(f"{bad}: tensor entry {key} is malformed")
+        elif not isinstance(value, BytesStorageMetadata):
+            raise CheckpointTamperedError(f"{bad}: entry {key} is a {type(value).__name__}")
+    storage = md.storage_data if md.storage_data is not None else {}
+    if not isinstance(storage, dict):
+        raise CheckpointTamperedError(f"{bad}: its storage data is a {type(storage).__name__}")
+    for index, info in storage.items():
+        if not isinstance(index, dcp_metadata.MetadataIndex) or not isinstance(index.fqn, str):
+            raise CheckpointTamperedError(f"{bad}: its storage data is keyed by a {type(index).__name__}")
+        if not isinstance(info, dcp_filesystem._StorageInfo) or not isinstance(info.relative_path, str):
+            raise CheckpointTamperedError(f"{bad}: the storage of {index.fqn} is not a file and offset")
+        rel = info.relative_path
+        parts = pathlib.PurePosixPath(rel).parts
+        if not parts or rel.startswith(("/", "\\")) or ".." in parts or "\\" in rel or "\x00" in rel:
+            raise CheckpointTamperedError(f"{bad} places {index.fqn} in {rel!r}, outside its directory")
+        if not all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length)):
+            raise CheckpointTamperedError(f"{bad}: {index.fqn} has a bad offset or length")
+
+
+class _TensorsOnly(DefaultLoadPlanner):
+    """DCP's load planner, minus the one path that unpickles: entries stored as bytes (``torch.load`` with
+    ``weights_only=False``). elastrain saves only tensors through DCP, so such an entry was put there by hand."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        raise CheckpointTamperedError(
+            f"{read_item.dest_index.fqn} is stored as pickled bytes, which elastrain never writes and never loads"
+        )
+
+
+def load_planner() -> DefaultLoadPlanner:
+    """The load planner for ``dcp.load``: DCP's default, refusing entries stored as bytes."""
+    return _TensorsOnly()
 
 
 def check_crc(data: bytes, entry: FileEntry | None, where: str) -> None:
@@ -96,6 +189,13 @@ class _Verifier:
             data = f.read()
         check_crc(data, self.entries.get(METADATA), f"{reader.path}/{METADATA}")
         md = load_metadata_bytes(data, str(reader.path))
+        if self.entries:
+            unlisted = sorted({str(i.relative_path) for i in (md.storage_data or {}).values()} - set(self.entries))
+            if unlisted:
+                raise CheckpointCorruptError(
+                    f"{reader.path}/{METADATA} places data in {', '.join(unlisted[:3])}, which the commit marker does "
+                    "not list (metadata and marker differ)"
+                )
         if md.storage_meta is not None:
             md.storage_meta.load_id = reader.load_id
         return md
@@ -266,6 +366,13 @@ def written_files(writer: FileSystemWriter, md: Metadata) -> dict[str, FileEntry
         exact = {(c.offset, c.length) for c in chunks} == wanted and bool(wanted)
         out[name] = FileEntry(size=entry.size, crc32=entry.crc32, chunks=chunks if exact else ())
     return out
+
+
+def is_tampering(e: BaseException) -> bool:
+    """Whether ``e`` (or, for DCP's gathered exception, any rank's error) refused a checkpoint as tampered."""
+    if isinstance(e, CheckpointException):
+        return any(isinstance(exc, CheckpointTamperedError) for exc, _trace in e.failures.values())
+    return isinstance(e, CheckpointTamperedError)
 
 
 def root_cause(e: BaseException) -> str:

@@ -16,6 +16,14 @@ every node of the job already shares:
   generation exists (:func:`check`), so a world that lost the race, or was paused and woke up, can
   never commit into the checkpoint directory again, and the agent stops such a world's workers.
 
+Without the launcher's fence (``elastrain-run`` without ``--checkpoint-dir``, or a script that writes
+elsewhere) the workers fence the root they write into themselves, by the same claims
+(:func:`worker_world`, claimed by :class:`elastrain.checkpoint.commit.Commit` before its first restore
+or save): a world of fresh workers claims ``newest + 1``, a world whose workers went on from an
+earlier one in place (``--live``) claims ``parent + 1``, and a world that finds a newer claim at a
+commit is superseded: its workers exit with ``EX_CONFIG`` (78), so that elastrain-run ends its nodes
+rather than restarting workers that would claim the root back.
+
 The guarantee needs a checkpoint root that every node of the job reaches (a shared filesystem or an
 object store with conditional puts); with etcd the rendezvous itself is linearizable and the fence is
 a second line of defence.
@@ -26,11 +34,23 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
-from elastrain.checkpoint.storage import FsspecStorage, LocalStorage, Storage, fsync_dir, storage_for
-from elastrain.errors import StaleGenerationError
+from elastrain.checkpoint.storage import (
+    FsspecStorage,
+    LocalStorage,
+    ProbeGroup,
+    Storage,
+    fsync_dir,
+    is_url,
+    local_path,
+    storage_for,
+)
+from elastrain.env import WorkerEnv
+from elastrain.errors import CheckpointSaveError, StaleGenerationError
 from elastrain.log import lifecycle
 
 FENCE_DIR = "elastrain-fence"
@@ -99,7 +119,7 @@ def read_claim(root: str, generation: int, storage: Storage | None = None) -> Cl
         return Claim.from_json(storage.read_bytes(storage.join(fence_dir(root, storage), _name(generation))))
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         # A claim is written whole (exclusive create of a complete file) except by a crash mid-write:
         # its number is taken all the same, only its store address is unknown.
         lifecycle("fence_claim_unreadable", level=logging.WARNING, generation=generation, error=repr(exc)[:200])
@@ -116,8 +136,9 @@ def newest(root: str, storage: Storage | None = None) -> Claim | None:
 def _create_exclusive(path: str, data: bytes, storage: Storage) -> bool:
     """Create ``path`` with ``data`` unless it exists; True if this call created it."""
     if isinstance(storage, LocalStorage):
+        path = local_path(path)
         directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
+        storage.makedirs(directory)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
@@ -207,10 +228,111 @@ def check(root: str, generation: int | None, storage: Storage | None = None) -> 
     storage = storage or storage_for(root)
     gens = generations(root, storage)
     if gens and gens[-1] > generation:
+        top = read_claim(root, gens[-1], storage)
+        who = ""
+        if top is not None and top.run_id:
+            hosts = f", on {', '.join(top.members[:4])}" if top.members else ""
+            who = f" (run {top.run_id!r}, round {top.round}{hosts})"
         raise StaleGenerationError(
-            f"generation {generation} of {root} was superseded by generation {gens[-1]}: another world of this "
+            f"generation {generation} of {root} was superseded by generation {gens[-1]}{who}: another world of this "
             "job took over the checkpoint directory; this world stops and never commits again"
         )
+
+
+def claim_times(root: str, storage: Storage | None = None) -> dict[int, float | None]:
+    """When each claim in ``root`` was made, by the storage's clock (``None`` where the storage does not say)."""
+    storage = storage or storage_for(root)
+    out: dict[int, float | None] = {}
+    for g in generations(root, storage):
+        try:
+            out[g] = storage.mtime(storage.join(fence_dir(root, storage), _name(g)))
+        except FileNotFoundError:  # pruned meanwhile
+            continue
+    return out
+
+
+@dataclass(frozen=True)
+class World:
+    """Who a world of workers is when it claims its checkpoint root itself (the launcher claimed nothing there)."""
+
+    run_id: str
+    round: int
+
+
+def worker_world(env: WorkerEnv, root: str) -> World | None:
+    """The identity to claim ``root`` as, when the workers must fence it themselves; ``None`` when they need not.
+
+    Under elastrain-run, workers fence their root unless the launcher did: it claims its
+    ``--checkpoint-dir`` (``env.generation``), so a root elsewhere, or no ``--checkpoint-dir`` at all,
+    is the workers' to claim. Outside elastrain-run (plain torchrun, a notebook, an evaluation script
+    that only restores) nothing is claimed: a reader never supersedes the job that writes.
+    """
+    if not env.under_elastrain:
+        return None
+    if env.generation is not None and env.checkpoint_dir is not None and _same(env.checkpoint_dir, root):
+        return None
+    return World(env.run_id, env.round)
+
+
+_HELD: dict[str, int] = {}
+"""The generation this process's last world claimed in each root: a world whose workers go on in place
+(``--live``) descends from it, and claims the next one only if no other world took it first."""
+
+
+@dataclass(frozen=True)
+class WorkerClaim:
+    """A world of workers claiming its checkpoint root (the workers' own fence)."""
+
+    root: str
+    world: World
+    storage: Storage
+
+    def claim(self, group: ProbeGroup) -> int:
+        """Collective (rank 0 claims, every rank gets the verdict): this world's generation.
+
+        A world whose workers went on in place from an earlier world of this process claims the
+        generation after that world's (:func:`claim_after`), and raises :class:`StaleGenerationError`
+        if another world took it first. A world of fresh workers claims the next free one
+        (:func:`claim_fresh`). Raises :class:`CheckpointSaveError` on every rank when no claim can be written.
+        """
+        key = self.root if is_url(self.root) else os.path.abspath(local_path(self.root))
+        gathered = group.all_gather([_HELD.get(key), socket.gethostname()])
+        parents = [int(p) for p, _ in gathered if p is not None]
+        hosts = tuple(sorted({str(h) for _, h in gathered}))
+        verdict: list[Any] | None = None
+        if group.rank == 0:
+            try:
+                verdict = ["ok", self._on_leader(max(parents) if parents else None, hosts)]
+            except StaleGenerationError as e:
+                verdict = ["stale", str(e)]
+            except OSError as e:
+                verdict = ["error", f"{type(e).__name__}: {e}"]
+        kind, value = group.broadcast(verdict)
+        if kind == "stale":
+            raise StaleGenerationError(value)
+        if kind == "error":
+            raise CheckpointSaveError(
+                f"cannot claim this world's fencing generation in {self.root} ({value}): the checkpoint root must "
+                "be a directory (or URL) that every node can write"
+            )
+        _HELD[key] = int(value)
+        return int(value)
+
+    def _on_leader(self, parent: int | None, hosts: tuple[str, ...]) -> int:
+        w = self.world
+        if parent is None:
+            return claim_fresh(self.root, w.run_id, w.round, "", hosts, self.storage).generation
+        got = claim_after(self.root, w.run_id, w.round, "", hosts, parent, self.storage)
+        if got is None:
+            check(self.root, parent, self.storage)  # raises, naming the world that took the next generation
+            raise StaleGenerationError(f"generation {parent + 1} of {self.root} was claimed by another world")
+        return got.generation
+
+
+def _same(a: str, b: str) -> bool:
+    if is_url(a) or is_url(b):
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.abspath(local_path(a)) == os.path.abspath(local_path(b))
 
 
 def _prune(root: str, latest: int, storage: Storage) -> None:

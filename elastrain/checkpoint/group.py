@@ -1,4 +1,7 @@
-"""The checkpointer's own process groups, and the few collectives it needs; a 1-process world without dist."""
+"""The checkpointer's own process groups, and the few collectives it needs; a 1-process world without dist.
+
+Objects travel as plain data (:mod:`elastrain.wire`): a peer's message is parsed, never unpickled.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from elastrain import wire
 
 log = logging.getLogger(__name__)
 _exit_hook_registered = False
@@ -78,19 +83,16 @@ class Group:
         return [int(v) for v in t.tolist()]
 
     def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (plain data: :mod:`elastrain.wire`, never a pickle), by rank."""
         if not self.distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.pg)
-        return out
+            return [wire.decode(wire.encode(obj))]
+        return wire.all_gather(obj, group=self.pg)
 
     def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
+        """Rank 0's ``obj`` (plain data: :mod:`elastrain.wire`, never a pickle) on every rank."""
         if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)  # type: ignore[arg-type]
-        return box[0]
+            return wire.decode(wire.encode(obj))
+        return wire.broadcast(obj, src=dist.get_global_rank(self.pg, 0), group=self.pg)  # type: ignore[arg-type]
 
     def barrier(self) -> None:
         if self.distributed:

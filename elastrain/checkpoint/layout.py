@@ -95,7 +95,7 @@ class CommitMarker:
             "kind": self.kind,
             "created_at": self.created_at,
             "generation": self.generation,
-            "files": {name: _entry_json(e) for name, e in sorted(self.files.items())},
+            "files": {name: entry_to_json(e) for name, e in sorted(self.files.items())},
             "extra": dict(self.extra),
         }
         return json.dumps(payload, indent=1).encode()
@@ -106,7 +106,7 @@ class CommitMarker:
             raw = json.loads(data)
             if raw.get("format") != MARKER_FORMAT:
                 raise ValueError(f"unknown marker format {raw.get('format')!r}")
-            files = {str(name): _entry_from_json(e) for name, e in raw["files"].items()}
+            files = {str(name): entry_from_json(e) for name, e in raw["files"].items()}
             generation = raw.get("generation")
             return cls(
                 step=int(raw["step"]),
@@ -121,14 +121,16 @@ class CommitMarker:
             raise CheckpointCorruptError(f"{where}: unreadable commit marker ({e})") from None
 
 
-def _entry_json(e: FileEntry) -> dict[str, Any]:
+def entry_to_json(e: FileEntry) -> dict[str, Any]:
+    """A file entry as plain data (in the marker, and on its way to rank 0)."""
     out: dict[str, Any] = {"size": e.size, "crc32": e.crc32}
     if e.chunks:
         out["chunks"] = [[c.offset, c.length, c.crc32] for c in e.chunks]
     return out
 
 
-def _entry_from_json(e: Mapping[str, Any]) -> FileEntry:
+def entry_from_json(e: Mapping[str, Any]) -> FileEntry:
+    """Inverse of :func:`entry_to_json`."""
     chunks = tuple(Chunk(int(o), int(n), int(c)) for o, n, c in e.get("chunks") or ())
     return FileEntry(size=int(e["size"]), crc32=None if e.get("crc32") is None else int(e["crc32"]), chunks=chunks)
 
@@ -138,6 +140,48 @@ class StepDir:
     step: int
     path: str
     committed: bool
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A committed step directory as restore sees it: who committed it, and when (by the storage's clock)."""
+
+    step_dir: StepDir
+    generation: int | None
+    committed_at: float | None
+
+
+def restore_order(
+    candidates: Sequence[Candidate], claimed_at: Mapping[int, float | None]
+) -> list[tuple[StepDir, str | None]]:
+    """Pure: the committed step directories in the order restore tries them, each with why it is skipped (or None).
+
+    Newest generation first, then newest step. A world restores the newest checkpoint right after its
+    claim and goes forward from it, so generation and step order agree; where they disagree, the older
+    generation's higher steps are a superseded world's, and the newer generation's steps come first. A
+    step that generation G committed after a newer generation claimed the root (its marker written later
+    than that claim, ``claimed_at``, by the storage's own clock) raced the claim: its writer would have
+    withdrawn it had it lived to check the fence again, so it is skipped. Unfenced (older) markers come last.
+    """
+    out: list[tuple[StepDir, str | None]] = []
+    ordered = sorted(
+        candidates,
+        key=lambda c: (c.generation if c.generation is not None else -1, c.step_dir.step),
+        reverse=True,
+    )
+    for c in ordered:
+        why: str | None = None
+        if c.generation is not None and c.committed_at is not None:
+            newer = [(t, g) for g, t in claimed_at.items() if g > c.generation and t is not None]
+            if newer:
+                at, by = min(newer)
+                if c.committed_at > at:
+                    why = (
+                        f"{c.step_dir.path}: committed by generation {c.generation} after generation {by} claimed "
+                        "the root (a superseded world's commit that raced the claim); not restored"
+                    )
+        out.append((c.step_dir, why))
+    return out
 
 
 def list_step_dirs(root: str, storage: Storage | None = None, naming: Naming = STEPS) -> list[StepDir]:

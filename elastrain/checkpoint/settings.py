@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import os
 
+from elastrain.checkpoint.storage import local_path
 from elastrain.env import CHECKPOINT_DIR
 from elastrain.errors import CheckpointError
 
 
 def resolve_root(directory: str | os.PathLike[str] | None, env_directory: str | None, owner: str) -> str:
-    """The checkpoint directory: the argument, else the launcher's ``--checkpoint-dir``."""
+    """The checkpoint directory: the argument, else the launcher's ``--checkpoint-dir``; a ``file://`` URL as a path."""
     root = directory if directory is not None else env_directory
     if root is None:
         raise CheckpointError(
             "no checkpoint directory: launch with elastrain-run --checkpoint-dir DIR, set "
             f"{CHECKPOINT_DIR}, or pass {owner}(directory=...)"
         )
-    return os.fspath(root)
+    return local_path(root)

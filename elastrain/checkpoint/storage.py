@@ -3,7 +3,9 @@
 The layout code (:mod:`elastrain.checkpoint.layout`) goes through this small interface so that it
 works the same on ``/mnt/outputs/ckpt``, ``s3://bucket/ckpt`` and ``az://container/ckpt``. Local
 writes are fsynced (files and their directory); object stores make a completed ``put`` durable and
-atomic on their own: an object is either absent or whole, never torn.
+atomic on their own: an object is either absent or whole, never torn. A failed fsync raises
+(:class:`~elastrain.errors.CheckpointDurabilityError`): durability that is claimed is real. ``file://``
+URLs name local paths (:func:`local_path`).
 
 Credentials and endpoints come from the standard mechanisms of each fsspec backend, so elastrain
 invents no option of its own: ``AWS_*`` variables (``AWS_ENDPOINT_URL`` for MinIO and other
@@ -17,15 +19,20 @@ environment, so setting these where ``elastrain-run`` starts reaches every rank.
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 import shutil
 import socket
+import sys
 import uuid
 import zlib
 from collections.abc import Iterator
 from typing import Any, Protocol
+from urllib.parse import unquote, urlsplit
 
-from elastrain.errors import CheckpointError
+from elastrain.errors import CheckpointDurabilityError, CheckpointError
+from elastrain.log import lifecycle
 
 _CHUNK = 8 << 20
 # Backends where one put is atomic and a rename is a copy: write in place instead of temp + move.
@@ -33,13 +40,29 @@ OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl
 
 
 def is_url(path: str) -> bool:
-    """Whether ``path`` names an fsspec location (``s3://...``) rather than a local path."""
+    """Whether ``path`` names an fsspec location (``s3://...``) rather than a local path (``file://`` is local)."""
     return "://" in path and not path.startswith("file://")
+
+
+def local_path(path: str | os.PathLike[str]) -> str:
+    """``path``, with a ``file://`` URL turned into the local path it names (``file:///mnt/ckpt`` → ``/mnt/ckpt``).
+
+    A ``file://`` URL naming another host raises :class:`CheckpointError`; other paths and URLs pass unchanged.
+    """
+    text = os.fspath(path)
+    if not text.startswith("file://"):
+        return text
+    parts = urlsplit(text)
+    if parts.netloc not in ("", "localhost"):
+        raise CheckpointError(
+            f"{text}: a file:// URL names a path on this machine (file:///path), not on host {parts.netloc!r}"
+        )
+    return unquote(parts.path) or "/"
 
 
 def join_path(base: str | os.PathLike[str], *parts: str) -> str:
     """``base/part/...`` for a local path or a URL (``pathlib`` would turn ``s3://b`` into ``s3:/b``)."""
-    text = os.fspath(base)
+    text = local_path(base)
     if is_url(text):
         return "/".join([text.rstrip("/"), *(p.strip("/") for p in parts)])
     return os.path.join(text, *parts)
@@ -60,38 +83,50 @@ class Storage(Protocol):
     def remove_tree(self, path: str) -> None: ...
     def walk_files(self, path: str) -> Iterator[str]: ...
     def crc32(self, path: str) -> int: ...
+    def sync_tree(self, path: str) -> None: ...
+    def mtime(self, path: str) -> float | None: ...
 
 
 class LocalStorage:
-    """A local or shared (NFS, blobfuse, Lustre) filesystem path."""
+    """A local or shared (NFS, blobfuse, Lustre) filesystem path (``file://`` URLs too)."""
 
     def join(self, *parts: str) -> str:
-        return os.path.join(*parts)
+        return os.path.join(local_path(parts[0]), *parts[1:])
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(path)
+        return os.path.exists(local_path(path))
 
     def isdir(self, path: str) -> bool:
-        return os.path.isdir(path)
+        return os.path.isdir(local_path(path))
 
     def listdir(self, path: str) -> list[str]:
         try:
-            return sorted(os.listdir(path))
+            return sorted(os.listdir(local_path(path)))
         except FileNotFoundError:
             return []
 
     def size(self, path: str) -> int:
-        return os.stat(path).st_size
+        return os.stat(local_path(path)).st_size
 
     def makedirs(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
+        """Create ``path`` and its missing parents, each made durable in its parent (fsynced)."""
+        target = os.path.abspath(local_path(path))
+        missing = []
+        cur = target
+        while not os.path.isdir(cur) and os.path.dirname(cur) != cur:
+            missing.append(cur)
+            cur = os.path.dirname(cur)
+        os.makedirs(target, exist_ok=True)
+        for created in reversed(missing):
+            fsync_dir(os.path.dirname(created))
 
     def read_bytes(self, path: str) -> bytes:
-        with open(path, "rb") as f:
+        with open(local_path(path), "rb") as f:
             return f.read()
 
     def write_atomic(self, path: str, data: bytes) -> None:
         """Write to a temporary name, fsync, rename over ``path``, fsync the directory."""
+        path = local_path(path)
         directory = os.path.dirname(path) or "."
         tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
@@ -103,13 +138,14 @@ class LocalStorage:
 
     def remove(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
+            os.remove(local_path(path))
 
     def remove_tree(self, path: str) -> None:
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(local_path(path), ignore_errors=True)
 
     def walk_files(self, path: str) -> Iterator[str]:
         """Every regular file under ``path``, as a path relative to it (``/``-separated), sorted."""
+        path = local_path(path)
         found: list[str] = []
         for root, _dirs, files in os.walk(path):
             for name in files:
@@ -119,10 +155,19 @@ class LocalStorage:
 
     def crc32(self, path: str) -> int:
         crc = 0
-        with open(path, "rb") as f:
+        with open(local_path(path), "rb") as f:
             while chunk := f.read(_CHUNK):
                 crc = zlib.crc32(chunk, crc)
         return crc
+
+    def sync_tree(self, path: str) -> None:
+        """fsync every directory under ``path`` (and ``path`` itself): the entries of files written there, durable."""
+        for root, _dirs, _files in os.walk(local_path(path)):
+            fsync_dir(root)
+
+    def mtime(self, path: str) -> float | None:
+        """When ``path`` was last written, by the filesystem's clock (the one clock every writer shares)."""
+        return os.stat(local_path(path)).st_mtime
 
 
 class FsspecStorage:
@@ -200,9 +245,20 @@ class FsspecStorage:
                 crc = zlib.crc32(chunk, crc)
         return crc
 
+    def sync_tree(self, path: str) -> None:
+        """Nothing to do: a completed put is durable, and object stores have no directories to sync."""
+
+    def mtime(self, path: str) -> float | None:
+        """When ``path`` was written, by the store's clock; ``None`` where the driver does not say."""
+        self._fresh()
+        try:
+            return float(self.fs.modified(path).timestamp())
+        except (NotImplementedError, ValueError, TypeError):
+            return None
+
 
 def storage_for(path: str) -> Storage:
-    """The storage that serves ``path``: fsspec for URLs, the local filesystem otherwise."""
+    """The storage that serves ``path``: fsspec for URLs, the local filesystem otherwise (``file://`` too)."""
     if is_url(path):
         return FsspecStorage(path)
     return LocalStorage()
@@ -285,15 +341,38 @@ def _ranges(ranks: list[int]) -> str:
     return ", ".join(out)
 
 
+_UNSUPPORTED_LOGGED: set[str] = set()
+
+
 def fsync_dir(path: str) -> None:
-    """Make a rename or a new file in ``path`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+    """Make a rename or a new entry in directory ``path`` durable.
+
+    Raises :class:`CheckpointDurabilityError` (an ``OSError``) when the directory cannot be opened or
+    synced. Where the platform cannot fsync a directory at all (Windows; a filesystem that answers
+    ``EINVAL``, ``ENOTSUP`` or ``ENOSYS``, as some FUSE mounts do) it logs
+    ``event=fsync_dir_unsupported`` once per reason and returns: there, a rename is as durable as the
+    filesystem makes it.
+    """
+    path = local_path(path) or "."
+    if sys.platform == "win32":
+        _unsupported(path, "directories cannot be fsynced on Windows")
         return
     try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise CheckpointDurabilityError(e.errno, f"cannot open directory {path} to fsync it: {e.strerror}") from e
+    try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+            _unsupported(path, f"this filesystem cannot fsync a directory ({e.strerror})")
+            return
+        raise CheckpointDurabilityError(e.errno, f"fsync of directory {path} failed: {e.strerror}") from e
     finally:
         os.close(fd)
+
+
+def _unsupported(path: str, why: str) -> None:
+    if why not in _UNSUPPORTED_LOGGED:
+        _UNSUPPORTED_LOGGED.add(why)
+        lifecycle("fsync_dir_unsupported", level=logging.WARNING, path=path, why=why)

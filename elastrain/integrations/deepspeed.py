@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
-from elastrain.checkpoint import layout
+from elastrain.checkpoint import fence, layout
 from elastrain.checkpoint.commit import PROTOCOL_FILES, Commit, entry_of, fsync_and_checksum
 from elastrain.checkpoint.group import Group, default_group_timeout
 from elastrain.checkpoint.schedule import SaveReason, SaveSchedule, SaveTrigger
@@ -139,7 +139,7 @@ class DeepSpeedCheckpointer:
         self.conversion_timeout_s = conversion_timeout_s
         self.on_save_error = on_save_error
         self.storage = LocalStorage()
-        os.makedirs(self.root, exist_ok=True)
+        self.storage.makedirs(self.root)
         self._collective_timeout_s = env.collective_timeout_s
         self._io_timeout_s = env.io_timeout_s
         self._group = Group(None, env.collective_timeout_s)  # agreeing when to save
@@ -151,7 +151,14 @@ class DeepSpeedCheckpointer:
         agree = self._group.all_max if self._group.distributed else None
         self._trigger = SaveTrigger(schedule, channel, agree, is_local_leader=env.local_rank == 0, log=self._log)
         self._commit = Commit(
-            self.root, self.storage, self._io, kind=KIND, generation=env.generation, keep_last=keep_last, log=self._log
+            self.root,
+            self.storage,
+            self._io,
+            kind=KIND,
+            generation=env.generation,
+            keep_last=keep_last,
+            log=self._log,
+            claim_as=fence.worker_world(env, self.root),
         )
         self._extras: dict[str, Stateful] = {}
         self.last_error: CheckpointSaveError | None = None

@@ -53,12 +53,12 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 from transformers import TrainerCallback
 
-from elastrain.checkpoint import layout
+from elastrain.checkpoint import fence, layout
 from elastrain.checkpoint.commit import PROTOCOL_FILES, Commit, entry_of, fsync_and_checksum
 from elastrain.checkpoint.dcp_io import check_crc
 from elastrain.checkpoint.group import Group
 from elastrain.checkpoint.schedule import SaveReason, SaveSchedule, SaveTrigger
-from elastrain.checkpoint.storage import LocalStorage, fsync_dir
+from elastrain.checkpoint.storage import LocalStorage, fsync_dir, local_path
 from elastrain.control import ControlChannel
 from elastrain.data import epoch_order
 from elastrain.env import WorkerEnv
@@ -146,7 +146,7 @@ class ElasticTrainerRun:
             raise ScalingError("give max_steps or num_train_epochs (the run's length must not depend on world size)")
         if keep_last < 1:
             raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
-        self.root = os.path.abspath(os.fspath(root))
+        self.root = os.path.abspath(local_path(root))
         self.global_batch = global_batch
         self.micro_batch, self.accumulation = trainer_batch(global_batch, micro_batch, self.env.world_size)
         self.max_steps = max_steps
@@ -155,6 +155,7 @@ class ElasticTrainerRun:
         self.seed = seed
         self.shuffle = shuffle
         self.storage = LocalStorage()
+        self.storage.makedirs(self.root)  # made durable in its parent before anything is committed into it
         self.schedule = SaveSchedule(hold_after_request_s=hold_after_request_s)  # the Trainer's save_steps rule
         self._commit: Commit | None = None
         self._sync: Group | None = None
@@ -203,6 +204,7 @@ class ElasticTrainerRun:
                 naming=TRAINER_NAMING,
                 keep_last=self.keep_last,
                 log=self._log,
+                claim_as=fence.worker_world(self.env, self.root),
             )
         return self._commit
 
@@ -381,6 +383,16 @@ class ElasticCallback(TrainerCallback):
             self.trigger().claim()
             self._requested = True
             control.should_save = True
+        self._before_save(control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._before_save(control)
+
+    def _before_save(self, control: Any) -> None:
+        """The Trainer writes ``checkpoint-N`` before the commit: a world that lost the root must stop before it
+        writes there (collective: every rank decides ``should_save`` alike)."""
+        if control.should_save:
+            self.run.protocol().ensure_current()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step

@@ -23,10 +23,14 @@ that cannot, or do not acknowledge in time, are restarted into the same round (t
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import signal
 import tempfile
 import threading
 import time
+import weakref
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -41,6 +45,7 @@ from elastrain.control import ControlChannel, RegroupChannel, RegroupNotice, Sav
 from elastrain.env import WARM, ZYGOTE, LaunchContext, StartReason, start_reason, to_environ
 from elastrain.errors import FATAL_EXIT_CODES, NodeLeftError
 from elastrain.launcher import zygote
+from elastrain.launcher.leave import Leave
 from elastrain.launcher.options import ElastrainOptions
 from elastrain.log import lifecycle
 from elastrain.rendezvous.state import Change, ChangeKind, Departure
@@ -64,6 +69,21 @@ WARM_START_LIMIT_S = 600.0
 _ROUND_VARIABLES = (
     "RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"
 )  # fmt: skip
+
+
+def _remove_control_dir(directory: Path, owner_pid: int) -> None:
+    """Remove this agent's own control directory (one per agent, made by ``tempfile.mkdtemp``); never from a
+    forked copy of the agent's process, whose exit would take it from the agent still running."""
+    if os.getpid() != owner_pid:
+        return
+    try:
+        shutil.rmtree(directory)
+    except FileNotFoundError:
+        return  # removed already: nothing left behind
+    except OSError as exc:
+        lifecycle("control_dir_left", level=logging.WARNING, control_dir=str(directory), error=repr(exc)[:300])
+        return
+    lifecycle("control_dir_removed", level=logging.DEBUG, control_dir=str(directory))
 
 
 def _handler_round(handler: Any, fallback: int) -> int:
@@ -115,10 +135,10 @@ class ElastrainAgent(LocalElasticAgent):
         self._deferred_since: float | None = None  # when a membership change began to wait for closing workers
         self._context: LaunchContext | None = None
         self.control = ControlChannel(tempfile.mkdtemp(prefix="elastrain-control-"))
+        # Removed when run() ends, however it ends; at the latest when the interpreter exits (an agent never run).
+        self._remove_control_dir = weakref.finalize(self, _remove_control_dir, self.control.directory, os.getpid())
         self.regroup = RegroupChannel(self.control.directory)
-        self._leave_lock = threading.Lock()
-        self._leave_reason: str | None = None
-        self._left = threading.Event()
+        self._leave = Leave()
         self._workers_running = False
         self._workers_exited = False
         self._probed_round: int | None = None
@@ -133,25 +153,27 @@ class ElastrainAgent(LocalElasticAgent):
         announcement there and the main loop ends the agent at its next tick; called on the main thread
         (the SIGTERM handler) it does everything inline.
         """
-        with self._leave_lock:
-            if self._leave_reason is not None:
-                return
-            self._leave_reason = reason
+        if not self._leave.claim(reason, deadline_s):
+            return
         started = time.monotonic()
-        lifecycle("leave_requested", level=logging.WARNING, reason=reason, deadline_s=deadline_s)
-        if self._workers_running:
-            self._checkpoint_before_change(SaveCause.LEAVE, reason, max(0.0, deadline_s - 1.0))
-        leave = getattr(self._worker_group.spec.rdzv_handler, "leave", None)
-        if callable(leave):
-            leave(reason)
-        else:
-            lifecycle("leave_unannounced", level=logging.WARNING, why="the rendezvous handler cannot announce a leave")
-        self._left.set()
+        try:  # however it ends, the main loop must learn that the leave is over (see _raise_if_left)
+            lifecycle("leave_requested", level=logging.WARNING, reason=reason, deadline_s=deadline_s)
+            if self._workers_running:
+                self._checkpoint_before_change(SaveCause.LEAVE, reason, max(0.0, deadline_s - 1.0))
+            leave = getattr(self._worker_group.spec.rdzv_handler, "leave", None)
+            if callable(leave):
+                leave(reason)  # bounded, and logs its own failure
+            else:
+                why = "the rendezvous handler cannot announce a leave"
+                lifecycle("leave_unannounced", level=logging.WARNING, why=why)
+        finally:
+            self._leave.over()
         lifecycle("leave_announced", reason=reason, took_s=round(time.monotonic() - started, 3))
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         self.request_leave(name, min(self._options.save_timeout_s + 1.0, SIGTERM_LEAVE_DEADLINE_S))
+        self._leave.wait()  # a watcher's leave may be checkpointing still (bounded)
         raise NodeLeftError(f"left the job on {name}")
 
     def _install_sigterm(self) -> None:
@@ -159,17 +181,29 @@ class ElastrainAgent(LocalElasticAgent):
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _raise_if_left(self) -> None:
-        if self._leave_reason is not None:
-            # A watcher thread may still be checkpointing; wait for it (it is bounded by its deadline).
-            self._left.wait()
-            raise NodeLeftError(f"left the job: {self._leave_reason}")
+        reason = self._leave.reason
+        if reason is not None:
+            # A watcher thread may still be checkpointing: wait for it, until its deadline at most.
+            self._leave.wait()
+            raise NodeLeftError(f"left the job: {reason}")
 
     def _checkpoint_before_change(self, cause: SaveCause, detail: str, timeout_s: float) -> None:
         """Ask local workers for a checkpoint and wait (bounded) for the ack; only with --checkpoint-dir."""
         opts = self._options
         if not opts.save_on_change or not opts.checkpoint_dir or timeout_s <= 0:
             return
-        req = self.control.request_save(cause, detail)
+        try:
+            req = self.control.request_save(cause, detail)
+        except OSError as exc:  # the control directory is gone or unwritable: the job's last checkpoint stands
+            lifecycle(
+                "checkpoint_request_failed",
+                level=logging.ERROR,
+                cause=cause.value,
+                error=repr(exc)[:300],
+                control_dir=str(self.control.directory),
+                why="going on without this checkpoint",
+            )
+            return
         lifecycle("checkpoint_requested", request_id=req.request_id, reason=req.reason, timeout_s=timeout_s)
         wait_s = min(opts.save_timeout_s, timeout_s)
         ack = self.control.wait_ack(req.request_id, wait_s)
@@ -183,12 +217,15 @@ class ElastrainAgent(LocalElasticAgent):
         try:
             result: RunResult = super().run(role)
         finally:
-            if self._zygote is not None:  # not in _shutdown: torch calls that on every worker stop
-                self._zygote.close()
+            try:
+                if self._zygote is not None:  # not in _shutdown: torch calls that on every worker stop
+                    self._zygote.close()
+            finally:
+                self._remove_control_dir()  # the workers are stopped (torch's run ends with _shutdown)
         return result
 
     def _exit_barrier(self) -> None:
-        if self._leave_reason is None:
+        if self._leave.reason is None:
             super()._exit_barrier()  # type: ignore[no-untyped-call]
 
     @property

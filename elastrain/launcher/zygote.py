@@ -40,15 +40,19 @@ that name for the duration of one worker start (see ``ElastrainAgent._start_work
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
+import io
 import json
 import logging
 import os
+import runpy
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,19 +98,26 @@ class Zygote:
         self._next = 0
         self.ready_s: float | None = None
         self._started = time.monotonic()
+        self._closing = False
         threading.Thread(target=self._read, name="elastrain-zygote", daemon=True).start()
 
     def _read(self) -> None:
-        for raw in self._file:
-            msg = json.loads(raw)
-            if "ready" in msg:
-                self.ready_s = time.monotonic() - self._started
-                self._ready.set()
-            elif "spawned" in msg:
-                self._pids[int(msg["spawned"])] = int(msg["pid"])
-                self._spawned[int(msg["spawned"])].set()
-            elif "exited" in msg:
-                self.exit_codes[int(msg["exited"])] = int(msg["code"])
+        try:
+            for raw in self._file:
+                msg = json.loads(raw)
+                if "ready" in msg:
+                    self.ready_s = time.monotonic() - self._started
+                    self._ready.set()
+                elif "spawned" in msg:
+                    self._pids[int(msg["spawned"])] = int(msg["pid"])
+                    self._spawned[int(msg["spawned"])].set()
+                elif "exited" in msg:
+                    self.exit_codes[int(msg["exited"])] = int(msg["code"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # closed (close()), or a message out of shape
+            if not self._closing:
+                # Its workers' exits could no longer be told: end it, and them with it (PDEATHSIG), as reported below.
+                lifecycle("zygote_channel_broken", level=logging.ERROR, error=repr(exc)[:200], action="killing it")
+                self.proc.kill()
         # The zygote is gone: its workers died with it (PDEATHSIG).
         self._ready.set()
         for pid in list(self._pids.values()):
@@ -149,12 +160,17 @@ class Zygote:
         return self._pids[rid]
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
+        self._closing = True
+        try:
             self._sock.close()
+        except OSError as exc:
+            lifecycle("zygote_close_failed", level=logging.WARNING, error=repr(exc)[:200])
         if self.alive:
             self.proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            try:
                 self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                lifecycle("zygote_not_reaped", level=logging.WARNING, pid=self.proc.pid, waited_s=5)
 
 
 def python_command(entrypoint: str, args: tuple[Any, ...]) -> list[str] | None:
@@ -275,9 +291,13 @@ def _prctl_pdeathsig() -> None:
 
 
 def _serve_command(fd: int, preload: Sequence[str], extra: Sequence[str], may_restart: bool, t0: float) -> list[object]:
-    """``python`` arguments that run :func:`serve` on ``fd``."""
-    call = f"serve({fd}, {list(preload)!r}, {list(extra)!r}, may_restart={may_restart!r}, t0={t0!r})"
-    return ["-c", f"from elastrain.launcher.zygote import serve; {call}"]
+    """``python`` arguments that run :func:`main` on ``fd``.
+
+    ``-u``: workers run as ``python -u`` (torch's command for a script); a forked worker keeps the zygote's
+    ``sys.stdout`` and ``sys.stderr``, which then write through to their files as the worker's own would.
+    """
+    call = f"main({fd}, {list(preload)!r}, {list(extra)!r}, may_restart={may_restart!r}, t0={t0!r})"
+    return ["-u", "-c", f"from elastrain.launcher.zygote import main; {call}"]
 
 
 @dataclass(frozen=True)
@@ -359,10 +379,25 @@ def _preload(fd: int, preload: Sequence[str], extra: Sequence[str], may_restart:
     return done
 
 
-def serve(
+def main(
     fd: int, preload: list[str], extra: Sequence[str] = (), may_restart: bool = True, t0: float | None = None
 ) -> None:
+    """The zygote process (``python -u -c``): serve the agent; in a forked worker, run the worker's script.
+
+    A forked worker comes back here from :func:`serve`'s loop and runs its script at the interpreter's
+    top level, then ends as ``python -u script.py`` ends (:func:`run_worker`).
+    """
+    run_worker(serve(fd, preload, extra, may_restart, t0))
+
+
+def serve(
+    fd: int, preload: list[str], extra: Sequence[str] = (), may_restart: bool = True, t0: float | None = None
+) -> list[str]:
     """The zygote's main loop: preload, then fork one worker per request and report exits.
+
+    It returns only in a forked worker, set up as its request says (session, environment, working
+    directory, output files): the worker's ``sys.argv``, for :func:`run_worker`. The zygote itself ends
+    when the agent closes its socket.
 
     ``t0``: when the agent started this zygote (``time.time()``), for the ``zygote_ready`` line.
     """
@@ -395,12 +430,15 @@ def serve(
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
             req = json.loads(line)
+            sys.stdout.flush()  # nothing of the zygote's may be written again by a worker
+            sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
+                # The worker keeps none of the zygote's own state: its socket, selector and children.
                 sel.close()
                 out.close()
                 sock.close()
-                _become_worker(req)
+                return _become_worker(req)
             children.add(pid)
             out.write(json.dumps({"spawned": req["id"], "pid": pid}).encode() + b"\n")
         for pid in list(children):
@@ -411,54 +449,112 @@ def serve(
                 out.write(json.dumps({"exited": pid, "code": code}).encode() + b"\n")
 
 
-def _become_worker(req: dict[str, Any]) -> None:
-    code = 1
+def _become_worker(req: dict[str, Any]) -> list[str]:
+    """In the forked child: become the worker of ``req`` (as a fresh process started by torch would be);
+    returns its ``sys.argv``. An error here ends the child as an uncaught exception ends python (exit 1)."""
+    os.setsid()
+    _prctl_pdeathsig()
+    os.environ.clear()
+    os.environ.update(req["env"])
+    os.chdir(req["cwd"])
+    for stream, target in ((1, req.get("stdout")), (2, req.get("stderr"))):
+        if target:
+            f = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(f, stream)
+            os.close(f)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    from elastrain.rendezvous.binding import host_worker_store
+
+    host_worker_store(os.environ)  # rank 0: the round's store, on MASTER_ADDR's interface only
+    argv: list[str] = req["argv"]
+    # As python does (the script's directory, its symbolic link resolved); serve() removed the zygote's own.
+    first = os.getcwd() if argv[0] == "-m" else os.path.dirname(os.path.realpath(argv[0]))
+    if not _SAFE_PATH:
+        sys.path.insert(0, first)
+    return argv
+
+
+def run_worker(argv: list[str]) -> None:
+    """Run a forked worker's script as ``python -u [-m] ...`` runs it, in ``__main__``, and return when it returns.
+
+    The interpreter then ends the worker as it ends any script: ``sys.exit`` codes and messages, the
+    non-daemon threads joined, ``atexit`` handlers, stdio flushed, open files closed as ``__main__`` is
+    finalised. An uncaught exception prints the script's traceback (without the launcher's frames) and
+    exits 1; ``KeyboardInterrupt`` ends the worker by SIGINT, as python does.
+    """
     try:
-        os.setsid()
-        _prctl_pdeathsig()
-        os.environ.clear()
-        os.environ.update(req["env"])
-        os.chdir(req["cwd"])
-        for stream, target in ((1, req.get("stdout")), (2, req.get("stderr"))):
-            if target:
-                f = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-                os.dup2(f, stream)
-                os.close(f)
-        sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]  # python -u
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        from elastrain.rendezvous.binding import host_worker_store
-
-        host_worker_store(os.environ)  # rank 0: the round's store, on MASTER_ADDR's interface only
-        import runpy
-
-        argv: list[str] = req["argv"]
-        first = os.getcwd() if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0]))
-        if not _SAFE_PATH:
-            sys.path.insert(0, first)  # as python does; serve() removed the zygote's own
         if argv[0] == "-m":
-            sys.argv = argv[1:]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            sys.argv = argv[1:]  # runpy puts the module's file in argv[0]
+            _fresh_main_namespace()
+            # What `python -m` itself calls: the module runs in the real __main__, with runpy's frames.
+            runpy._run_module_as_main(argv[1])  # type: ignore[attr-defined]
         else:
             sys.argv = argv
-            runpy.run_path(argv[0], run_name="__main__")
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if not isinstance(exc.code, int) and exc.code is not None:
-            print(exc.code, file=sys.stderr)
+            _run_path_as_main(argv[0])
+    except (SystemExit, KeyboardInterrupt):
+        raise  # the interpreter's own handling, as for any script
     except BaseException as exc:
-        import traceback
+        _print_uncaught(exc)
+        _note_collective_failure(exc)
+        raise SystemExit(1) from None
 
-        traceback.print_exc()
-        code = 1
-        with contextlib.suppress(Exception):  # a plain script's broken collective: tell the agent it is an echo
-            from elastrain.collective_failure import note_if_collective_failure
-            from elastrain.env import WorkerEnv
 
-            note_if_collective_failure(WorkerEnv.from_environ(), exc)
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+def _fresh_main_namespace() -> dict[str, Any]:
+    """``__main__``'s namespace as the interpreter starts a script in it: the zygote's names are gone."""
+    namespace = sys.modules["__main__"].__dict__
+    builtins_module = namespace["__builtins__"]
+    namespace.clear()
+    namespace.update(
+        __name__="__main__",
+        __doc__=None,
+        __package__=None,
+        __spec__=None,
+        __annotations__={},
+        __builtins__=builtins_module,
+    )
+    return namespace
+
+
+def _run_path_as_main(path: str) -> None:
+    """What ``python path`` does: compile the file and run it in ``__main__`` (a directory, a zip file or a
+    compiled file goes through :func:`runpy.run_path`)."""
+    if os.path.isdir(path) or path.endswith((".pyc", ".pyo")) or zipfile.is_zipfile(path):
+        runpy.run_path(path, run_name="__main__")
+        return
+    try:
+        with io.open_code(path) as f:
+            source = f.read()
+    except OSError as exc:  # python's own words and exit code for a script it cannot open
+        name = os.path.abspath(path)
+        print(f"{sys.executable}: can't open file {name!r}: [Errno {exc.errno}] {exc.strerror}", file=sys.stderr)
+        raise SystemExit(2) from None
+    filename = os.path.join(os.getcwd(), path)  # python 3.9+: __file__ and tracebacks name the absolute path
+    namespace = _fresh_main_namespace()
+    loader = importlib.machinery.SourceFileLoader("__main__", filename)
+    namespace.update(__file__=filename, __cached__=None, __loader__=loader)
+    exec(compile(source, filename, "exec", dont_inherit=True), namespace)
+
+
+def _print_uncaught(exc: BaseException) -> None:
+    """Report ``exc`` as the interpreter reports an uncaught exception, from the script's first frame on."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in (_OWN_FILE, "<string>"):
+        tb = tb.tb_next  # the zygote's own frames (python -c, main, run_worker)
+    exc.__traceback__ = tb
+    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
+    sys.excepthook(type(exc), exc, tb)
+
+
+def _note_collective_failure(exc: BaseException) -> None:
+    """A plain script's broken collective: tell the agent that it is an echo of a peer's failure."""
+    from elastrain.collective_failure import note_if_collective_failure
+    from elastrain.env import WorkerEnv
+
+    try:
+        note_if_collective_failure(WorkerEnv.from_environ(), exc)
+    except ElastrainError as err:  # a worker environment that elastrain-run did not make
+        lifecycle("collective_failure_unchecked", level=logging.WARNING, error=repr(err)[:200])
+
+
+_OWN_FILE = run_worker.__code__.co_filename

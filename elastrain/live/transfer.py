@@ -1,9 +1,11 @@
 """Broadcast a worker's training state from one rank to all: model, optimizer, and small ``Stateful`` objects.
 
-The source sends a skeleton (the state dicts with every tensor replaced by its shape and dtype, plus the
-plain values) as one pickled object, then the tensors packed into one flat buffer per dtype; receivers
-allocate from the skeleton, so a rank whose optimizer has no state yet (a new member) receives it too.
-Everything travels on the current default group; all ranks call :func:`broadcast_state` together.
+The source sends a skeleton (the state dicts with every tensor replaced by its index, shape and dtype, plus the
+plain values) as JSON (:mod:`elastrain.wire`: what a peer sends is parsed, never unpickled), then the tensors
+packed into one flat buffer per dtype; receivers allocate from the skeleton, so a rank whose optimizer has no
+state yet (a new member) receives it too. The state may hold tensors and plain data (None, bool, int, float,
+str, list, tuple, dict), as a checkpoint may. Everything travels on the current default group; all ranks call
+:func:`broadcast_state` together.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastrain import wire
+from elastrain.errors import WireFormatError
+
 
 @dataclass(frozen=True)
 class _TensorSlot:
@@ -22,50 +27,41 @@ class _TensorSlot:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-
-def _skeleton(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj.detach())
-        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
-    if isinstance(obj, Mapping):
-        return {k: _skeleton(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_skeleton(v, tensors) for v in obj)
-    return obj
-
-
-def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _TensorSlot):
-        return tensors[obj.index]
-    if isinstance(obj, Mapping):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_fill(v, tensors) for v in obj)
-    return obj
-
-
-def _slots(obj: Any) -> list[_TensorSlot]:
-    out: list[_TensorSlot] = []
-    stack = [obj]
-    while stack:
-        cur = stack.pop()
-        if isinstance(cur, _TensorSlot):
-            out.append(cur)
-        elif isinstance(cur, Mapping):
-            stack.extend(cur.values())
-        elif isinstance(cur, (list, tuple)):
-            stack.extend(cur)
-    return sorted(out, key=lambda s: s.index)
+    @classmethod
+    def parse(cls, payload: Any) -> _TensorSlot:
+        """A placeholder's payload, ``[index, shape, dtype]``, checked (it came from a peer)."""
+        if not (isinstance(payload, list) and len(payload) == 3 and isinstance(payload[0], int)):
+            raise WireFormatError(f"a tensor placeholder must be [index, shape, dtype], got {payload!r:.80}")
+        index, shape, dtype = payload
+        if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+            raise WireFormatError(f"tensor {index}: its shape {shape!r:.80} is not a list of sizes")
+        return cls(index, tuple(shape), wire.dtype_of(dtype))
 
 
 def broadcast_tree(tree: Any, src: int, device: torch.device) -> tuple[Any, int]:
     """``tree`` (nested dicts/lists of tensors and plain values) of rank ``src`` on every rank; bytes sent."""
     rank = dist.get_rank()
     tensors: list[torch.Tensor] = []
-    box = [_skeleton(tree, tensors) if rank == src else None]
-    dist.broadcast_object_list(box, src=src)
-    skeleton = box[0]
-    slots = _slots(skeleton)
+
+    def slot(t: torch.Tensor, path: tuple[str, ...]) -> list[Any]:
+        tensors.append(t.detach())
+        return [len(tensors) - 1, list(t.shape), wire.dtype_name(t.dtype)]
+
+    data: bytes | None = None
+    if rank == src:
+        try:
+            data = wire.dumps({"state": wire.to_plain(tree, slot)})
+        except WireFormatError as exc:  # every rank hears of it: none waits for tensors that never come
+            data = wire.dumps({"error": f"rank {src}: {exc}"})
+    message = wire.loads(wire.broadcast_bytes(data, src, device=device))
+    if not isinstance(message, dict) or not ("state" in message or "error" in message):
+        raise WireFormatError(f"rank {src} sent no state ({str(message)[:80]})")
+    if "error" in message:
+        raise WireFormatError(f"the live state cannot be sent: {message['error']}")
+    skeleton = message["state"]
+    slots = sorted((_TensorSlot.parse(p) for p in wire.placeholders(skeleton)), key=lambda s: s.index)
+    if [s.index for s in slots] != list(range(len(slots))):
+        raise WireFormatError("the state's tensor placeholders are not numbered 0, 1, 2, ...")
     received: list[torch.Tensor] = [torch.empty(0)] * len(slots)
     sent = 0
     for dtype in sorted({s.dtype for s in slots}, key=str):
@@ -82,7 +78,7 @@ def broadcast_tree(tree: Any, src: int, device: torch.device) -> tuple[Any, int]
             n = int(torch.Size(s.shape).numel())
             received[s.index] = flat[offset : offset + n].view(s.shape).clone()
             offset += n
-    return _fill(skeleton, received), sent
+    return wire.from_plain(skeleton, lambda payload: received[payload[0]]), sent
 
 
 def broadcast_state(

@@ -15,11 +15,13 @@ Documented protocol (Azure Instance Metadata Service, api-version 2020-07-01):
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from email.utils import parsedate_to_datetime
 
 from elastrain.errors import PreemptionWatcherError
+from elastrain.log import lifecycle
 from elastrain.preemption.metadata_http import base_url, request
 from elastrain.preemption.notice import Notice, Watcher, notice_with_deadline
 
@@ -106,7 +108,8 @@ class AzureScheduledEvents(Watcher):
             url = f"{self.base}{VM_NAME_PATH}?api-version={VM_NAME_API_VERSION}&format=text"
             try:
                 resp = request(url, headers=HEADERS, timeout_s=self.timeout_s)
-            except PreemptionWatcherError:
+            except PreemptionWatcherError as exc:
+                lifecycle("azure_vm_name_unknown", level=logging.WARNING, error=str(exc), action="every event counts")
                 return None
             name = resp.body.strip()
             self._vm_name = name if resp.status == 200 and name and len(name) < 256 else None

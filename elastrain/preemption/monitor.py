@@ -68,7 +68,8 @@ def detect(watchers: Sequence[Watcher], timeout_s: float = 3.0) -> list[Watcher]
     def _probe(i: int, w: Watcher) -> None:
         try:
             found[i] = w.probe()
-        except Exception:  # a probe must never take the agent down
+        except Exception as exc:  # a probe must never take the agent down; a probe's answer is True or False
+            lifecycle("preemption_probe_failed", level=logging.WARNING, watcher=w.name, error=repr(exc)[:200])
             found[i] = False
 
     threads = [threading.Thread(target=_probe, args=(i, w), daemon=True) for i, w in enumerate(watchers)]

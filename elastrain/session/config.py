@@ -10,6 +10,7 @@ value is checked before anything starts, and a bad one is refused with one line 
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -17,7 +18,9 @@ from typing import Any, Literal, TypedDict, TypeVar, Unpack
 
 import torch
 
+from elastrain.checkpoint.storage import local_path
 from elastrain.data import EpochEnd
+from elastrain.errors import CheckpointError
 from elastrain.live.sharded import ShardFn
 from elastrain.scaling import Policy, ScalingConfig, Schedule
 from elastrain.session.errors import SessionConfigError
@@ -94,12 +97,36 @@ class SessionConfig:
             raise SessionConfigError("max_steps", "give max_steps or epochs: it says when training ends")
         _at_least("max_steps", self.max_steps, 0)
         _at_least("epochs", self.epochs, 1)
-        data, ckpt = self.data, self.checkpoint
+        data, ckpt, out = self.data, self.checkpoint, self.output
         _at_least("num_workers", data.num_workers, 0)
+        _at_least("seed", data.seed, None)
         _at_least("save_every_steps", ckpt.save_every_steps, 1)
         _at_least("keep_last", ckpt.keep_last, 1)
-        if ckpt.save_every_seconds is not None and not ckpt.save_every_seconds > 0:
-            raise SessionConfigError("save_every_seconds", f"must be > 0, got {ckpt.save_every_seconds!r}")
+        for name, flag in (
+            ("pin_memory", data.pin_memory),
+            ("shuffle", data.shuffle),
+            ("async_save", ckpt.async_save),
+            ("ddp", self.runtime.ddp),
+        ):
+            if not isinstance(flag, bool):
+                raise SessionConfigError(name, f"must be True or False, got {flag!r}")
+        for name, where in (
+            ("checkpoint_dir", ckpt.directory),
+            ("metrics_dir", out.metrics_dir),
+            ("tensorboard_dir", out.tensorboard_dir),
+        ):
+            if where is not None and not isinstance(where, str):
+                raise SessionConfigError(name, f"must be a path (a string), got {where!r}")
+        seconds = ckpt.save_every_seconds
+        if seconds is not None:
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+                raise SessionConfigError("save_every_seconds", f"must be a number of seconds, got {seconds!r}")
+            if not seconds > 0:
+                raise SessionConfigError("save_every_seconds", f"must be > 0, got {seconds!r}")
+        if not isinstance(self.runtime.ddp_kwargs, Mapping):
+            raise SessionConfigError(
+                "ddp_kwargs", f"must be a dict of DDP's keyword arguments, got {self.runtime.ddp_kwargs!r}"
+            )
         if ckpt.on_save_error not in ("raise", "warn"):
             raise SessionConfigError("on_save_error", f"must be 'raise' or 'warn', got {ckpt.on_save_error!r}")
         for name, fn in (("collate_fn", data.collate_fn), ("token_count", data.token_count)):
@@ -120,6 +147,13 @@ class SessionConfig:
                 hint = f" (did you mean {close[0]}?)" if close else ""
                 raise SessionConfigError(name, f"no such setting{hint}")
         s: dict[str, Any] = dict(settings)
+        for name in ("global_batch", "reference_world_size"):
+            _at_least(name, s.get(name), None)  # their ranges are the scaling config's to check
+        for name in ("micro_batch", "accumulation", "rescale_warmup_steps"):
+            _at_least(name, s.get(name, 0), None)
+        ddp_kwargs = s.get("ddp_kwargs") or {}
+        if not isinstance(ddp_kwargs, Mapping):
+            raise SessionConfigError("ddp_kwargs", f"must be a dict of DDP's keyword arguments, got {ddp_kwargs!r}")
         return cls(
             scaling=ScalingConfig(
                 policy=_enum(Policy, "policy", s.get("policy", Policy.CONSTANT)),
@@ -135,27 +169,27 @@ class SessionConfig:
             data=DataConfig(
                 collate_fn=s.get("collate_fn"),
                 num_workers=s.get("num_workers", 0),
-                pin_memory=bool(s.get("pin_memory", False)),
+                pin_memory=s.get("pin_memory", False),
                 seed=s.get("seed", 0),
-                shuffle=bool(s.get("shuffle", True)),
+                shuffle=s.get("shuffle", True),
                 epoch_end=_enum(EpochEnd, "epoch_end", s.get("epoch_end", EpochEnd.PARTIAL)),
                 token_count=s.get("token_count"),
             ),
             checkpoint=CheckpointSettings(
-                directory=_path_or_none(s.get("checkpoint_dir")),
+                directory=_path_or_none("checkpoint_dir", s.get("checkpoint_dir")),
                 save_every_steps=s.get("save_every_steps"),
                 save_every_seconds=s.get("save_every_seconds"),
                 keep_last=s.get("keep_last", 3),
-                async_save=bool(s.get("async_save", True)),
+                async_save=s.get("async_save", True),
                 on_save_error=s.get("on_save_error", "raise"),
             ),
             output=OutputConfig(
-                metrics_dir=_path_or_none(s.get("metrics_dir")),
-                tensorboard_dir=_path_or_none(s.get("tensorboard_dir")),
+                metrics_dir=_path_or_none("metrics_dir", s.get("metrics_dir")),
+                tensorboard_dir=_path_or_none("tensorboard_dir", s.get("tensorboard_dir")),
             ),
             runtime=RuntimeConfig(
-                ddp=bool(s.get("ddp", True)),
-                ddp_kwargs=MappingProxyType(dict(s.get("ddp_kwargs") or {})),
+                ddp=s.get("ddp", True),
+                ddp_kwargs=MappingProxyType(dict(ddp_kwargs)),
                 device=_device(s.get("device")),
                 shard=s.get("shard"),
             ),
@@ -197,12 +231,13 @@ class SessionSettings(TypedDict, total=False):
     shard: ShardFn | None
 
 
-def _at_least(name: str, value: int | None, low: int) -> None:
+def _at_least(name: str, value: Any, low: int | None) -> None:
+    """``value`` is None or an integer (not a bool) of at least ``low`` (any integer when ``low`` is None)."""
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise SessionConfigError(name, f"must be an integer, got {value!r}")
-    if value < low:
+    if low is not None and value < low:
         raise SessionConfigError(name, f"must be >= {low}, got {value}")
 
 
@@ -214,8 +249,16 @@ def _enum(kind: type[_E], name: str, value: Any) -> _E:
         raise SessionConfigError(name, f"must be one of {choices}, got {value!r}") from None
 
 
-def _path_or_none(value: Any) -> str | None:
-    return None if value is None or value == "" else str(value)
+def _path_or_none(name: str, value: Any) -> str | None:
+    """A path setting: None or "" (the default), a string or a path; a ``file://`` URL as the local path it names."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise SessionConfigError(name, f"must be a path (a string), got {value!r}")
+    try:
+        return local_path(value)
+    except CheckpointError as exc:
+        raise SessionConfigError(name, str(exc)) from None
 
 
 def _device(value: Any) -> torch.device | None:

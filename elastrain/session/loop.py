@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from elastrain import wire
 from elastrain.checkpoint import Checkpointer, RestoreInfo
 from elastrain.collective_failure import is_collective_failure, note_if_collective_failure
 from elastrain.control import ControlChannel, RegroupChannel, SaveCause
@@ -290,10 +291,10 @@ class Session:
         )
 
     def _agree_on_segment(self) -> str:
-        token = [uuid.uuid4().hex[:12]]
-        if self.distributed:
-            dist.broadcast_object_list(token, src=0)
-        return str(token[0])
+        token = uuid.uuid4().hex[:12]
+        if self.distributed:  # plain data (elastrain.wire): a peer's message is parsed, never unpickled
+            token = wire.broadcast(token, src=0, device=self.device)
+        return str(token)
 
     def close(self, save: bool = True) -> None:
         """Save the final step (unless ``save`` is false), then release checkpoint threads and the process group."""

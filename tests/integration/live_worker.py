@@ -5,6 +5,7 @@ Lines (rank-tagged, parsed by tests/integration/test_live_regroup.py):
   LW_STEP  rank= ws= step= hash= samples= cursor= t=
   LW_AGREED rank= ws= step= hash= regroups=
   LW_DONE  rank= step= samples= hash=
+With LW_CHECKPOINT_DIR=path: the Session's checkpoint_dir (the workers fence it: no --checkpoint-dir needed).
 With LW_STOP_FILE=path: once the file exists, it holds a step number at which every rank stops.
 With LW_STOP_AT_WS=W: every rank stops LW_EXTRA_STEPS steps after the world first reaches W workers.
 With LW_HANG_NODE=g, LW_HANG_AT_STEP=N: that node's worker sleeps LW_HANG_S in its first round's step N.
@@ -66,6 +67,7 @@ def main() -> None:
         micro_batch=4,
         max_steps=max_steps,
         save_every_steps=int(os.environ.get("LW_SAVE_EVERY", "1000000")),
+        checkpoint_dir=os.environ.get("LW_CHECKPOINT_DIR") or None,  # default: elastrain-run --checkpoint-dir
         ddp_kwargs={"bucket_cap_mb": 0.005},  # several buckets: a death can fall between their all-reduces
     )
     dying = {"armed": False}

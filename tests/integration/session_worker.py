@@ -18,6 +18,7 @@ def main() -> None:
     p.add_argument("--on-save-error", choices=("raise", "warn"), default="raise")
     p.add_argument("--sleep", type=float, default=0.05)
     p.add_argument("--metrics-dir", default=None, help="metrics.jsonl and events.jsonl (default: the checkpoint dir)")
+    p.add_argument("--checkpoint-dir", default=None, help="default: elastrain-run --checkpoint-dir")
     a = p.parse_args()
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
@@ -32,6 +33,7 @@ def main() -> None:
         save_every_steps=a.save_every,
         on_save_error=a.on_save_error,
         metrics_dir=a.metrics_dir,
+        checkpoint_dir=a.checkpoint_dir,
     )
     with session:
         for step in session:

@@ -146,15 +146,22 @@ def test_sigkill_inside_backward_regroups_in_place_with_the_uninterrupted_state(
             assert int(s["cursor"]) == GLOBAL_BATCH * int(s["step"]), (s, detail)
 
 
-@pytest.mark.parametrize("saving", [False, True], ids=["no-checkpoints", "a-save-every-step"])
-def test_a_joining_node_gets_the_state_by_broadcast_and_nobody_restarts(tmp_path: Path, saving: bool) -> None:
+@pytest.mark.parametrize(
+    "saving", [None, "launcher", "workers"], ids=["no-checkpoints", "a-save-every-step", "workers-fence"]
+)
+def test_a_joining_node_gets_the_state_by_broadcast_and_nobody_restarts(tmp_path: Path, saving: str | None) -> None:
     """``saving``: an asynchronous save at every step, so that one is in flight when the joiner's round claims the
-    next fencing generation (its commit is then refused: given up by the old world, never a worker's death)."""
+    next fencing generation (its commit is then refused: given up by the old world, never a worker's death).
+    ``workers``: the same into the Session's own checkpoint_dir, without --checkpoint-dir: the workers fence it,
+    and the regrouped world claims the generation after its own (the joiner knows none)."""
     env = {"LW_MAX_STEPS": "100000", "LW_SLEEP": "0.05", "LW_STOP_AT_WS": "3", "LW_EXTRA_STEPS": "15"}
     extra: tuple[str, ...] = ()
-    if saving:
+    if saving is not None:
         env["LW_SAVE_EVERY"] = "1"
+    if saving == "launcher":
         extra = ("--checkpoint-dir", str(tmp_path / "ckpt"))
+    if saving == "workers":
+        env["LW_CHECKPOINT_DIR"] = str(tmp_path / "ckpt")
     port = free_port()
     a = Node("a", tmp_path, port, "2:3", env, extra=extra)
     time.sleep(0.5)
@@ -194,6 +201,10 @@ def test_a_joining_node_gets_the_state_by_broadcast_and_nobody_restarts(tmp_path
     assert len({x["hash"] for x in agreed}) == 1, detail
     done = [line for n in nodes for line in n.lines("LW_DONE")]
     assert len(done) == 3 and len({d["hash"] for d in done}) == 1 and len({d["step"] for d in done}) == 1, detail
+    if saving == "workers":
+        claimed = sorted(int(e["generation"]) for n in nodes for e in n.events("generation_claimed"))
+        assert claimed == [0, 1], detail  # the first world's, then the regrouped world's: the one after it
+        assert not any(n.events("world_superseded") for n in nodes), detail
 
 
 def test_a_frozen_node_is_evicted_and_the_survivors_get_out_of_their_collective_at_once(tmp_path: Path) -> None:

@@ -1,14 +1,19 @@
 """The Slurm and SkyPilot entrypoints for real: two "nodes" on this machine, each started the way the platform
-starts it (its variables, the rendered command), exec elastrain-run, form one world of two and run a worker."""
+starts it (its variables, the rendered command), exec elastrain-run, form one world of two and run a worker; and the
+step the SkyPilot example asks for before launching, run as its header writes it."""
 
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
-from support import PYTHON, free_port, reaped, spawn
+from support import PYTHON, REPO, free_port, reaped, spawn, worker_env
 
+from elastrain.platforms.render import from_yaml
+from elastrain.platforms.skypilot import example_specs as sky_examples
 from elastrain.platforms.skypilot.spec import SkyPilotJobParams, run_argv
 from elastrain.platforms.slurm.spec import SlurmJobParams, srun_argv
 
@@ -74,3 +79,20 @@ def test_skypilot_entrypoint_forms_one_world_from_skypilot_variables(tmp_path: P
     seen = _two_nodes(tmp_path, entry, [{**base, "SKYPILOT_NODE_RANK": str(i)} for i in range(2)])
     assert {s["RANK"] for s in seen} == {"0", "1"}
     assert all(s["WORLD_SIZE"] == "2" and s["TORCHELASTIC_RUN_ID"] == "sky-t-1" for s in seen)
+
+
+def test_the_skypilot_example_prepares_the_data_every_node_reads(tmp_path: Path) -> None:
+    """The header's first command, from a copy of the repository root, builds what the task copies to every node:
+    the pairs and the tokenizer train.py reads from --data-dir instead of waiting for another node to build them."""
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    text = (REPO / sky_examples.LAUNCH.split()[-1]).read_text()
+    assert sky_examples.PREPARE in text
+    argv = shlex.split(sky_examples.PREPARE)
+    assert argv[0] == "python"
+    done = subprocess.run(
+        [PYTHON, *argv[1:]], cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    (doc,) = from_yaml(text)
+    ((_target, source),) = doc["file_mounts"].items()
+    assert {p.name for p in (tmp_path / source).iterdir()} >= {"pairs.json", "tokenizer.json"}

@@ -368,3 +368,17 @@ def test_a_failed_background_save_surfaces_at_the_next_call(
     failed = events.named("checkpoint_save_failed")
     assert len(failed) == (1 if on_save_error == "raise" else 2)
     assert "No space left" in failed[0]["error"] and failed[0]["on_save_error"] == on_save_error
+
+
+def test_a_file_url_is_the_local_path_it_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cwd, root = tmp_path / "cwd", tmp_path / "ckpt"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    job = Job()
+    with job.checkpointer(f"file://{root}", async_save=False, interval_steps=1) as ckpt:
+        train(job, ckpt, 1, 2)
+    assert list(cwd.iterdir()) == []  # nothing written relative to the working directory (./file:/...)
+    assert [d.step for d in layout.list_step_dirs(f"file://{root}") if d.committed] == [1, 2]
+    with job.checkpointer(f"file://localhost{root}") as again:
+        info = again.restore()
+    assert info is not None and info.step == 2 and info.path == str(root / layout.step_dir_name(2))

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
 from pathlib import Path
 
 import pytest
 
+from elastrain.checkpoint import fence as fence_mod
 from elastrain.checkpoint import layout
 from elastrain.checkpoint.commit import (
     OWNER,
@@ -17,9 +21,9 @@ from elastrain.checkpoint.commit import (
     merge_reports,
 )
 from elastrain.checkpoint.group import Group
-from elastrain.checkpoint.layout import Chunk, CommitMarker, FileEntry, StepDir
-from elastrain.checkpoint.storage import LocalStorage
-from elastrain.errors import CheckpointSaveError, StaleGenerationError
+from elastrain.checkpoint.layout import Candidate, Chunk, CommitMarker, FileEntry, StepDir, restore_order
+from elastrain.checkpoint.storage import LocalStorage, fsync_dir
+from elastrain.errors import CheckpointDurabilityError, CheckpointSaveError, StaleGenerationError
 
 
 @pytest.mark.parametrize(
@@ -110,11 +114,13 @@ def test_prepare_commit_and_never_overwrite(tmp_path: Path) -> None:
     assert events[-1][0] == "checkpoint_save_skipped"
 
 
-def test_the_fence_is_checked_right_before_the_marker_and_a_stale_world_never_commits(tmp_path: Path) -> None:
+def test_the_fence_is_checked_at_prepare_and_around_the_marker_and_a_stale_world_never_commits(
+    tmp_path: Path,
+) -> None:
     fence = Fence()
     c, _ = proto(tmp_path, generation=3, fence=fence)
     write(c, 1, {"a": b"a"})
-    assert fence.calls == [(str(tmp_path), 3)]
+    assert fence.calls == [(str(tmp_path), 3)] * 3  # prepare, before the marker, after it
     fence.newer = 4
     with pytest.raises(StaleGenerationError, match="generation 4 claimed it"):
         write(c, 2, {"a": b"a"})
@@ -204,3 +210,152 @@ def test_verify_reads_only_what_the_format_cannot_check_while_loading(tmp_path: 
     assert isinstance(c.verify(d, lambda name, entry: name == "a.bin"), CommitMarker)  # b.bin: checked on load
     problem = c.verify(d, lambda name, entry: True)
     assert isinstance(problem, str) and "b.bin fails its CRC-32 check" in problem
+
+
+class LateClaim(Fence):
+    """A newer world claims the root between the check before the marker and the marker's rename."""
+
+    def __call__(self, root: str, generation: int | None, storage: object) -> None:
+        if len(self.calls) == 2:  # prepare and the check before the marker passed: the claim lands now
+            self.newer = (generation or 0) + 1
+        super().__call__(root, generation, storage)
+
+
+def test_a_commit_that_raced_a_newer_claim_is_withdrawn_and_raises(tmp_path: Path) -> None:
+    c, _ = proto(tmp_path, generation=3, fence=LateClaim())
+    with pytest.raises(StaleGenerationError, match="raced the claim: its marker was withdrawn"):
+        write(c, 1, {"a": b"a"})
+    d = layout.list_step_dirs(str(tmp_path))
+    assert [(x.step, x.committed) for x in d] == [(1, False)]  # written, never committed
+
+
+def record_fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths this process fsyncs from now on, in order."""
+    seen: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        seen.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return seen
+
+
+def test_the_step_directory_is_durable_before_the_marker_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c, _ = proto(tmp_path)
+    path = c.prepare(1)
+    assert path is not None
+    (Path(path) / "sub").mkdir()
+    (Path(path) / "sub" / "a").write_bytes(b"a")
+    report = {"sub/a": fsync_and_checksum(str(Path(path) / "sub" / "a"))}
+    seen = record_fsyncs(monkeypatch)
+    real_replace = os.replace
+
+    def replace(src: str, dst: str) -> None:
+        seen.append(f"rename {os.path.basename(dst)}")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    c.commit(1, path, report, expected=["sub/a"])
+    marker_at = seen.index(f"rename {layout.MARKER}")
+    assert path in seen[:marker_at] and str(Path(path) / "sub") in seen[:marker_at], seen
+
+
+def fail_fsync(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+    """From now on every fsync of this process fails with ``code``."""
+
+    def fsync(fd: int) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def test_a_failed_directory_fsync_raises_and_fails_the_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    c, _ = proto(tmp_path / "root")
+    path = c.prepare(1)
+    assert path is not None
+    fail_fsync(monkeypatch, errno.EIO)
+    with pytest.raises(CheckpointDurabilityError, match=f"fsync of directory {tmp_path} failed"):
+        fsync_dir(str(tmp_path))
+    with pytest.raises(CheckpointSaveError, match="cannot write the commit marker: CheckpointDurabilityError"):
+        c.commit(1, path, {})
+    assert not (Path(path) / layout.MARKER).exists()
+    with pytest.raises(CheckpointDurabilityError, match="cannot open directory"):
+        fsync_dir(str(tmp_path / "missing"))
+
+
+def test_a_filesystem_that_cannot_fsync_directories_is_named_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    fail_fsync(monkeypatch, errno.EINVAL)
+    with caplog.at_level(logging.WARNING, logger="elastrain"):
+        fsync_dir(str(tmp_path))
+        fsync_dir(str(tmp_path))
+    unsupported = [r.getMessage() for r in caplog.records if "event=fsync_dir_unsupported" in r.getMessage()]
+    assert len(unsupported) == 1 and "cannot fsync a directory" in unsupported[0], caplog.text
+
+
+def test_a_new_root_is_made_durable_in_its_parent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced = record_fsyncs(monkeypatch)
+    LocalStorage().makedirs(str(tmp_path / "a" / "root"))
+    assert synced == [str(tmp_path), str(tmp_path / "a")]
+
+
+def c_at(step: int, generation: int | None, at: float | None) -> Candidate:
+    return Candidate(StepDir(step, f"/r/step-{step}", True), generation, at)
+
+
+@pytest.mark.parametrize(
+    ("candidates", "claims", "order", "skipped"),
+    [
+        # generation and step agree: newest step first
+        ([c_at(1, 0, 1.0), c_at(2, 0, 2.0), c_at(3, 1, 5.0)], {0: 0.0, 1: 4.0}, [3, 2, 1], []),
+        # a stale world (generation 0) went on past the newer world's restore point: the newer world's steps first
+        ([c_at(10, 0, 1.0), c_at(12, 0, 2.0), c_at(11, 1, 9.0)], {0: 0.0, 1: 1.5}, [11, 12, 10], [12]),
+        # ... and a stale step committed after the claim is skipped even when the newer world has none yet
+        ([c_at(10, 0, 1.0), c_at(12, 0, 2.0)], {0: 0.0, 1: 1.5}, [12, 10], [12]),
+        # unfenced (older) markers come last; markers whose time is unknown are never skipped
+        ([c_at(9, None, 9.0), c_at(2, 1, None), c_at(1, 0, 1.0)], {0: 0.0, 1: 0.5}, [2, 1, 9], [1]),
+        # a claim whose time the storage does not give skips nothing
+        ([c_at(5, 0, 3.0)], {0: 0.0, 1: None}, [5], []),
+    ],
+)
+def test_restore_order(
+    candidates: list[Candidate], claims: dict[int, float | None], order: list[int], skipped: list[int]
+) -> None:
+    got = restore_order(candidates, claims)
+    assert [d.step for d, _ in got] == order
+    assert [d.step for d, why in got if why is not None] == skipped
+    assert all("after generation 1 claimed the root" in why for _, why in got if why is not None)
+
+
+def test_restore_prefers_the_newest_generation_and_skips_a_stale_commit(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    old, _ = proto(tmp_path, generation=0, keep_last=9)
+    for step in (10, 12):
+        write(old, step, {"a": bytes([step])})
+    new, events = proto(tmp_path, generation=1, keep_last=9)
+    write(new, 11, {"a": b"n"})  # the newer world restored step 10 and went on
+    for _ in range(2):  # the two worlds' claims, whose times restore compares with the markers'
+        fence_mod.claim_fresh(root, "job", 0, "", ())
+    claim_1 = tmp_path / fence_mod.FENCE_DIR / "gen-000000000001.json"
+    t = claim_1.stat().st_mtime
+    os.utime(tmp_path / fence_mod.FENCE_DIR / "gen-000000000000.json", (t - 100, t - 100))
+    for step, when in ((10, t - 50), (12, t + 5), (11, t + 10)):  # the stale world committed 12 after claim 1
+        marker = tmp_path / layout.step_dir_name(step) / layout.MARKER
+        os.utime(marker, (when, when))
+    loaded: list[int] = []
+
+    def load(d: StepDir, marker: CommitMarker) -> int:
+        loaded.append(d.step)
+        return marker.step
+
+    assert new.restore(load) == 11 and loaded == [11]
+    new.bad_steps.clear()
+    (tmp_path / layout.step_dir_name(11) / "a").write_bytes(b"X")  # the newer world's step breaks
+    assert new.restore(load) == 10  # not 12: the stale world committed it after the newer world's claim
+    reasons = [k["reason"] for e, k in events if e == "checkpoint_fallback"]
+    assert any("committed by generation 0 after generation 1 claimed the root" in r for r in reasons), reasons

@@ -77,3 +77,14 @@ def test_racing_processes_one_winner(tmp_path: Path) -> None:
     for p in procs:
         p.join(timeout=30)
     assert sum(won for _, won in results) == 1
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '"a string"', '{"generation": "x"}', "{}"])
+def test_a_torn_or_malformed_claim_still_holds_its_number(tmp_path: Path, text: str) -> None:
+    d = tmp_path / fence.FENCE_DIR
+    d.mkdir()
+    (d / "gen-000000000004.json").write_text(text)
+    c = fence.newest(str(tmp_path))
+    assert c is not None and c.generation == 4 and c.store == ""
+    with pytest.raises(StaleGenerationError, match="superseded by generation 4"):
+        fence.check(str(tmp_path), 3)

@@ -11,6 +11,7 @@ from torch.distributed.run import config_from_args
 
 from elastrain.errors import LaunchSpecError
 from elastrain.launcher.options import build_parser, options_from_args, validate_and_default
+from elastrain.platforms import image
 from elastrain.platforms.azureml import example_specs as examples
 from elastrain.platforms.azureml.__main__ import main as aml_main
 from elastrain.platforms.azureml.entrypoint import _parser, elastrain_argv, read_azureml_env, worker_environ
@@ -22,8 +23,10 @@ from elastrain.platforms.azureml.spec import (
     command_job,
     compute_cluster,
     entrypoint_command,
+    environment_definition,
     warnings,
 )
+from elastrain.platforms.image import GPU_IMAGE
 from elastrain.platforms.render import examples_dir, from_yaml, stale_files, to_yaml
 
 BASE = AzureMLJobParams(script=("train.py", "--lr", "0.1"), compute="lowpri", min_nodes=2, max_nodes=4)
@@ -49,6 +52,10 @@ def test_command_job_fields() -> None:
     assert "--checkpoint-dir ${{outputs.checkpoints}}" in job["command"]
     assert job["command"].endswith("-- train.py --lr 0.1")
     assert all(isinstance(v, str) for v in job["environment_variables"].values())
+    assert job["environment"] == {"image": GPU_IMAGE}  # inline, the Dockerfile's CUDA build by default
+    named = command_job(AzureMLJobParams(**{**BASE.__dict__, "environment": "file:environment.yml"}))
+    assert named["environment"] == "file:environment.yml"
+    assert environment_definition(BASE)["image"] == GPU_IMAGE
 
 
 def test_compute_is_low_priority_with_a_node_range() -> None:
@@ -96,6 +103,8 @@ def test_check_compute_catches_mistakes() -> None:
         ({"rdzv_backend": "static"}, "rdzv_backend"),
         ({"compute": "x"}, "compute"),
         ({"preemption_watchers": "oracle"}, "preemption_watchers"),
+        ({"environment": "elastrain:1"}, "environment"),
+        ({"image": " "}, "image"),
     ],
 )
 def test_bad_parameters_name_what_to_change(change: dict, names: str) -> None:
@@ -116,9 +125,10 @@ def test_yaml_round_trip_and_examples_are_current() -> None:
     assert stale_files(examples.rendered(), examples_dir(examples.PLATFORM)) == [], (
         "run: python -m elastrain.platforms.azureml examples --write"
     )
-    compute, job = (from_yaml(t)[0] for t in examples.rendered().values())
-    check_compute(compute)
-    check_command_job(job)
+    rendered = {name: from_yaml(text)[0] for name, text in examples.rendered().items()}
+    check_compute(rendered["compute.yaml"])
+    check_command_job(rendered["job.yaml"])
+    assert rendered["environment.yml"]["image"] == GPU_IMAGE
 
 
 def test_cli_renders_both_documents(capsys: pytest.CaptureFixture[str]) -> None:
@@ -213,3 +223,32 @@ def test_the_azure_sdk_accepts_the_rendered_specs(tmp_path: Path) -> None:
     assert job._validate().passed
     assert (job.resources.instance_count, list(job.outputs)) == (4, ["checkpoints"])
     assert ml.load_compute(tmp_path / "compute.yaml").tier == "low_priority"
+    inline = tmp_path / "inline.yaml"
+    inline.write_text(to_yaml([command_job(BASE)]))
+    assert ml.load_job(inline).environment.image == GPU_IMAGE
+
+
+def test_the_shipped_job_finds_its_code_environment_script_and_imports() -> None:
+    """launch/azureml/job.yaml as `az ml job create --file launch/azureml/job.yaml` reads it: relative paths
+    resolve against the file's folder; the command runs in the uploaded code folder, in the environment's image."""
+    from launch_checks import REPO, check_script
+
+    ml = pytest.importorskip("azure.ai.ml")
+    folder = REPO / "launch" / "azureml"
+    job = ml.load_job(folder / "job.yaml")
+    assert job._validate().passed
+    code = (folder / job.code).resolve()
+    assert code == REPO, f"code: {job.code} uploads {code}, not the repository root"
+    # The environment file the job names, found beside it, is the Dockerfile's CUDA build.
+    assert job.environment.image == GPU_IMAGE
+    env = ml.load_environment(folder / "environment.yml", params_override=[{"name": "elastrain"}])
+    assert env.image == GPU_IMAGE
+    # What the command runs, in the code folder: the script, with what the image installs.
+    command = shlex.split(job.command)
+    script_args = command[command.index("--") + 1 :]
+    check_script(code / script_args[0], script_args[1:], image.EXTRAS)
+    # The script's output folder is the mounted output too: the other nodes read the data rank 0 builds there.
+    output_dir = script_args[script_args.index("--output-dir") + 1]
+    assert output_dir.startswith("${{outputs.checkpoints}}/")
+    for name in ("compute.yaml", "job.yaml", "environment.yml"):
+        assert f"--file launch/azureml/{name}" in (folder / name).read_text()

@@ -4,6 +4,7 @@ SKYPILOT_* variables to elastrain-run."""
 from __future__ import annotations
 
 import copy
+import os
 import shlex
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from torch.distributed.run import config_from_args
 
 from elastrain.errors import LaunchSpecError
 from elastrain.launcher.options import build_parser, options_from_args, validate_and_default
+from elastrain.platforms.install import Install
 from elastrain.platforms.render import examples_dir, from_yaml, stale_files, to_yaml
 from elastrain.platforms.skypilot import example_specs as examples
 from elastrain.platforms.skypilot import schema
@@ -39,23 +41,38 @@ def test_task_fields() -> None:
     assert t["resources"]["use_spot"] is True
     assert t["resources"]["any_of"] == [{"infra": "aws"}, {"infra": "gcp"}]
     assert t["resources"]["job_recovery"] == {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 0}
-    assert t["setup"] == "pip install -e . s3fs\n"
+    assert t["setup"] == "TORCH_INDEX=https://download.pytorch.org/whl/cpu tools/install.sh .venv '' s3fs\n"
+    assert t["run"].startswith(".venv/bin/python -m elastrain.platforms.skypilot.entrypoint")
     assert shlex.split(t["run"].replace("\\\n", " ")) == run_argv(BASE)
     assert all(isinstance(v, str) for v in t["envs"].values())
     one = task(SkyPilotJobParams(**{**BASE.__dict__, "infra": ("k8s",)}))
     assert one["resources"]["infra"] == "k8s" and "any_of" not in one["resources"]
 
 
+_CPU = "TORCH_INDEX=https://download.pytorch.org/whl/cpu tools/install.sh"
+_CUDA = "TORCH_INDEX=https://download.pytorch.org/whl/cu128 tools/install.sh"
+
+
 @pytest.mark.parametrize(
-    ("url", "setup"),
+    ("change", "setup"),
     [
-        ("s3://b/p", "pip install -e . s3fs"),
-        ("gs://b/p", "pip install -e . gcsfs"),
-        ("az://c/p", "pip install -e . adlfs"),
+        ({"checkpoint_url": "s3://b/p"}, f"{_CPU} .venv '' s3fs"),
+        ({"checkpoint_url": "gs://b/p", "extras": ("t5",)}, f"{_CPU} .venv t5 gcsfs"),
+        (
+            {"checkpoint_url": "az://c/p", "accelerators": "L4:1", "rdzv_backend": "etcd-v3", "rdzv_endpoint": "e:1"},
+            f"{_CUDA} .venv etcd adlfs",
+        ),
     ],
 )
-def test_default_setup_installs_the_bucket_filesystem(url: str, setup: str) -> None:
-    assert default_setup(SkyPilotJobParams(**{**BASE.__dict__, "checkpoint_url": url})) == setup
+def test_default_setup_runs_the_one_install_list(change: dict, setup: str) -> None:
+    """tools/install.sh, as ./dev setup and the Dockerfile run it: the script's extras, the rendezvous backend's,
+    the bucket's filesystem, and torch's CUDA build on GPU nodes."""
+    p = SkyPilotJobParams(**{**BASE.__dict__, **change})
+    assert default_setup(p) == setup
+    assert Install.parse(setup) == p.install
+    assert run_argv(p)[0] == ".venv/bin/python"
+    own = SkyPilotJobParams(**{**BASE.__dict__, **change, "setup": "pip install -e ."})
+    assert task(own)["setup"] == "pip install -e .\n" and run_argv(own)[0] == "python"
 
 
 def test_tasks_and_examples_validate_against_the_kept_schema() -> None:
@@ -112,6 +129,8 @@ def test_case_insensitive_enum_like_skypilot() -> None:
         ({"rdzv_backend": "etcd-v3"}, "rdzv_endpoint"),
         ({"env": (("A B", "1"),)}, "env"),
         ({"preemption_watchers": "oracle"}, "preemption_watchers"),
+        ({"extras": ("t5 t6",)}, "extras"),
+        ({"file_mounts": (("data", "runs/data"),)}, "file_mounts"),
     ],
 )
 def test_bad_parameters_name_what_to_change(change: dict, names: str) -> None:
@@ -190,3 +209,30 @@ def test_entrypoint_dry_run_and_errors(capsys: pytest.CaptureFixture[str]) -> No
     assert cmd[1:3] == ["-m", "elastrain"] and cmd[cmd.index("--nnodes") + 1] == "1:4"
     assert entry_main(["--checkpoint-dir", "s3://b/c", "--dry-run", "--", "t.py"], environ={}) == 2
     assert "SKYPILOT_NODE_IPS" in capsys.readouterr().err
+
+
+def test_the_shipped_task_finds_its_workdir_script_imports_and_data_from_the_repository_root() -> None:
+    """launch/skypilot/t5-elastic.yaml as `sky jobs launch launch/skypilot/t5-elastic.yaml` from the repository
+    root reads it: SkyPilot resolves workdir and local file_mounts sources against the directory it runs in
+    (sky/task.py: os.path.abspath), uploads the workdir, and runs setup and run in the uploaded copy."""
+    from launch_checks import REPO, check_script, script_of
+
+    launch_dir = REPO  # where launch/README.md and the file's header say to run it
+    command = examples.LAUNCH
+    text = (REPO / command.split()[-1]).read_text()
+    assert command in text and examples.PREPARE in text
+    (doc,) = from_yaml(text)
+    workdir = Path(os.path.abspath(launch_dir / os.path.expanduser(doc["workdir"])))
+    assert workdir == REPO, f"workdir {doc['workdir']!r} from {launch_dir} is {workdir}, not the repository root"
+    install = Install.parse(doc["setup"].strip())
+    assert (workdir / "tools" / "install.sh").is_file()
+    run = shlex.split(doc["run"].replace("\\\n", " "))
+    assert run[:3] == [install.python, "-m", "elastrain.platforms.skypilot.entrypoint"]
+    script_args = run[run.index("--") + 1 :]
+    i = script_of(script_args)
+    check_script(workdir / script_args[i], script_args[i + 1 :], install.extras, install.requirements)
+    # The data every node reads: built by the documented command into the mount's source, copied to each node.
+    ((target, source),) = doc["file_mounts"].items()
+    assert script_args[script_args.index("--data-dir") + 1] == target
+    assert source == examples.DATA and f'"{source}"' in examples.PREPARE
+    assert not Path(source).is_absolute()  # resolved against the launch directory, like the workdir

@@ -18,6 +18,7 @@ from torch.distributed.run import config_from_args
 
 from elastrain.errors import LaunchSpecError
 from elastrain.launcher.options import build_parser, options_from_args, validate_and_default
+from elastrain.platforms.install import Install
 from elastrain.platforms.render import examples_dir, stale_files
 from elastrain.platforms.slurm import example_specs as examples
 from elastrain.platforms.slurm.__main__ import main as slurm_main
@@ -54,6 +55,14 @@ SLURM_ENV = {
         ("  n[1-2]  ", ["n1", "n2"]),
         ("host-1.cluster,host-2.cluster", ["host-1.cluster", "host-2.cluster"]),
         ("[1-2]", ["1", "2"]),
+        # Slurm splits host lists on whitespace as well as commas.
+        ("n1 n2", ["n1", "n2"]),
+        ("n[1-2] gpu5", ["n1", "n2", "gpu5"]),
+        ("a, b", ["a", "b"]),
+        ("a ,b", ["a", "b"]),
+        ("a\tb\nc", ["a", "b", "c"]),
+        ("n[1, 3] x", ["n1", "n3", "x"]),  # inside brackets, whitespace is not a separator
+        ("  r[1-2]n1   r3n[1-2] ", ["r1n1", "r2n1", "r3n1", "r3n2"]),
     ],
 )
 def test_expand_hostlist(text: str, hosts: list[str]) -> None:
@@ -62,7 +71,8 @@ def test_expand_hostlist(text: str, hosts: list[str]) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["", "n[1-", "n1-2]", "n[a-b]", "n[3-1]", "n[[1]]", "a,,b", "n[1-2000000]", "n[]", ","]
+    "text",
+    ["", "n[1-", "n1-2]", "n[a-b]", "n[3-1]", "n[[1]]", "a,,b", "n[1-2000000]", "n[]", ",", "a, ,b", ",a", "a,", " "],
 )
 def test_expand_hostlist_rejects_nonsense(text: str) -> None:
     with pytest.raises(LaunchSpecError, match="host list"):
@@ -102,12 +112,17 @@ def test_the_step_runs_one_entrypoint_per_node() -> None:
     argv = shlex.split(step.rstrip("&"))
     assert argv == srun_argv(BASE)
     assert argv[:4] == ["srun", "--ntasks-per-node=1", "--no-kill", "--kill-on-bad-exit=0"]
-    assert argv[4:7] == ["python", "-m", "elastrain.platforms.slurm.entrypoint"]
+    assert argv[4:7] == [".venv/bin/python", "-m", "elastrain.platforms.slurm.entrypoint"]
     assert argv[argv.index("--checkpoint-dir") + 1] == "/shared/ckpt/t5"
     assert argv[argv.index("--") :] == ["--", "--save-timeout", "110", "train.py", "--lr", "0.1"]
     # The script itself reads only SLURM_JOB_ID; the entrypoint reads the rest on each node.
     assert set(re.findall(r"\$\{?(SLURM_[A-Z_]+)", script)) == {"SLURM_JOB_ID"}
     subprocess.run(["bash", "-n"], input=script, text=True, check=True, timeout=30)
+    # With --cpus-per-task, the step asks for them again: Slurm >= 22.05 does not pass them from sbatch to srun.
+    cpus = SlurmJobParams(**{**BASE.__dict__, "cpus_per_node": 8})
+    step = next(line for line in sbatch_script(cpus).splitlines() if line.startswith("srun "))
+    assert '--cpus-per-task="${SLURM_CPUS_PER_TASK}"' in step
+    assert "--cpus-per-task=${SLURM_CPUS_PER_TASK}" in srun_argv(cpus)
 
 
 def _fake(bin_dir: Path, name: str, body: str) -> None:
@@ -116,7 +131,9 @@ def _fake(bin_dir: Path, name: str, body: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
-def _run_script(tmp_path: Path, srun_body: str) -> tuple[subprocess.Popen[str], Path]:
+def _run_script(
+    tmp_path: Path, srun_body: str, params: SlurmJobParams = BASE, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], Path]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "calls.log"
@@ -124,8 +141,8 @@ def _run_script(tmp_path: Path, srun_body: str) -> tuple[subprocess.Popen[str], 
     _fake(bin_dir, "srun", f'echo "srun $*" >> {log}\n{srun_body}')
     _fake(bin_dir, "scontrol", f'echo "scontrol $*" >> {log}\n')
     script = tmp_path / "job.sbatch"
-    script.write_text(sbatch_script(BASE))
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    script.write_text(sbatch_script(params))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", **(env or {})}
     proc = subprocess.Popen(["bash", str(script)], env=env, text=True, stderr=subprocess.PIPE)
     return proc, log
 
@@ -165,6 +182,19 @@ def test_the_script_exits_with_the_step_status(tmp_path: Path) -> None:
     assert "scontrol" not in log.read_text()
 
 
+def test_the_step_gets_the_jobs_cpus_per_task(tmp_path: Path) -> None:
+    """What srun receives when sbatch set SLURM_CPUS_PER_TASK (from #SBATCH --cpus-per-task=32)."""
+    params = SlurmJobParams(**{**BASE.__dict__, "cpus_per_node": 32})
+    proc, log = _run_script(tmp_path, "exit 0\n", params, {"SLURM_CPUS_PER_TASK": "32"})
+    try:
+        proc.communicate(timeout=20)
+    finally:
+        kill_tree(proc.pid)
+        proc.wait(timeout=10)
+    assert proc.returncode == 0
+    assert log.read_text().split()[:4] == ["srun", "--ntasks-per-node=1", "--cpus-per-task=32", "--no-kill"]
+
+
 @pytest.mark.parametrize(
     ("change", "names"),
     [
@@ -178,6 +208,7 @@ def test_the_script_exits_with_the_step_status(tmp_path: Path) -> None:
         ({"checkpoint_dir": " "}, "checkpoint_dir"),
         ({"env": (("1BAD", "x"),)}, "env"),
         ({"preemption_watchers": "oracle"}, "preemption_watchers"),
+        ({"extras": ("t 5",)}, "extras"),
     ],
 )
 def test_bad_parameters_name_what_to_change(change: dict, names: str) -> None:
@@ -261,3 +292,39 @@ def test_entrypoint_dry_run_and_errors(capsys: pytest.CaptureFixture[str]) -> No
     assert "SLURM_JOB_NODELIST" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # --checkpoint-dir is required: no default folder is shared
         entry_main(["--dry-run", "--", "t.py"], environ=SLURM_ENV)
+
+
+def test_the_shipped_script_finds_its_environment_script_and_imports_from_the_submit_directory() -> None:
+    """launch/slurm/t5-elastic.sbatch as `sbatch launch/slurm/t5-elastic.sbatch` from the repository root runs it:
+    in the submit directory, with the environment its header's install command makes there."""
+    from launch_checks import REPO, check_script, script_of
+
+    text = (REPO / examples.SUBMIT.split()[-1]).read_text()
+    submit_dir = REPO
+    header = [line.removeprefix("#").strip() for line in text.splitlines() if line.startswith("# ")]
+    assert any(line.endswith(examples.SUBMIT) and "repository root" in line for line in header)
+    install = Install.parse(next(line for line in header if "tools/install.sh" in line))
+    assert (submit_dir / "tools" / "install.sh").is_file()
+    joined = text.replace("\\\n", " ")
+    step = shlex.split(next(line for line in joined.splitlines() if line.startswith("srun ")).rstrip("&"))
+    python = step[step.index("-m") - 1]
+    assert python == install.python and not Path(python).is_absolute()  # the submit directory's .venv
+    script_args = step[step.index("--") + 1 :]
+    i = script_of(script_args)
+    check_script(submit_dir / script_args[i], script_args[i + 1 :], install.extras, install.requirements)
+    assert install.variant == "cu128"  # the nodes have GPUs
+    # Checkpoints and the script's output (the data rank 0 builds for the others) on the shared filesystem.
+    shared = Path(step[step.index("--checkpoint-dir") + 1]).parents[1]
+    assert Path(script_args[script_args.index("--output-dir") + 1]).is_relative_to(shared)
+
+
+def test_the_requeue_conditions_are_said_where_a_user_reads_them() -> None:
+    """Time limit (--signal=B:TERM), preemption only with PreemptMode=REQUEUE or send_user_signal, and not under
+    PreemptMode=CANCEL: in the script's own comments and in launch/README.md."""
+    from launch_checks import REPO
+
+    script = sbatch_script(BASE)
+    for text in (script, (REPO / "launch" / "README.md").read_text()):
+        for condition in ("PreemptMode=REQUEUE", "send_user_signal", "PreemptMode=CANCEL"):
+            assert condition in text
+    assert "requeued on preemption" not in (REPO / "launch" / "README.md").read_text()

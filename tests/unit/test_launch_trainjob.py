@@ -18,6 +18,7 @@ from elastrain.platforms.kubernetes.kubeflow_trainer import (
     TrainJobParams,
     cluster_training_runtime,
     container_argv,
+    effective_pod_template,
     expand_kubelet_vars,
     manifests,
     node_env,
@@ -45,15 +46,16 @@ def test_runtime_is_a_jobset_the_torch_plugin_recognises() -> None:
     assert job["name"] == "node"
     assert job["template"]["metadata"]["labels"] == {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}
     spec = job["template"]["spec"]
+    # status: required by the JobSpec of Kubernetes <= 1.34 (strict client-side validators refuse it without).
     assert spec["podFailurePolicy"]["rules"] == [
-        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
     ]
     pod = spec["template"]["spec"]
     assert pod["restartPolicy"] == "Never"  # podFailurePolicy requires it
     assert pod["terminationGracePeriodSeconds"] == 90
     assert pod["containers"][0]["name"] == "node"
-    assert pod["volumes"] == [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": "elastrain-checkpoints"}}]
-    assert "t5" not in str(rt["metadata"]) and "t5" not in str(spec["template"]["metadata"])  # shared by jobs
+    assert "volumes" not in pod and "volumeMounts" not in pod["containers"][0]  # each job brings its own claim
+    assert "t5" not in str(rt)  # shared by jobs: nothing of one job in it
 
 
 def test_trainjob_refers_to_the_runtime_and_runs_elastrain_run() -> None:
@@ -65,6 +67,7 @@ def test_trainjob_refers_to_the_runtime_and_runs_elastrain_run() -> None:
     }
     trainer = tj["spec"]["trainer"]
     assert (trainer["numNodes"], trainer["numProcPerNode"], trainer["command"]) == (4, 1, ["elastrain-run"])
+    assert trainer["image"] == "img:1"
     assert trainer["args"][:6] == [
         "--nnodes",
         "2:4",
@@ -74,7 +77,29 @@ def test_trainjob_refers_to_the_runtime_and_runs_elastrain_run() -> None:
         "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
     ]
     assert trainer["args"][-3:] == ["train.py", "--steps", "10"]
+    claim = manifests(BASE)[1]
     assert [d["kind"] for d in manifests(BASE)] == ["ClusterTrainingRuntime", "PersistentVolumeClaim", "TrainJob"]
+    assert (claim["metadata"]["name"], claim["metadata"]["namespace"]) == ("t5-checkpoints", "default")
+
+
+def test_the_trainjob_mounts_its_own_claim_through_a_runtime_patch() -> None:
+    tj, rt = trainjob(BASE), cluster_training_runtime(BASE)
+    (patch,) = tj["spec"]["runtimePatches"]
+    assert "/" in patch["manager"]  # a domain-prefixed path, as the Trainer's webhook requires
+    (node_patch,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert node_patch["name"] == "node"
+    pod = effective_pod_template(tj, rt)["spec"]
+    assert pod["volumes"] == [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": "t5-checkpoints"}}]
+    (node,) = pod["containers"]
+    assert node["volumeMounts"] == [{"name": "checkpoints", "mountPath": "/checkpoints"}]
+    assert (node["image"], node["command"], node["args"]) == ("img:1", ["elastrain-run"], tj["spec"]["trainer"]["args"])
+    other = TrainJobParams(**{**BASE.__dict__, "name": "t6"})
+    assert effective_pod_template(trainjob(other), rt)["spec"]["volumes"][0]["persistentVolumeClaim"] == {
+        "claimName": "t6-checkpoints"
+    }
+    none = TrainJobParams(**{**BASE.__dict__, "checkpoint_claim": ""})
+    assert "runtimePatches" not in trainjob(none)
+    assert "volumes" not in effective_pod_template(trainjob(none), rt)["spec"]
 
 
 def test_the_v2_pet_variables_reach_elastrain_run_as_an_elastic_rendezvous(

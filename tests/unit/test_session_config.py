@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,6 +37,23 @@ from elastrain.session import Session, SessionConfig, SessionConfigError
         ({"max_steps": 1, "lr_schedule": 0.5}, "lr_schedule"),
         ({"max_steps": 1, "device": "gpu:zero"}, "device"),
         ({"max_steps": 1, "save_every_step": 5}, "save_every_step"),  # a typo
+        # values of the wrong type: one line naming the setting, never a raw TypeError nor a silent coercion
+        ({"max_steps": 1, "save_every_seconds": "10"}, "save_every_seconds"),
+        ({"max_steps": 1, "save_every_seconds": True}, "save_every_seconds"),
+        ({"max_steps": 1, "seed": "x"}, "seed"),
+        ({"max_steps": 1, "seed": 1.5}, "seed"),
+        ({"max_steps": 1, "shuffle": "no"}, "shuffle"),
+        ({"max_steps": 1, "pin_memory": 1}, "pin_memory"),
+        ({"max_steps": 1, "async_save": "true"}, "async_save"),
+        ({"max_steps": 1, "ddp": "false"}, "ddp"),
+        ({"max_steps": 1, "checkpoint_dir": 5}, "checkpoint_dir"),
+        ({"max_steps": 1, "checkpoint_dir": "file://otherhost/ckpt"}, "checkpoint_dir"),
+        ({"max_steps": 1, "metrics_dir": ["runs"]}, "metrics_dir"),
+        ({"max_steps": 1, "ddp_kwargs": "find_unused_parameters"}, "ddp_kwargs"),
+        ({"max_steps": 1, "global_batch": "64"}, "global_batch"),
+        ({"max_steps": 1, "micro_batch": 2.0}, "micro_batch"),
+        ({"max_steps": 1, "num_workers": "2"}, "num_workers"),
+        ({"max_steps": "100"}, "max_steps"),
     ],
 )
 def test_a_bad_setting_is_refused_naming_it(settings: dict[str, Any], named: str) -> None:
@@ -91,3 +110,19 @@ def test_a_session_takes_the_config_or_keywords_not_both() -> None:
     assert Session(model, opt, data, env=env, global_batch=2, max_steps=1).config == cfg
     with pytest.raises(SessionConfigError, match=r"^Session\(config=\.\.\.\): give config= or keyword settings"):
         Session(model, opt, data, cfg, env=env, max_steps=2)
+
+
+def test_well_typed_values_pass_and_file_urls_are_local_paths() -> None:
+    cfg = SessionConfig.of(
+        global_batch=4,
+        max_steps=1,
+        save_every_seconds=10,  # an int is a number of seconds too
+        seed=-3,
+        checkpoint_dir="file:///mnt/ckpt",
+        metrics_dir=Path("/mnt/metrics"),
+        tensorboard_dir="file://localhost/mnt/tb",
+    )
+    assert cfg.checkpoint.save_every_seconds == 10 and cfg.data.seed == -3
+    assert cfg.checkpoint.directory == "/mnt/ckpt"
+    assert cfg.output.metrics_dir == "/mnt/metrics" and cfg.output.tensorboard_dir == "/mnt/tb"
+    assert SessionConfig.of(global_batch=4, max_steps=1, save_every_seconds=math.inf).checkpoint.save_every_seconds

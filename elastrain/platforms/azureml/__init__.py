@@ -6,7 +6,16 @@ from elastrain.platforms.azureml.spec import (
     check_compute,
     command_job,
     compute_cluster,
+    environment_definition,
     warnings,
 )
 
-__all__ = ["AzureMLJobParams", "check_command_job", "check_compute", "command_job", "compute_cluster", "warnings"]
+__all__ = [
+    "AzureMLJobParams",
+    "check_command_job",
+    "check_compute",
+    "command_job",
+    "compute_cluster",
+    "environment_definition",
+    "warnings",
+]

@@ -1,6 +1,6 @@
 """``python -m elastrain.platforms.azureml``: render an AzureML low-priority compute cluster and command job as YAML.
 
-python -m elastrain.platforms.azureml render --compute lowpri --min-nodes 1 --max-nodes 4 -- train.py
+python -m elastrain.platforms.azureml render --compute lowpri --min-nodes 1 --max-nodes 4 -- examples/t5/train.py
 python -m elastrain.platforms.azureml examples          # are the rendered examples up to date? (--write)
 """
 
@@ -18,6 +18,7 @@ from elastrain.platforms.azureml.spec import (
     check_compute,
     command_job,
     compute_cluster,
+    environment_definition,
     warnings,
 )
 from elastrain.platforms.render import examples_command, to_yaml
@@ -29,9 +30,11 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("render", help="compute.yaml and job.yaml documents on stdout (or into --out)")
     r.add_argument("--compute", default="lowpri-cluster")
     r.add_argument("--experiment-name", default="elastrain")
-    r.add_argument("--code", default=".")
-    r.add_argument("--environment", default="azureml:elastrain@latest")
-    r.add_argument("--image", default=None)
+    r.add_argument("--code", default=".", help="the folder to upload, relative to where job.yaml will be (default .)")
+    r.add_argument(
+        "--environment", default=None, help="azureml:NAME@latest or file:PATH (default: inline, the --image)"
+    )
+    r.add_argument("--image", default=AzureMLJobParams.image, help=f"default {AzureMLJobParams.image}")
     r.add_argument("--min-nodes", type=int, default=1)
     r.add_argument("--max-nodes", type=int, default=2)
     r.add_argument("--nproc-per-node", type=int, default=1)
@@ -39,9 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--rdzv-endpoint", default=None)
     r.add_argument("--max-restarts", type=int, default=3)
     r.add_argument("--preemption-watchers", default="azure")
-    r.add_argument("--vm-size", default="Standard_NC6s_v3")
+    r.add_argument("--vm-size", default=AzureMLJobParams.vm_size)
     r.add_argument("--checkpoint-path", default=None, help="datastore URI (default: the job's own output folder)")
-    r.add_argument("--what", choices=("job", "compute", "both"), default="both")
+    r.add_argument("--what", choices=("job", "compute", "environment", "both"), default="both")
     r.add_argument("script", nargs=argparse.REMAINDER, help="-- training script and its arguments")
     x = sub.add_parser("examples", help="check or rewrite launch/azureml/")
     x.add_argument("--write", action="store_true")
@@ -72,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoint_path=a.checkpoint_path,
         )
         docs = []
+        if a.what == "environment":
+            docs.append(environment_definition(params))
         if a.what in ("compute", "both"):
             docs.append(compute_cluster(params))
             check_compute(docs[-1])

@@ -1,13 +1,21 @@
 """An AzureML command job (CLI/SDK v2 YAML) running elastrain on low-priority nodes, built by pure functions.
 
-Two documents, each for ``az ml ... create --file``:
+Three documents, for ``az ml ... create --file``:
 
 - a compute cluster (``amlCompute`` schema) with ``tier: low_priority`` and ``max_instances`` nodes;
+- an environment (``environment`` schema): the repository's Dockerfile build (:mod:`elastrain.platforms.image`),
+  the CUDA one by default (the default VM size has a GPU);
 - a command job (``commandJob`` schema) with ``distribution: {type: pytorch,
   process_count_per_instance: 1}`` so that AzureML starts one elastrain agent per node,
   ``resources.instance_count`` = the largest node count, and a named output ``checkpoints`` mounted
   read-write. The output's default datastore path is keyed by the job name, so a job that AzureML
   restarts from scratch after a preemption finds the same folder and resumes from it.
+
+Relative paths in a job file resolve against the file's own folder, as ``az ml job create --file`` resolves
+them: ``code`` is the folder AzureML uploads and runs the command in (the repository root, ``../..``, for
+the examples in ``launch/azureml/``, so that ``examples/t5/train.py`` is in it), and ``environment:
+file:environment.yml`` names the environment file beside the job file. Without ``environment``, the job
+carries its environment inline (``{image: ...}``).
 
 The command runs :mod:`elastrain.platforms.azureml.entrypoint`, which maps AzureML's variables (``MASTER_ADDR``,
 ``MASTER_PORT``, ``NODE_RANK``, ``AZUREML_NODE_COUNT``, ``AZUREML_RUN_ID``) to ``elastrain-run``.
@@ -23,10 +31,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastrain.errors import LaunchSpecError, UsageError
+from elastrain.platforms.image import GPU_IMAGE
 from elastrain.preemption.monitor import parse_watchers
 
 JOB_SCHEMA = "https://azuremlschemas.azureedge.net/latest/commandJob.schema.json"
 COMPUTE_SCHEMA = "https://azuremlschemas.azureedge.net/latest/amlCompute.schema.json"
+ENVIRONMENT_SCHEMA = "https://azuremlschemas.azureedge.net/latest/environment.schema.json"
+FILE_PREFIX = "file:"
 CHECKPOINT_OUTPUT = "checkpoints"
 BACKENDS = ("c10d", "etcd-v3")
 OUTPUT_TYPES = ("uri_folder", "uri_file", "mltable", "custom_model", "mlflow_model", "triton_model")
@@ -46,9 +57,13 @@ class AzureMLJobParams:
     experiment_name: str = "elastrain"
     display_name: str | None = None
     code: str = "."
-    environment: str = "azureml:elastrain@latest"
-    """A registered environment (``azureml:name@latest``) with elastrain installed, or an image if ``image``."""
-    image: str | None = None
+    """The folder AzureML uploads and runs the command in, relative to the job file's folder."""
+    environment: str | None = None
+    """The job's environment: ``azureml:NAME@latest`` (registered) or ``file:PATH`` (an environment file,
+    relative to the job file's folder); None: inline, ``{image: image}``."""
+    image: str = GPU_IMAGE
+    """The image of the inline environment and of :func:`environment_definition`."""
+    vm_size: str = "Standard_NC4as_T4_v3"
     min_nodes: int = 1
     max_nodes: int = 2
     nproc_per_node: int = 1
@@ -57,7 +72,6 @@ class AzureMLJobParams:
     """host:port of an etcd for ``etcd-v3``; c10d uses the first node (MASTER_ADDR:MASTER_PORT)."""
     max_restarts: int = 3
     preemption_watchers: str = "azure"
-    vm_size: str = "Standard_NC6s_v3"
     idle_s: int = 120
     checkpoint_path: str | None = None
     """Datastore URI for the checkpoints (default: AzureML's per-job output folder)."""
@@ -65,6 +79,12 @@ class AzureMLJobParams:
     def __post_init__(self) -> None:
         if not self.script or not self.script[0].strip():
             raise LaunchSpecError("script: give the training script (and its arguments) to run")
+        if self.environment is not None and not self.environment.startswith(("azureml:", FILE_PREFIX)):
+            raise LaunchSpecError(
+                f"environment {self.environment!r}: azureml:NAME@latest, file:PATH, or none for an inline image"
+            )
+        if not self.image.strip():
+            raise LaunchSpecError("image: give the container image that has elastrain and the training code")
         if not _COMPUTE_NAME.match(self.compute):
             raise LaunchSpecError(
                 f"compute {self.compute!r}: 2-24 characters, letters, digits and '-', starting with a letter"
@@ -126,7 +146,7 @@ def command_job(p: AzureMLJobParams) -> Doc:
         "description": f"elastrain on {p.min_nodes}..{p.max_nodes} low-priority nodes; resumes from checkpoints",
         "code": p.code,
         "command": entrypoint_command(p),
-        "environment": {"image": p.image} if p.image else p.environment,
+        "environment": p.environment or {"image": p.image},
         "compute": f"azureml:{p.compute}",
         "resources": {"instance_count": p.max_nodes},
         "distribution": {"type": "pytorch", "process_count_per_instance": 1},
@@ -134,6 +154,15 @@ def command_job(p: AzureMLJobParams) -> Doc:
         "outputs": {CHECKPOINT_OUTPUT: output},
     }
     return doc
+
+
+def environment_definition(p: AzureMLJobParams) -> Doc:
+    """An environment file (``az ml environment create --file``, or ``environment: file:...`` in a job)."""
+    return {
+        "$schema": ENVIRONMENT_SCHEMA,
+        "image": p.image,
+        "description": "elastrain and its T5 example, built from the Dockerfile at the elastrain repository root",
+    }
 
 
 def compute_cluster(p: AzureMLJobParams) -> Doc:
@@ -185,8 +214,10 @@ def check_command_job(doc: Doc) -> None:
         raise LaunchSpecError(f"{what}: type must be 'command', got {doc['type']!r}")
     command = _require(doc, "command", str, what)
     env = _require(doc, "environment", (str, dict), what)
-    if isinstance(env, str) and not env.startswith("azureml:"):
-        raise LaunchSpecError(f"{what}: environment {env!r} must be azureml:<name>@<version|latest> or a mapping")
+    if isinstance(env, str) and not env.startswith(("azureml:", FILE_PREFIX)):
+        raise LaunchSpecError(
+            f"{what}: environment {env!r} must be azureml:<name>@<version|latest>, file:<path> or a mapping"
+        )
     if isinstance(env, dict) and not ({"image", "build"} & set(env)):
         raise LaunchSpecError(f"{what}: an inline environment needs 'image' or 'build'")
     compute = _require(doc, "compute", str, what)

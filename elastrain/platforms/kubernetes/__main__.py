@@ -1,7 +1,7 @@
 """``python -m elastrain.platforms.kubernetes``: render elastic Kubeflow jobs (v1 PyTorchJob, v2 TrainJob) as YAML.
 
-python -m elastrain.platforms.kubernetes render --name t5 --image IMG --min-nodes 1 --max-nodes 4 -- train.py
-python -m elastrain.platforms.kubernetes trainjob --name t5 --image IMG --min-nodes 1 --max-nodes 4 -- train.py
+python -m elastrain.platforms.kubernetes render --name t5 --min-nodes 1 --max-nodes 4 -- examples/t5/train.py
+python -m elastrain.platforms.kubernetes trainjob --name t5 --min-nodes 1 --max-nodes 4 -- examples/t5/train.py
 python -m elastrain.platforms.kubernetes etcd --name elastrain-etcd
 python -m elastrain.platforms.kubernetes env job.yaml      # the PET_* variables Kubeflow gives each pod
 python -m elastrain.platforms.kubernetes examples          # are launch/kubernetes/ up to date? (--write)
@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from elastrain.errors import LaunchSpecError
+from elastrain.platforms import image
 from elastrain.platforms.kubernetes import example_specs as examples
 from elastrain.platforms.kubernetes import kubeflow_trainer, schema, spec
 from elastrain.platforms.render import examples_command, from_yaml, to_yaml
@@ -37,7 +38,11 @@ def _pairs(values: Sequence[str] | None, flag: str) -> tuple[tuple[str, str], ..
 
 def _job_flags(r: argparse.ArgumentParser, claim_help: str) -> None:
     r.add_argument("--name", required=True)
-    r.add_argument("--image", required=True)
+    r.add_argument(
+        "--image",
+        default=None,
+        help=f"default: the repository's Dockerfile build, {image.GPU_IMAGE} with --gpus, else {image.CPU_IMAGE}",
+    )
     r.add_argument("--namespace", default="default")
     r.add_argument("--min-nodes", type=int, default=1)
     r.add_argument("--max-nodes", type=int, default=2)
@@ -50,7 +55,11 @@ def _job_flags(r: argparse.ArgumentParser, claim_help: str) -> None:
     r.add_argument("--no-create-claim", action="store_true", help="the PVC exists already")
     r.add_argument("--checkpoint-mount", default="/checkpoints")
     r.add_argument("--storage", default="20Gi")
-    r.add_argument("--storage-class", default=None)
+    r.add_argument(
+        "--storage-class",
+        default=spec.DEFAULT_STORAGE_CLASS,
+        help=f"a StorageClass with ReadWriteMany (default {spec.DEFAULT_STORAGE_CLASS}); '' for a pre-made volume",
+    )
     r.add_argument("--preemption-watchers", default="auto")
     r.add_argument("--cpu", default=None)
     r.add_argument("--memory", default=None)
@@ -71,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     _job_flags(r, "PVC name ('' for none; default <name>-checkpoints)")
 
     t = sub.add_parser("trainjob", help="a Kubeflow Trainer v2 ClusterTrainingRuntime, PVC and TrainJob")
-    _job_flags(t, f"the runtime's PVC ('' for none; default {kubeflow_trainer.DEFAULT_CLAIM})")
+    _job_flags(t, "PVC name, mounted through the TrainJob's runtimePatches ('' for none; default <name>-checkpoints)")
     t.add_argument("--runtime-name", default=kubeflow_trainer.DEFAULT_RUNTIME)
     t.add_argument("--pod-restarts", type=int, default=6, help="the Job's backoffLimit (preemptions not counted)")
     t.add_argument("--jobset-restarts", type=int, default=3, help="whole-job restarts (failurePolicy.maxRestarts)")

@@ -14,14 +14,23 @@ store listens on the first pod at ``$(PET_MASTER_ADDR):$(PET_MASTER_PORT)`` (exp
 elastrain-run unchanged, like torchrun; ``PET_NODE_RANK`` matters only to a static rendezvous.
 
 What the runtime adds for spot nodes: a pod that is deleted with its node (condition
-``DisruptionTarget``) does not count against the Job's ``backoffLimit`` (``podFailurePolicy``), the
-Job recreates it with the same index and it joins the running job once scheduled; a Job that fails
-anyway restarts the whole JobSet (``failurePolicy.maxRestarts``), which resumes from the checkpoint
-volume. ``terminationGracePeriodSeconds`` is the time to checkpoint between SIGTERM and SIGKILL.
+``DisruptionTarget`` with status ``True``) does not count against the Job's ``backoffLimit``
+(``podFailurePolicy``), the Job recreates it with the same index and it joins the running job once
+scheduled; a Job that fails anyway restarts the whole JobSet (``failurePolicy.maxRestarts``), which
+resumes from the checkpoint volume. ``terminationGracePeriodSeconds`` is the time to checkpoint between
+SIGTERM and SIGKILL.
+
+The runtime is cluster-scoped and shared by every TrainJob that names it, so it holds nothing of one job:
+the checkpoint claim is the job's own (``<job>-checkpoints``, in the job's namespace, like the v1
+PyTorchJob's), and the TrainJob mounts it through ``spec.runtimePatches`` (Kubeflow Trainer v2.2+: the
+volume and the ``node`` container's mount, merged into the runtime's pod template by name).
+:func:`effective_pod_template` models that merge, with the trainer's image, command, arguments,
+environment and resources, to check the pod every node runs.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -48,7 +57,9 @@ ANCESTOR_TRAINER = "trainer"
 FRAMEWORK_LABEL = "trainer.kubeflow.org/framework"
 TRAINER_PORT = 29500
 DEFAULT_RUNTIME = "elastrain-torch"
-DEFAULT_CLAIM = "elastrain-checkpoints"
+# A runtime patch's owner: a domain-prefixed path, as the Trainer's webhook requires.
+PATCH_MANAGER = "elastrain.github.io/checkpoints"
+CHECKPOINT_VOLUME = "checkpoints"
 BACKENDS = ("c10d", "etcd-v3")
 C10D_ENDPOINT = "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"
 _QUANTITY_SUFFIX = {"m": 0.001, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
@@ -56,7 +67,7 @@ _QUANTITY_SUFFIX = {"m": 0.001, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "Ki": 2**
 
 @dataclass(frozen=True)
 class TrainJobParams(PyTorchJobParams):
-    """:class:`PyTorchJobParams` plus the runtime's own knobs; ``checkpoint_claim`` is the runtime's PVC."""
+    """:class:`PyTorchJobParams` plus the runtime's own knobs; the checkpoint claim is the job's own."""
 
     runtime_name: str = DEFAULT_RUNTIME
     """The ClusterTrainingRuntime the TrainJob refers to (rendered alongside)."""
@@ -79,13 +90,6 @@ class TrainJobParams(PyTorchJobParams):
             raise LaunchSpecError(
                 f"pod_restarts/jobset_restarts: must be >= 0, got {self.pod_restarts}/{self.jobset_restarts}"
             )
-
-    @property
-    def claim_name(self) -> str | None:
-        # A cluster-scoped runtime is shared by jobs: its claim is one per namespace, a folder per job.
-        if self.checkpoint_claim == "":
-            return None
-        return self.checkpoint_claim or DEFAULT_CLAIM
 
 
 def rdzv_endpoint(p: TrainJobParams) -> str:
@@ -116,19 +120,18 @@ def trainer_args(p: TrainJobParams) -> list[str]:
 
 
 def cluster_training_runtime(p: TrainJobParams) -> Manifest:
-    """The ClusterTrainingRuntime: a JobSet with one indexed Job ``node``, the checkpoint volume and grace period."""
-    container: Manifest = {"name": NODE, "image": p.image, "command": ["elastrain-run"]}
+    """The ClusterTrainingRuntime: a JobSet with one indexed Job ``node`` and the grace period (no job's volume)."""
+    container: Manifest = {"name": NODE, "image": p.container_image, "command": ["elastrain-run"]}
     pod: Manifest = {"restartPolicy": "Never", "terminationGracePeriodSeconds": p.grace_period_s}
-    if p.claim_name:
-        container["volumeMounts"] = [{"name": "checkpoints", "mountPath": p.checkpoint_mount}]
-        pod["volumes"] = [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": p.claim_name}}]
     pod["containers"] = [container]
     if p.node_selector:
         pod["nodeSelector"] = dict(p.node_selector)
     job_spec: Manifest = {
         "backoffLimit": p.pod_restarts,
         # A pod lost with its node (preemption, drain) is replaced without using up the backoff limit.
-        "podFailurePolicy": {"rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}]},
+        "podFailurePolicy": {
+            "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+        },
         # Shared by every TrainJob that names this runtime: no job's own labels here.
         "template": {"metadata": {"labels": {"app.kubernetes.io/name": "elastrain", **dict(p.labels)}}, "spec": pod},
     }
@@ -157,9 +160,19 @@ def cluster_training_runtime(p: TrainJobParams) -> Manifest:
     }
 
 
+def checkpoint_patch(p: TrainJobParams) -> Manifest:
+    """The runtime patch that mounts this job's checkpoint claim in the ``node`` container."""
+    pod = {
+        "volumes": [{"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": p.claim_name}}],
+        "containers": [{"name": NODE, "volumeMounts": [{"name": CHECKPOINT_VOLUME, "mountPath": p.checkpoint_mount}]}],
+    }
+    node_job = {"name": NODE, "template": {"spec": {"template": {"spec": pod}}}}
+    return {"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [node_job]}}}}
+
+
 def trainjob(p: TrainJobParams) -> Manifest:
     trainer: Manifest = {
-        "image": p.image,
+        "image": p.container_image,
         "command": ["elastrain-run"],
         "args": trainer_args(p),
         "numNodes": p.max_nodes,
@@ -170,14 +183,17 @@ def trainjob(p: TrainJobParams) -> Manifest:
     resources = resource_requirements(p)
     if resources:
         trainer["resourcesPerNode"] = resources
+    spec: Manifest = {
+        "runtimeRef": {"name": p.runtime_name, "apiGroup": API_GROUP, "kind": RUNTIME_KIND},
+        "trainer": trainer,
+    }
+    if p.claim_name:
+        spec["runtimePatches"] = [checkpoint_patch(p)]
     return {
         "apiVersion": API_VERSION,
         "kind": TRAINJOB_KIND,
         "metadata": {"name": p.name, "namespace": p.namespace, "labels": job_labels(p)},
-        "spec": {
-            "runtimeRef": {"name": p.runtime_name, "apiGroup": API_GROUP, "kind": RUNTIME_KIND},
-            "trainer": trainer,
-        },
+        "spec": spec,
     }
 
 
@@ -268,3 +284,50 @@ def container_argv(job: Manifest, runtime: Manifest, completion_index: int) -> l
     """elastrain-run's argv in pod ``completion_index``, after the kubelet's expansion."""
     trainer: dict[str, Any] = job["spec"]["trainer"]
     return expand_kubelet_vars(trainer.get("args", []), node_env(job, runtime, completion_index))
+
+
+def _merge_by(base: list[Manifest], patch: list[Manifest], key: str) -> list[Manifest]:
+    """A strategic-merge-patch of a list keyed by ``key``: items with the same key merge, new ones are appended."""
+    out = [dict(item) for item in base]
+    for item in patch:
+        same = next((o for o in out if o.get(key) == item.get(key)), None)
+        if same is None:
+            out.append(dict(item))
+        else:
+            same.update({k: v for k, v in item.items() if k not in ("volumeMounts", "env")})
+            for field, field_key in (("volumeMounts", "mountPath"), ("env", "name")):
+                if field in item:
+                    same[field] = _merge_by(same.get(field, []), item[field], field_key)
+    return out
+
+
+def effective_pod_template(job: Manifest, runtime: Manifest) -> Manifest:
+    """The ``node`` pod template the Trainer builds for ``job`` from ``runtime``: the runtime's template with the
+    TrainJob's runtime patches merged in (volumes by name, containers by name, mounts by path) and the trainer's
+    image, command, arguments, environment and resources set on the ``node`` container."""
+    jobs = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    node_job = next((j for j in jobs if j["name"] == NODE), None)
+    if node_job is None:
+        raise LaunchSpecError(f"runtime {runtime['metadata']['name']!r} has no replicated job {NODE!r}")
+    template: Manifest = copy.deepcopy(node_job["template"]["spec"]["template"])
+    pod = template["spec"]
+    for patch in job["spec"].get("runtimePatches", []):
+        for rjob in patch.get("trainingRuntimeSpec", {}).get("template", {}).get("spec", {}).get("replicatedJobs", []):
+            if rjob["name"] != NODE:
+                continue
+            pod_patch = rjob.get("template", {}).get("spec", {}).get("template", {}).get("spec", {})
+            for field in ("volumes", "containers", "initContainers"):
+                if field in pod_patch:
+                    pod[field] = _merge_by(pod.get(field, []), pod_patch[field], "name")
+    trainer = job["spec"].get("trainer", {})
+    container = next((c for c in pod["containers"] if c["name"] == NODE), None)
+    if container is None:
+        raise LaunchSpecError(f"runtime {runtime['metadata']['name']!r}: the {NODE!r} job has no {NODE!r} container")
+    for field, target in (("image", "image"), ("command", "command"), ("args", "args")):
+        if field in trainer:
+            container[target] = trainer[field]
+    if "env" in trainer:
+        container["env"] = _merge_by(container.get("env", []), trainer["env"], "name")
+    if "resourcesPerNode" in trainer:
+        container["resources"] = trainer["resourcesPerNode"]
+    return template

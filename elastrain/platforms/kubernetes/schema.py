@@ -1,8 +1,10 @@
 """Offline validation of the rendered manifests against schemas.
 
-- Core kinds (PersistentVolumeClaim, Service, StatefulSet) and the worker ``PodTemplateSpec`` inside
-  the PyTorchJob: the Kubernetes OpenAPI schemas shipped by ``kubernetes-validate`` (strict mode:
-  unknown fields are errors), no cluster needed.
+- Core kinds (PersistentVolumeClaim, Service, StatefulSet), the worker ``PodTemplateSpec`` inside
+  the PyTorchJob, the ``Job`` templates inside a ClusterTrainingRuntime and the pod a TrainJob's nodes
+  run (the runtime's template with the TrainJob's patches and trainer settings): the Kubernetes OpenAPI
+  schemas shipped by ``kubernetes-validate``, of every version in :data:`KUBERNETES_VERSIONS` (strict
+  mode: unknown fields are errors, and a field one version requires is required), no cluster needed.
 - The PyTorchJob itself: :data:`PYTORCHJOB_SCHEMA`, the fields of Kubeflow's ``kubeflow.org/v1``
   types (``pytorch_types.go``: ``PyTorchJobSpec``, ``ElasticPolicy``, ``RDZVConf``; ``ReplicaSpec``
   and ``RunPolicy`` from the common types), with unknown fields as errors.
@@ -29,8 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from elastrain.errors import LaunchSpecError
+from elastrain.platforms.kubernetes.kubeflow_trainer import effective_pod_template
 
-KUBERNETES_VERSION = "1.30"
+# The Kubernetes releases a rendered manifest must suit: every one kubernetes-validate 1.37.0 has schemas for,
+# from the oldest still in the clouds' extended support.
+KUBERNETES_VERSIONS = tuple(f"1.{minor}" for minor in range(30, 38))
 SCHEMAS_DIR = Path(__file__).resolve().parent / "schemas"
 TRAINER_API_VERSION = "trainer.kubeflow.org/v1alpha1"
 # kind -> kept schema file (package data)
@@ -196,16 +201,17 @@ def _path(error: Any) -> str:
     return "/".join(str(p) for p in error.absolute_path) or "(top)"
 
 
-def validate_core(doc: dict[str, Any], version: str = KUBERNETES_VERSION) -> None:
-    """A core Kubernetes object against the OpenAPI schema of ``version`` (strict)."""
+def validate_core(doc: dict[str, Any], versions: Sequence[str] = KUBERNETES_VERSIONS) -> None:
+    """A core Kubernetes object against the OpenAPI schema of each of ``versions`` (strict)."""
     _, kv = _libs()
-    try:
-        kv.validate(doc, version, strict=True)
-    except kv.ValidationError as exc:
-        raise LaunchSpecError(f"{doc.get('kind')} {_path(exc)}: {exc.message}") from None
+    for version in versions:
+        try:
+            kv.validate(doc, version, strict=True)
+        except kv.ValidationError as exc:
+            raise LaunchSpecError(f"{doc.get('kind')} {_path(exc)}: {exc.message} (Kubernetes {version})") from None
 
 
-def validate_pytorchjob(doc: dict[str, Any], version: str = KUBERNETES_VERSION) -> None:
+def validate_pytorchjob(doc: dict[str, Any], versions: Sequence[str] = KUBERNETES_VERSIONS) -> None:
     jsonschema, _ = _libs()
     try:
         jsonschema.validate(doc, PYTORCHJOB_SCHEMA)
@@ -214,9 +220,31 @@ def validate_pytorchjob(doc: dict[str, Any], version: str = KUBERNETES_VERSION) 
     for rtype, rspec in doc["spec"]["pytorchReplicaSpecs"].items():
         template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"{rtype.lower()}"}}
         try:
-            validate_core({**template, "template": rspec["template"]}, version)
+            validate_core({**template, "template": rspec["template"]}, versions)
         except LaunchSpecError as exc:
             raise LaunchSpecError(f"PyTorchJob pytorchReplicaSpecs/{rtype}/template: {exc}") from None
+
+
+def validate_runtime_jobs(doc: Mapping[str, Any], versions: Sequence[str] = KUBERNETES_VERSIONS) -> None:
+    """Each replicated Job template of a ClusterTrainingRuntime, as a ``batch/v1`` Job of each version (strict):
+    the CRD inlines the JobSpec of the release it was built with, which may accept what an older one refuses."""
+    for rjob in doc["spec"]["template"]["spec"].get("replicatedJobs", []):
+        template = rjob.get("template", {})
+        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": rjob["name"]}, "spec": template["spec"]}
+        try:
+            validate_core(job, versions)
+        except LaunchSpecError as exc:
+            raise LaunchSpecError(f"ClusterTrainingRuntime replicatedJobs/{rjob['name']}/template: {exc}") from None
+
+
+def validate_node_pod(job: Mapping[str, Any], runtime: Mapping[str, Any], versions: Sequence[str]) -> None:
+    """The pod a TrainJob's nodes run (:func:`kubeflow_trainer.effective_pod_template`), as a core PodTemplate."""
+    template = effective_pod_template(dict(job), dict(runtime))
+    doc = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "node"}, "template": template}
+    try:
+        validate_core(doc, versions)
+    except LaunchSpecError as exc:
+        raise LaunchSpecError(f"TrainJob {job['metadata']['name']}: the node pod: {exc}") from None
 
 
 @cache
@@ -248,12 +276,18 @@ def validate_trainer(doc: Mapping[str, Any]) -> None:
         raise LaunchSpecError(f"{kind} metadata/name {name!r} is not a DNS-1123 label")
 
 
-def validate(docs: Sequence[dict[str, Any]], version: str = KUBERNETES_VERSION) -> None:
-    """Validate every manifest; raise :class:`LaunchSpecError` at the first problem."""
+def validate(docs: Sequence[dict[str, Any]], versions: Sequence[str] = KUBERNETES_VERSIONS) -> None:
+    """Validate every manifest, and the pod of each TrainJob whose runtime is among them; raise
+    :class:`LaunchSpecError` at the first problem."""
+    runtimes = {d["metadata"]["name"]: d for d in docs if d.get("kind") == "ClusterTrainingRuntime"}
     for doc in docs:
         if doc.get("kind") == "PyTorchJob":
-            validate_pytorchjob(doc, version)
+            validate_pytorchjob(doc, versions)
         elif doc.get("kind") in TRAINER_SCHEMAS:
             validate_trainer(doc)
+            if doc["kind"] == "ClusterTrainingRuntime":
+                validate_runtime_jobs(doc, versions)
+            elif doc["spec"]["runtimeRef"]["name"] in runtimes:
+                validate_node_pod(doc, runtimes[doc["spec"]["runtimeRef"]["name"]], versions)
         else:
-            validate_core(doc, version)
+            validate_core(doc, versions)

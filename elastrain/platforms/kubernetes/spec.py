@@ -1,13 +1,18 @@
 """An elastic Kubeflow ``PyTorchJob`` for elastrain, built by pure functions from a few parameters.
 
 The job has only ``Worker`` replicas (an elastic job has no special master), an ``elasticPolicy``
-(min/max replicas, rendezvous backend, host and port, max restarts, processes per node), a
-``terminationGracePeriodSeconds`` long enough to checkpoint on SIGTERM, and a shared
-``PersistentVolumeClaim`` for checkpoints, so a pod that replaces a preempted one resumes from them.
+(min/max replicas, rendezvous backend, host and port, max restarts), ``spec.nprocPerNode`` (the
+training operator v1.7+ field; ``elasticPolicy.nProcPerNode`` is deprecated and its webhook warns), a
+``terminationGracePeriodSeconds`` long enough to checkpoint on SIGTERM, and a ``ReadWriteMany``
+``PersistentVolumeClaim`` for checkpoints, named after the job, so a pod that replaces a preempted one
+resumes from them. The claim names its ``storageClassName`` (:data:`DEFAULT_STORAGE_CLASS` unless told):
+a cluster's default class is usually single-writer, and a ``ReadWriteMany`` claim on it stays Pending.
 
 Kubeflow's training operator turns the ``elasticPolicy`` into ``PET_*`` variables in every pod
 (:func:`kubeflow_pet_env` mirrors it); ``elastrain-run`` reads them exactly like ``torchrun`` does, so
-the container command carries only elastrain's own flags and the training script.
+the container command carries only elastrain's own flags and the training script. The image defaults to
+the repository's Dockerfile build (:mod:`elastrain.platforms.image`), whose working directory is the
+source checkout: a script path like ``examples/t5/train.py`` resolves there.
 
 Rendezvous: ``c10d`` keeps its store in the pod named by ``rdzvHost`` (Kubeflow's default is
 ``<job>-worker-0``, a pod as preemptible as the rest: :func:`warnings` says so). ``etcd-v3`` keeps it
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastrain.errors import LaunchSpecError, UsageError
+from elastrain.platforms.image import default_image
 from elastrain.preemption.monitor import parse_watchers
 
 API_VERSION = "kubeflow.org/v1"
@@ -32,6 +38,10 @@ DEFAULT_RDZV_PORT = 29400
 ETCD_PORT = 2379
 ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 BACKENDS = ("c10d", "etcd-v3", "etcd-v2", "etcd")
+# A ReadWriteMany class: GKE's Filestore CSI class (enable the driver; it provisions 1 TiB at least). Others:
+# azurefile-csi on AKS, an EFS class on EKS (efs-sc in AWS's guide), or any NFS provisioner's class.
+DEFAULT_STORAGE_CLASS = "standard-rwx"
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 
@@ -42,10 +52,12 @@ Manifest = dict[str, Any]
 class PyTorchJobParams:
     name: str
     """Job name (a DNS-1123 label); pods are <name>-worker-<i>."""
-    image: str
-    """Container image with elastrain and the training code installed."""
     script: tuple[str, ...]
-    """The training script and its arguments, as given to elastrain-run (``-m pkg.train`` works too)."""
+    """The training script and its arguments, as given to elastrain-run (``-m pkg.train`` works too), relative
+    to the image's working directory."""
+    image: str | None = None
+    """Container image with elastrain and the training code installed; default: the repository's Dockerfile
+    build, CUDA with ``gpus``, else CPU (:func:`elastrain.platforms.image.default_image`)."""
     min_nodes: int = 1
     max_nodes: int = 2
     nproc_per_node: int = 1
@@ -57,11 +69,12 @@ class PyTorchJobParams:
     grace_period_s: int = 90
     """terminationGracePeriodSeconds: the time between SIGTERM and SIGKILL, to checkpoint and leave."""
     checkpoint_claim: str | None = None
-    """PVC for checkpoints (ReadWriteMany); default <name>-checkpoints; empty string for none."""
+    """PVC for checkpoints (ReadWriteMany); default <name>-checkpoints, one per job; empty string for none."""
     create_claim: bool = True
     checkpoint_mount: str = "/checkpoints"
     checkpoint_storage: str = "20Gi"
-    storage_class: str | None = None
+    storage_class: str = DEFAULT_STORAGE_CLASS
+    """The claim's storageClassName: a class that exists and provides ReadWriteMany; "" binds a pre-made volume."""
     preemption_watchers: str = "auto"
     cpu: str | None = None
     memory: str | None = None
@@ -78,8 +91,10 @@ class PyTorchJobParams:
             )
         if not _DNS_LABEL.match(self.namespace):
             raise LaunchSpecError(f"namespace {self.namespace!r} is not a DNS-1123 label")
-        if not self.image.strip():
+        if self.image is not None and not self.image.strip():
             raise LaunchSpecError("image: give the container image that has elastrain and the training code")
+        if self.storage_class and (not _DNS_SUBDOMAIN.match(self.storage_class) or len(self.storage_class) > 253):
+            raise LaunchSpecError(f"storage_class {self.storage_class!r} is not a StorageClass name")
         if not self.script or not self.script[0].strip():
             raise LaunchSpecError("script: give the training script (and its arguments) to run")
         if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
@@ -113,6 +128,10 @@ class PyTorchJobParams:
             parse_watchers(self.preemption_watchers)
         except UsageError as exc:
             raise LaunchSpecError(f"preemption_watchers: {exc}") from None
+
+    @property
+    def container_image(self) -> str:
+        return self.image or default_image(self.gpus > 0)
 
     @property
     def claim_name(self) -> str | None:
@@ -182,7 +201,7 @@ def pod_template(p: PyTorchJobParams) -> Manifest:
     """The worker pods' ``PodTemplateSpec``."""
     container: Manifest = {
         "name": CONTAINER_NAME,
-        "image": p.image,
+        "image": p.container_image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["elastrain-run"],
         "args": container_args(p),
@@ -212,7 +231,6 @@ def pytorchjob(p: PyTorchJobParams) -> Manifest:
         "rdzvHost": host,
         "rdzvPort": port,
         "rdzvId": p.name,
-        "nProcPerNode": p.nproc_per_node,
         "maxRestarts": p.max_restarts,
     }
     return {
@@ -222,6 +240,7 @@ def pytorchjob(p: PyTorchJobParams) -> Manifest:
         "spec": {
             "runPolicy": {"cleanPodPolicy": "None"},
             "elasticPolicy": elastic,
+            "nprocPerNode": str(p.nproc_per_node),
             "pytorchReplicaSpecs": {
                 "Worker": {"replicas": p.max_nodes, "restartPolicy": "OnFailure", "template": pod_template(p)}
             },
@@ -232,9 +251,11 @@ def pytorchjob(p: PyTorchJobParams) -> Manifest:
 def checkpoint_claim(p: PyTorchJobParams) -> Manifest | None:
     if not p.claim_name or not p.create_claim:
         return None
-    spec: Manifest = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": p.checkpoint_storage}}}
-    if p.storage_class:
-        spec["storageClassName"] = p.storage_class
+    spec: Manifest = {
+        "accessModes": ["ReadWriteMany"],
+        "storageClassName": p.storage_class,
+        "resources": {"requests": {"storage": p.checkpoint_storage}},
+    }
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
@@ -336,9 +357,10 @@ def warnings(p: PyTorchJobParams) -> list[str]:
 def kubeflow_pet_env(job: Manifest) -> dict[str, str]:
     """The ``PET_*`` variables Kubeflow's training operator puts in each pod of this job.
 
-    A model of the operator's ``ElasticEnvVarGenerator`` (pkg/controller.v1/pytorch/elastic.go):
+    A model of the training operator v1.9 (``pkg/controller.v1/pytorch/envvar.go`` and ``elastic.go``):
     endpoint from rdzvHost/rdzvPort (default host ``<job>-worker-0``), backend (default c10d), NNODES
-    as ``min:max``, and MAX_RESTARTS, NPROC_PER_NODE, RDZV_ID, RDZV_CONF when set.
+    as ``min:max``; NPROC_PER_NODE from ``spec.nprocPerNode`` (the deprecated ``elasticPolicy.nProcPerNode``
+    when only it is set; the defaulter's ``auto`` when neither is); MAX_RESTARTS, RDZV_ID, RDZV_CONF when set.
     """
     spec = job["spec"]
     ep = spec.get("elasticPolicy")
@@ -356,8 +378,12 @@ def kubeflow_pet_env(job: Manifest) -> dict[str, str]:
         env["PET_NNODES"] = f"{ep['minReplicas']}:{ep['maxReplicas']}"
     if ep.get("maxRestarts") is not None:
         env["PET_MAX_RESTARTS"] = str(ep["maxRestarts"])
-    if ep.get("nProcPerNode") is not None:
+    if spec.get("nprocPerNode") is not None:
+        env["PET_NPROC_PER_NODE"] = str(spec["nprocPerNode"])
+    elif ep.get("nProcPerNode") is not None:
         env["PET_NPROC_PER_NODE"] = str(ep["nProcPerNode"])
+    else:
+        env["PET_NPROC_PER_NODE"] = "auto"
     if ep.get("rdzvId") is not None:
         env["PET_RDZV_ID"] = ep["rdzvId"]
     if ep.get("rdzvConf"):

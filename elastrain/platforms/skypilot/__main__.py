@@ -1,7 +1,8 @@
 """``python -m elastrain.platforms.skypilot``: render a SkyPilot managed-job task running elastrain.
 
 python -m elastrain.platforms.skypilot render --name t5 --checkpoint-url s3://bucket/ckpt --max-nodes 4 \\
-    --accelerators L4:1 --infra aws --infra gcp -- train.py > t5.yaml && sky jobs launch t5.yaml
+    --accelerators L4:1 --infra aws --infra gcp --extras t5 -- examples/t5/train.py > t5.yaml
+sky jobs launch t5.yaml           # from the repository root: the workdir (.) is uploaded to every node
 python -m elastrain.platforms.skypilot examples          # is launch/skypilot/ up to date? (--write)
 """
 
@@ -37,8 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--rdzv-endpoint", default=None)
     r.add_argument("--max-restarts", type=int, default=3)
     r.add_argument("--preemption-watchers", default="auto")
-    r.add_argument("--workdir", default=".")
-    r.add_argument("--setup", default=None, help="install commands (default: pip install -e . and the bucket's fsspec)")
+    r.add_argument("--workdir", default=".", help="uploaded to every node; relative to where sky jobs launch runs")
+    r.add_argument("--extras", default="", help="elastrain's extras the script needs, comma-separated (t5)")
+    r.add_argument(
+        "--setup", default=None, help="install commands (default: tools/install.sh .venv with the extras it needs)"
+    )
     r.add_argument("script", nargs=argparse.REMAINDER, help="-- training script and its arguments")
     x = sub.add_parser("examples", help="check or rewrite launch/skypilot/")
     x.add_argument("--write", action="store_true")
@@ -68,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_restarts=a.max_restarts,
             preemption_watchers=a.preemption_watchers,
             workdir=a.workdir,
+            extras=tuple(e for e in a.extras.split(",") if e),
             setup=a.setup,
         )
         doc = task(p)

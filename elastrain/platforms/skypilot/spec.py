@@ -9,6 +9,16 @@
 - Checkpoints go to a bucket URL (``--checkpoint-dir s3://...``: elastrain writes object stores through
   fsspec), which outlives every cluster SkyPilot launches, so a relaunch resumes from the newest
   complete checkpoint.
+- ``workdir``: SkyPilot resolves it against the directory ``sky jobs launch`` runs in and uploads it (minus
+  what ``.gitignore`` leaves out); ``setup`` and ``run`` run in the uploaded copy. The default ``.`` is the
+  repository root when the task is launched from there, as ``launch/README.md`` says:
+  ``sky jobs launch launch/skypilot/t5-elastic.yaml``.
+- ``file_mounts``: local folders copied to the same path on every node (a relative source resolves against
+  the launch directory too), for what must be the same everywhere and is not in the workdir: the T5 example's
+  data, built once by rank 0 into a folder the other nodes cannot see unless every node has it.
+- ``setup``: ``tools/install.sh`` (:mod:`elastrain.platforms.install`, the same install list as ``./dev
+  setup`` and the Dockerfile) makes ``.venv`` with elastrain, the script's extras, the rendezvous backend's
+  and the bucket's fsspec package, and torch's CUDA build on GPU nodes; ``run`` uses that interpreter.
 
 What a preemption does: SkyPilot's managed-job controller checks the cluster every few seconds and
 treats a multi-node cluster that is not fully ``UP`` as preempted (``sky/jobs/controller.py``): it
@@ -26,13 +36,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastrain.errors import LaunchSpecError, UsageError
+from elastrain.platforms.image import GPU_VARIANT
+from elastrain.platforms.install import Install, bucket_package, job_extras
 from elastrain.preemption.monitor import parse_watchers
 
 ENTRYPOINT = "elastrain.platforms.skypilot.entrypoint"
 BACKENDS = ("c10d", "etcd-v3")
 STRATEGIES = ("EAGER_NEXT_REGION", "FAILOVER")
-# fsspec's package for each bucket scheme, installed by the default setup.
-FSSPEC_PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "r2": "s3fs"}
 _NAME = re.compile(r"^[a-zA-Z0-9]([-_.a-zA-Z0-9]*[a-zA-Z0-9])?$")
 _ENV_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
@@ -65,9 +75,16 @@ class SkyPilotJobParams:
     max_restarts: int = 3
     preemption_watchers: str = "auto"
     workdir: str = "."
+    """Uploaded to every node; relative to the directory ``sky jobs launch`` runs in."""
+    extras: tuple[str, ...] = ()
+    """elastrain's extras the script needs (``t5`` for the T5 example), installed by the default setup."""
+    venv: str = ".venv"
+    """The environment the default setup makes in the uploaded workdir, and whose python runs the job."""
     setup: str | None = None
-    """Shell commands that install elastrain and the training code (default: pip install the workdir)."""
+    """Shell commands that install elastrain and the training code (default: :func:`default_setup`)."""
     env: tuple[tuple[str, str], ...] = ()
+    file_mounts: tuple[tuple[str, str], ...] = ()
+    """(path on every node, local source) pairs; a relative source is relative to the launch directory."""
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -89,10 +106,31 @@ class SkyPilotJobParams:
         for key, _ in self.env:
             if not _ENV_NAME.match(key):
                 raise LaunchSpecError(f"env: {key!r} is not a variable name")
+        for target, source in self.file_mounts:
+            if not target.startswith(("/", "~")) or not source.strip():
+                raise LaunchSpecError(f"file_mounts: {target!r} must be an absolute or ~ path with a source")
         try:
             parse_watchers(self.preemption_watchers)
         except UsageError as exc:
             raise LaunchSpecError(f"preemption_watchers: {exc}") from None
+        Install(venv=self.venv, extras=self.extras)  # raises for a bad extra name or venv
+
+    @property
+    def install(self) -> Install:
+        """What the default setup installs: torch's CUDA build on GPU nodes, the script's and the backend's
+        extras, and the bucket's fsspec package."""
+        bucket = bucket_package(self.checkpoint_url)
+        return Install(
+            venv=self.venv,
+            extras=job_extras(self.extras, self.rdzv_backend),
+            requirements=(bucket,) if bucket else (),
+            variant=GPU_VARIANT if self.accelerators else "cpu",
+        )
+
+    @property
+    def python(self) -> str:
+        """The default setup's environment's python; plain ``python`` after a setup of the user's own."""
+        return self.install.python if self.setup is None else "python"
 
     @property
     def nproc(self) -> str:
@@ -104,16 +142,14 @@ class SkyPilotJobParams:
 
 
 def default_setup(p: SkyPilotJobParams) -> str:
-    scheme = p.checkpoint_url.split("://", 1)[0] if "://" in p.checkpoint_url else ""
-    extra = FSSPEC_PACKAGES.get(scheme)
-    return "pip install -e ." + (f" {extra}" if extra else "")
+    return p.install.command()
 
 
 def run_lines(p: SkyPilotJobParams) -> list[list[str]]:
     """What ``run`` executes on every node, one group of arguments per line."""
     rdzv = ["--rdzv-backend", p.rdzv_backend] + (["--rdzv-endpoint", p.rdzv_endpoint] if p.rdzv_endpoint else [])
     return [
-        ["python", "-m", ENTRYPOINT],
+        [p.python, "-m", ENTRYPOINT],
         ["--min-nodes", str(p.min_nodes), "--nproc-per-node", p.nproc, "--max-restarts", str(p.max_restarts)],
         [*rdzv, "--preemption-watchers", p.preemption_watchers],
         ["--checkpoint-dir", p.checkpoint_dir],
@@ -146,6 +182,7 @@ def task(p: SkyPilotJobParams) -> Task:
         "resources": resources(p),
         "workdir": p.workdir,
         "envs": {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **dict(p.env)},
+        **({"file_mounts": dict(p.file_mounts)} if p.file_mounts else {}),
         "setup": (p.setup or default_setup(p)) + "\n",
         "run": " \\\n  ".join(shlex.join(line) for line in run_lines(p)) + "\n",
     }

@@ -1,7 +1,7 @@
 """``python -m elastrain.platforms.slurm``: render an sbatch script running one elastrain-run per node.
 
 python -m elastrain.platforms.slurm render --name t5 --min-nodes 1 --max-nodes 4 --checkpoint-dir /shared/ckpt \\
-    -- train.py --steps 100 > t5.sbatch
+    --extras t5 -- examples/t5/train.py --max-steps 100 > t5.sbatch   # its header says how to make .venv
 python -m elastrain.platforms.slurm examples          # is launch/slurm/ up to date? (--write)
 """
 
@@ -36,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--rdzv-endpoint", default=None)
     r.add_argument("--max-restarts", type=int, default=3)
     r.add_argument("--preemption-watchers", default="none")
-    r.add_argument("--python", default="python")
+    r.add_argument("--venv", default=".venv", help="made by tools/install.sh in the submit directory (default .venv)")
+    r.add_argument("--extras", default="", help="elastrain's extras the script needs, comma-separated (t5)")
+    r.add_argument("--python", default=None, help="the step's interpreter (default: the venv's)")
     r.add_argument("script", nargs=argparse.REMAINDER, help="-- training script and its arguments")
     x = sub.add_parser("examples", help="check or rewrite launch/slurm/")
     x.add_argument("--write", action="store_true")
@@ -65,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rdzv_endpoint=a.rdzv_endpoint,
             max_restarts=a.max_restarts,
             preemption_watchers=a.preemption_watchers,
+            venv=a.venv,
+            extras=tuple(e for e in a.extras.split(",") if e),
             python=a.python,
         )
     except LaunchSpecError as exc:

@@ -1,9 +1,11 @@
 """Slurm host lists (``node[01-03,07],gpu5``) expanded to host names, like ``scontrol show hostnames``.
 
-The grammar Slurm uses for ``SLURM_JOB_NODELIST``: items separated by commas outside brackets; in an
-item, each ``[...]`` holds comma-separated numbers or ``lo-hi`` ranges, and an item with several
-bracket groups expands to their product, in order (``r[1-2]n[1-2]`` → r1n1 r1n2 r2n1 r2n2). A range
-keeps the zero padding of its lower bound (``[08-10]`` → 08 09 10).
+The grammar Slurm uses for ``SLURM_JOB_NODELIST``: items separated, outside brackets, by commas or
+whitespace (Slurm's host-list parser splits on both: ``"n1 n2"`` and ``"n1, n2"`` are two hosts, as
+``--nodelist`` accepts them); in an item, each ``[...]`` holds comma-separated numbers or ``lo-hi``
+ranges, and an item with several bracket groups expands to their product, in order (``r[1-2]n[1-2]`` →
+r1n1 r1n2 r2n1 r2n2). A range keeps the zero padding of its lower bound (``[08-10]`` → 08 09 10). An
+empty item between two commas, or before or after one, is an error.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ MAX_HOSTS = 1 << 20  # a typo like node[1-999999999] must not exhaust memory
 
 
 def _split_top(text: str) -> list[str]:
-    """Split at commas that are outside brackets; raise on unbalanced brackets."""
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
+    """Split at commas and runs of whitespace that are outside brackets; raise on unbalanced brackets and on
+    an empty item between commas."""
+    items: list[str] = []
+    depth, item = 0, ""
+    after_comma = True  # at the start, as after a comma: an item must come before the next comma
+    for ch in text:
         if ch == "[":
             depth += 1
             if depth > 1:
@@ -29,12 +34,22 @@ def _split_top(text: str) -> list[str]:
             depth -= 1
             if depth < 0:
                 raise LaunchSpecError(f"host list {text!r}: ']' without '['")
-        elif ch == "," and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
+        elif depth == 0 and (ch == "," or ch.isspace()):
+            if item:
+                items.append(item)
+                item, after_comma = "", ch == ","
+            elif ch == ",":
+                if after_comma:
+                    raise LaunchSpecError(f"host list {text!r}: empty item")
+                after_comma = True
+            continue
+        item += ch
     if depth:
         raise LaunchSpecError(f"host list {text!r}: '[' without ']'")
-    items.append(text[start:])
+    if item:
+        items.append(item)
+    elif after_comma:
+        raise LaunchSpecError(f"host list {text!r}: empty item")
     return items
 
 
@@ -77,9 +92,7 @@ def expand_hostlist(text: str) -> list[str]:
         raise LaunchSpecError("host list is empty (is SLURM_JOB_NODELIST set?)")
     hosts: list[str] = []
     for item in _split_top(text):
-        if not item.strip():
-            raise LaunchSpecError(f"host list {text!r}: empty item")
-        hosts.extend(_expand_item(item.strip(), text))
+        hosts.extend(_expand_item(item, text))
         if len(hosts) > MAX_HOSTS:
             raise LaunchSpecError(f"host list {text!r}: more than {MAX_HOSTS} hosts")
     return hosts

@@ -2,16 +2,32 @@
 
 - ``#SBATCH --nodes=MIN-MAX``: Slurm may start the job on as few as MIN nodes; ``--ntasks-per-node=1``
   and ``srun --ntasks-per-node=1`` run one elastrain-run agent per node, which starts the workers.
+- ``srun --cpus-per-task="$SLURM_CPUS_PER_TASK"``: since Slurm 22.05 a step does not inherit the job's
+  ``--cpus-per-task`` (it would get one CPU per task), so the step asks for the job's count again.
 - ``--no-kill`` (on the job and on the step) and ``srun --kill-on-bad-exit=0``: a failed node, or an agent
   that exits, ends neither the job nor the step; the other agents re-form without it (shrink in place).
-- ``--requeue`` and ``--signal=B:TERM@GRACE``: GRACE seconds before the time limit the batch shell gets
-  SIGTERM; its trap forwards it to the step (srun relays it to every agent, which checkpoints and
-  leaves) and requeues the job. A preempting partition (``PreemptMode=REQUEUE``) sends SIGTERM to the
-  step itself and requeues the job after its ``GraceTime``. A requeued job keeps its ``SLURM_JOB_ID``,
-  so the entrypoint gives it the same rendezvous id and it resumes from the newest complete checkpoint.
+- ``--requeue`` and ``--signal=B:TERM@GRACE``. When the job is requeued, and when not:
+
+  - time limit: GRACE seconds before it, Slurm sends SIGTERM to the batch shell (``B:``); its trap
+    forwards it to the step (srun relays it to every agent, which checkpoints and leaves), waits for the
+    step, then runs ``scontrol requeue``;
+  - preemption, with the partition's ``PreemptMode=REQUEUE``: Slurm signals the step's tasks with SIGTERM
+    (the agents checkpoint and leave; the batch shell is not signalled), kills what is left after the
+    partition's ``GraceTime`` (with ``GraceTime=0`` at once, with no time to checkpoint: the job resumes
+    from its last periodic checkpoint) and requeues the job itself;
+  - preemption, with ``PreemptParameters=send_user_signal``: the ``--signal`` SIGTERM goes to the batch
+    shell at preemption, whatever the time left, and the trap checkpoints and requeues as for the time
+    limit (within ``GraceTime``);
+  - preemption under ``PreemptMode=CANCEL`` (or ``SUSPEND``) without ``send_user_signal``: the job is
+    cancelled (or suspended), not requeued: submit it again and it resumes from the checkpoint folder.
+
+  A requeued job keeps its ``SLURM_JOB_ID``, so the entrypoint gives it the same rendezvous id and it
+  resumes from the newest complete checkpoint.
 
 The step runs :mod:`elastrain.platforms.slurm.entrypoint`, which maps ``SLURM_*`` to ``--nnodes``,
-``--rdzv-endpoint`` (the first host of ``SLURM_JOB_NODELIST``) and ``--rdzv-id``.
+``--rdzv-endpoint`` (the first host of ``SLURM_JOB_NODELIST``) and ``--rdzv-id``, with the interpreter of
+an environment every node sees: ``tools/install.sh`` (:mod:`elastrain.platforms.install`) makes it in the
+submit directory before the first submission, and the script's header says how.
 """
 
 from __future__ import annotations
@@ -21,6 +37,8 @@ import shlex
 from dataclasses import dataclass
 
 from elastrain.errors import LaunchSpecError, UsageError
+from elastrain.platforms.image import GPU_VARIANT
+from elastrain.platforms.install import Install, bucket_package, job_extras
 from elastrain.preemption.monitor import parse_watchers
 
 ENTRYPOINT = "elastrain.platforms.slurm.entrypoint"
@@ -28,6 +46,9 @@ BACKENDS = ("c10d", "etcd-v3")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# The step's CPUs: the job's, read when the step starts (Slurm >= 22.05 does not pass them on by itself).
+CPUS_PER_TASK = "--cpus-per-task=${SLURM_CPUS_PER_TASK}"
+_SHELL_WORDS = {CPUS_PER_TASK: '--cpus-per-task="${SLURM_CPUS_PER_TASK}"'}
 
 
 @dataclass(frozen=True)
@@ -53,7 +74,13 @@ class SlurmJobParams:
     rdzv_port: int = 29400
     max_restarts: int = 3
     preemption_watchers: str = "none"
-    python: str = "python"
+    venv: str = ".venv"
+    """The environment, in the submit directory on a filesystem every node mounts, made by ``tools/install.sh``
+    before the first submission; its python runs the step."""
+    extras: tuple[str, ...] = ()
+    """elastrain's extras the script needs (``t5`` for the T5 example): the install command installs them."""
+    python: str | None = None
+    """The step's interpreter; default: the venv's."""
     output: str = "%x-%j.out"
     env: tuple[tuple[str, str], ...] = ()
 
@@ -93,6 +120,23 @@ class SlurmJobParams:
             parse_watchers(self.preemption_watchers)
         except UsageError as exc:
             raise LaunchSpecError(f"preemption_watchers: {exc}") from None
+        Install(venv=self.venv, extras=self.extras)  # raises for a bad extra name or venv
+
+    @property
+    def install(self) -> Install:
+        """The environment to make before submitting: torch's CUDA build with GPUs, the script's and the
+        rendezvous backend's extras, and fsspec's package for a bucket URL."""
+        bucket = bucket_package(self.checkpoint_dir)
+        return Install(
+            venv=self.venv,
+            extras=job_extras(self.extras, self.rdzv_backend),
+            requirements=(bucket,) if bucket else (),
+            variant=GPU_VARIANT if self.gpus_per_node else "cpu",
+        )
+
+    @property
+    def interpreter(self) -> str:
+        return self.python or self.install.python
 
 
 def sbatch_directives(p: SlurmJobParams) -> list[tuple[str, str | None]]:
@@ -124,9 +168,10 @@ def sbatch_directives(p: SlurmJobParams) -> list[tuple[str, str | None]]:
 def srun_lines(p: SlurmJobParams) -> list[list[str]]:
     """The step's command, one group of arguments per script line: srun, then the entrypoint on every node."""
     rdzv = ["--rdzv-endpoint", p.rdzv_endpoint] if p.rdzv_endpoint else ["--rdzv-port", str(p.rdzv_port)]
+    cpus = [CPUS_PER_TASK] if p.cpus_per_node else []
     return [
-        ["srun", "--ntasks-per-node=1", "--no-kill", "--kill-on-bad-exit=0"],
-        [p.python, "-m", ENTRYPOINT],
+        ["srun", "--ntasks-per-node=1", *cpus, "--no-kill", "--kill-on-bad-exit=0"],
+        [p.interpreter, "-m", ENTRYPOINT],
         [
             "--min-nodes",
             str(p.min_nodes),
@@ -152,8 +197,11 @@ set -u
 {env}
 step=""
 on_term() {{
-    # --signal=B:TERM: forward to the step (srun relays it to every agent: checkpoint, then leave),
-    # wait for it, then requeue; the requeued job keeps SLURM_JOB_ID and resumes from the checkpoint.
+    # The batch shell gets SIGTERM from --signal=B:TERM@GRACE: GRACE s before the time limit, or at preemption
+    # where the site sets PreemptParameters=send_user_signal. (A PreemptMode=REQUEUE preemption signals the step,
+    # not this shell, and requeues the job itself; PreemptMode=CANCEL ends it.) Forward it to the step (srun
+    # relays it to every agent: checkpoint, then leave), wait for it, then requeue: the requeued job keeps
+    # SLURM_JOB_ID and resumes from the newest checkpoint.
     echo "elastrain slurm: SIGTERM for job ${{SLURM_JOB_ID}}: checkpointing and requeueing" >&2
     if [ -n "$step" ]; then
         kill -TERM "$step" 2>/dev/null
@@ -172,11 +220,20 @@ wait "$step"
 """
 
 
+def _shell_line(words: list[str]) -> str:
+    return " ".join(_SHELL_WORDS.get(w) or shlex.quote(w) for w in words)
+
+
 def sbatch_script(p: SlurmJobParams, header: str = "") -> str:
     directives = "".join(f"#SBATCH {k}={v}\n" if v is not None else f"#SBATCH {k}\n" for k, v in sbatch_directives(p))
     env = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in p.env).rstrip("\n")
-    body = _BODY.format(env=env, srun=" \\\n    ".join(shlex.join(line) for line in srun_lines(p)))
-    comment = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
+    body = _BODY.format(env=env, srun=" \\\n    ".join(_shell_line(line) for line in srun_lines(p)))
+    if p.python is None:
+        header += (
+            f"\nThe step runs {p.interpreter} of the submit directory, on a filesystem every node mounts;"
+            f"\nmake it there once, before the first submission:\n  {p.install.command()}"
+        )
+    comment = "".join(f"# {line}".rstrip() + "\n" for line in header.strip("\n").splitlines())
     return f"#!/bin/bash\n{directives}{comment}{body}"
 
 
