@@ -142,13 +142,14 @@ def fencing_off_advice(backend: str) -> str:
     """Why running without --checkpoint-dir is unsafe with ``backend``, and what to do about it."""
     if backend == ETCD_V3:
         return (
-            "no --checkpoint-dir: etcd keeps one rendezvous, but nothing fences a world cut off from etcd, which "
-            "trains and commits on until its requests time out (--rdzv-conf retry_timeout); give a shared "
-            "--checkpoint-dir"
+            "no --checkpoint-dir: etcd keeps one rendezvous, but a world cut off from etcd trains on until its "
+            "requests time out (--rdzv-conf retry_timeout), and only the workers' own fence at the root they write "
+            "into keeps it from committing; give a shared --checkpoint-dir"
         )
     return (
-        "no --checkpoint-dir: nothing fences a second world of this job after a partition or a store host's death "
-        "(c10d); give a shared --checkpoint-dir, or use --rdzv-backend etcd-v3"
+        "no --checkpoint-dir: the rendezvous cannot stop a second world of this job after a partition or a store "
+        "host's death (c10d); only the workers' own fence at the root they write into keeps it from committing; "
+        "give a shared --checkpoint-dir, or use --rdzv-backend etcd-v3"
     )
 
 
