@@ -44,6 +44,8 @@ REGROUP_TIMEOUT = "ELASTRAIN_REGROUP_TIMEOUT"
 WARM = "ELASTRAIN_WARM"
 # Set by elastrain's own launcher only: a worker that sees it knows an elastrain agent supervises it.
 AGENT_PID = "ELASTRAIN_AGENT_PID"
+# Read by the launcher, never set by it: a file holding the job's rendezvous secret (as --rdzv-conf secret_file).
+RDZV_SECRET_FILE = "ELASTRAIN_RDZV_SECRET_FILE"
 
 ALL_VARIABLES: tuple[str, ...] = (
     RUN_ID,

@@ -117,3 +117,28 @@ class WorldSupersededExit(SystemExit):
 
     def __str__(self) -> str:
         return self.reason
+
+
+class RendezvousForgeryError(RendezvousStateCorruptError):
+    """A rendezvous value is not signed with the job's shared secret (``--rdzv-conf secret_file``): it is ignored.
+
+    ``foreign`` is True when the value is signed with another secret (a node started with the wrong file, or a
+    forgery that copies the envelope); False when it is unsigned or its signature does not match.
+    """
+
+    def __init__(self, message: str, foreign: bool = False) -> None:
+        super().__init__(message)
+        self.foreign = foreign
+
+
+class RendezvousSecretError(UsageError):
+    """This node cannot take part in the job's rendezvous: it lacks the job's shared secret, or has another one."""
+
+
+class RendezvousValueCorruptError(RendezvousStateCorruptError):
+    """A backend read a state value that elastrain did not write; ``token`` (the value's compare-and-set token)
+    lets the handler write a good state over it."""
+
+    def __init__(self, message: str, token: object) -> None:
+        super().__init__(message)
+        self.token = token

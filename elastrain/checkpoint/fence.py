@@ -71,6 +71,8 @@ class Claim:
     """``host:port`` of the world's rendezvous store (c10d), or the etcd endpoints; "" if unknown."""
     members: tuple[str, ...] = ()
     claimed_at: float = 0.0
+    store_mac: str = ""
+    """The signature of ``store`` with the job's rendezvous secret ("" without one): see elastrain.rendezvous.auth."""
 
     def to_json(self) -> bytes:
         return json.dumps({**asdict(self), "members": list(self.members)}, separators=(",", ":")).encode()
@@ -85,6 +87,7 @@ class Claim:
             store=str(raw.get("store", "")),
             members=tuple(str(m) for m in raw.get("members", ())),
             claimed_at=float(raw.get("claimed_at", 0.0)),
+            store_mac=str(raw.get("store_mac", "")),
         )
 
 
@@ -186,14 +189,21 @@ def claim_after(
     members: tuple[str, ...],
     parent: int,
     storage: Storage | None = None,
+    store_mac: str = "",
 ) -> Claim | None:
     """Claim ``parent + 1`` for a world that descends from ``parent``; ``None`` if another world got it."""
-    want = Claim(parent + 1, run_id, round_, store, members, time.time())
+    want = Claim(parent + 1, run_id, round_, store, members, time.time(), store_mac)
     return want if claim(root, want, storage) else None
 
 
 def claim_fresh(
-    root: str, run_id: str, round_: int, store: str, members: tuple[str, ...], storage: Storage | None = None
+    root: str,
+    run_id: str,
+    round_: int,
+    store: str,
+    members: tuple[str, ...],
+    storage: Storage | None = None,
+    store_mac: str = "",
 ) -> Claim:
     """Claim the next free generation for a world that knows no parent (a fresh rendezvous store).
 
@@ -202,7 +212,7 @@ def claim_fresh(
     storage = storage or storage_for(root)
     for _ in range(100):
         top = newest(root, storage)
-        want = Claim((top.generation if top else -1) + 1, run_id, round_, store, members, time.time())
+        want = Claim((top.generation if top else -1) + 1, run_id, round_, store, members, time.time(), store_mac)
         if claim(root, want, storage):
             return want
     raise StaleGenerationError(f"could not claim a generation in {root} after 100 tries (claims keep racing)")

@@ -22,6 +22,8 @@ from elastrain.launcher.agent import ElastrainAgent
 from elastrain.launcher.options import ElastrainOptions
 from elastrain.log import lifecycle
 from elastrain.preemption import start_monitor
+from elastrain.rendezvous import binding
+from elastrain.rendezvous.registry import ETCD_V3
 from elastrain.rendezvous.state import Departure
 
 
@@ -46,12 +48,8 @@ def launch(
         # The fencing generation lives in the checkpoint root: at most one world of the job commits there.
         params.config["checkpoint_root"] = options.checkpoint_dir
     elif not options.checkpoint_dir and config.max_nodes > 1:
-        lifecycle(
-            "fencing_off",
-            level=logging.WARNING,
-            why="no --checkpoint-dir: nothing fences a second world of this job after a partition or a store "
-            "host's death (c10d); give a shared --checkpoint-dir, or use --rdzv-backend etcd-v3",
-        )
+        lifecycle("fencing_off", level=logging.WARNING, why=fencing_off_advice(config.rdzv_backend))
+    listen_on_loopback(binding.advertised_address(config.local_addr, config.rdzv_endpoint))
     master_addr, master_port = _get_addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     lifecycle(
@@ -138,6 +136,38 @@ def launch(
     finally:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
+
+
+def fencing_off_advice(backend: str) -> str:
+    """Why running without --checkpoint-dir is unsafe with ``backend``, and what to do about it."""
+    if backend == ETCD_V3:
+        return (
+            "no --checkpoint-dir: etcd keeps one rendezvous, but a world cut off from etcd trains on until its "
+            "requests time out (--rdzv-conf retry_timeout), and only the workers' own fence at the root they write "
+            "into keeps it from committing; give a shared --checkpoint-dir"
+        )
+    return (
+        "no --checkpoint-dir: the rendezvous cannot stop a second world of this job after a partition or a store "
+        "host's death (c10d); only the workers' own fence at the root they write into keeps it from committing; "
+        "give a shared --checkpoint-dir, or use --rdzv-backend etcd-v3"
+    )
+
+
+# Where gloo and NCCL listen, in the workers (they inherit the agent's environment); the user's setting wins.
+# gloo takes an interface name; NCCL a list of prefixes, where "=" asks for that exact name.
+SOCKET_IFNAME_FORMATS = {"GLOO_SOCKET_IFNAME": "{}", "NCCL_SOCKET_IFNAME": "={}"}
+
+
+def listen_on_loopback(address: str) -> None:
+    """A node that peers reach on loopback (--standalone, a loopback endpoint): its workers' gloo and NCCL sockets
+    listen on the loopback interface too, not on the one the host name resolves to."""
+    if binding.listen_host(address) == binding.ANY or not binding.is_loopback(binding.listen_host(address)):
+        return
+    name = binding.loopback_interface()
+    if name is None:
+        return
+    for var, form in SOCKET_IFNAME_FORMATS.items():
+        os.environ.setdefault(var, form.format(name))
 
 
 def _leave(handler: Any, reason: str, kind: Departure = Departure.FAILED) -> None:

@@ -19,7 +19,7 @@ from torch.distributed.argparse_util import env
 from torch.distributed.elastic.multiprocessing import Std
 from torch.distributed.run import get_args_parser
 
-from elastrain.env import DEFAULT_IO_TIMEOUT_S
+from elastrain.env import DEFAULT_IO_TIMEOUT_S, RDZV_SECRET_FILE
 from elastrain.errors import UsageError
 from elastrain.preemption.monitor import parse_watchers
 
@@ -195,18 +195,52 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     return lo, hi
 
 
+# --rdzv-conf keys whose values are secrets: never echoed in a message or a log line. Paths to secrets
+# (password_file, secret_file, client_key) are not secret themselves and stay visible, to say which file is wrong.
+_SECRET_WORDS = ("password", "passwd", "secret", "token", "credential", "apikey", "api_key", "private_key")
+
+
+def is_secret_key(name: str) -> bool:
+    lowered = name.strip().lower()
+    return any(w in lowered for w in _SECRET_WORDS) and not lowered.endswith(("_file", "_path"))
+
+
+def redact_conf(value: str) -> str:
+    """``--rdzv-conf`` as it may be shown: each secret value (and whatever follows it up to the next key, which
+    may be the rest of a value that holds a comma) replaced by ``<redacted>``."""
+    out, hiding = [], False
+    for item in value.split(","):
+        key, sep, _ = item.partition("=")
+        if sep and key.strip():
+            hiding = is_secret_key(key)
+            out.append(f"{key.strip()}=<redacted>" if hiding else item.strip())
+        else:
+            out.append("<redacted>" if hiding else item.strip())
+    return ",".join(out)
+
+
 def parse_rdzv_conf(value: str) -> dict[str, str]:
-    """Strict ``key=value,key=value`` parsing (torch's parser accepts ``key`` alone as ``None``)."""
+    """Strict ``key=value,key=value`` parsing (torch's parser accepts ``key`` alone as ``None``); messages never
+    show a secret value (:func:`redact_conf`)."""
     out: dict[str, str] = {}
     text = value.strip()
     if not text:
         return out
-    for item in text.split(","):
+    shown = redact_conf(text).split(",")
+    for n, item in enumerate(text.split(",")):
         key, sep, val = item.partition("=")
         key = key.strip()
         if not sep or not key or not val.strip():
-            raise UsageError("--rdzv-conf", f"expected key=value[,key=value...], got {item.strip()!r} in {value!r}")
+            raise UsageError(
+                "--rdzv-conf", f"expected key=value[,key=value...], got {shown[n]!r} in {','.join(shown)!r}"
+            )
         out[key] = val.strip()
+    if "secret" in out:
+        raise UsageError(
+            "--rdzv-conf secret",
+            f"a secret on the command line is visible to every user of the machine; put it in a file and give "
+            f"secret_file=PATH, or set {RDZV_SECRET_FILE}=PATH",
+        )
     return out
 
 
@@ -245,7 +279,7 @@ def validate_and_default(
         raise UsageError("--max-restarts", f"must be >= 0, got {args.max_restarts}")
     if args.monitor_interval <= 0:
         raise UsageError("--monitor-interval", f"must be > 0 seconds, got {args.monitor_interval}")
-    parse_rdzv_conf(args.rdzv_conf)
+    rdzv_conf = parse_rdzv_conf(args.rdzv_conf)
     for flag, spec in (("--redirects", args.redirects), ("--tee", args.tee)):
         try:
             Std.from_str(spec)
@@ -284,6 +318,39 @@ def validate_and_default(
         raise UsageError(
             "--rdzv-backend", f"static rendezvous cannot be elastic (--nnodes {args.nnodes}); use c10d or etcd-v3"
         )
+    _check_rendezvous(args, rdzv_conf, min_nodes, max_nodes)
+
+
+def _check_rendezvous(args: argparse.Namespace, conf: dict[str, str], min_nodes: int, max_nodes: int) -> None:
+    """What the rendezvous handler would refuse at start (the endpoint, numbers, the secret, etcd's options),
+    found now: one line naming the flag instead of a traceback from inside the agent."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from elastrain.rendezvous import auth, c10d, etcd_options, registry
+    from elastrain.rendezvous.handler import HandlerSettings
+
+    backend, endpoint = args.rdzv_backend, args.rdzv_endpoint or ""
+    if backend == registry.ETCD_V3:
+        etcd_options.parse_endpoints(endpoint)
+    elif endpoint:
+        c10d.parse_endpoint(endpoint)  # host[:port] for every other backend (static's is the master's)
+    if backend not in (registry.C10D, registry.ETCD_V3):
+        if conf.get("secret_file") or os.environ.get(RDZV_SECRET_FILE):
+            setting = "--rdzv-conf secret_file" if conf.get("secret_file") else RDZV_SECRET_FILE
+            raise UsageError(
+                setting,
+                f"only elastrain's rendezvous (--rdzv-backend c10d or etcd-v3) signs the rendezvous with a secret; "
+                f"torch's {backend} backend would ignore it",
+            )
+        return  # torch's own handlers read the rest of --rdzv-conf their own way
+    params = RendezvousParameters(
+        backend, endpoint, args.rdzv_id or "none", min_nodes, max_nodes, args.local_addr, **conf
+    )
+    c10d.read_timeout(params)
+    HandlerSettings.from_params(params)
+    auth.secret_from(params)
+    if backend == registry.ETCD_V3:
+        etcd_options.options_from_params(params)
 
 
 def _check_script(args: argparse.Namespace) -> None:

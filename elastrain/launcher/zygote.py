@@ -464,6 +464,9 @@ def _become_worker(req: dict[str, Any]) -> list[str]:
             os.close(f)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    from elastrain.rendezvous.binding import host_worker_store
+
+    host_worker_store(os.environ)  # rank 0: the round's store, on MASTER_ADDR's interface only
     argv: list[str] = req["argv"]
     # As python does (the script's directory, its symbolic link resolved); serve() removed the zygote's own.
     first = os.getcwd() if argv[0] == "-m" else os.path.dirname(os.path.realpath(argv[0]))

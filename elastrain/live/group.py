@@ -36,6 +36,7 @@ from torch._C._distributed_c10d import GradBucket, PrefixStore, TCPStore
 from elastrain.errors import ElastrainError
 from elastrain.live.sever import Connection, sever, tcp_sockets
 from elastrain.log import lifecycle
+from elastrain.rendezvous.binding import tcp_store_server
 from elastrain.step_flags import StepFlags, carries_flags
 
 
@@ -118,7 +119,10 @@ class TrainingGroup:
             # finds no server backs off randomly (measured 0.7 s here); wait for the port instead.
             _wait_listening(master_addr, master_port, join.total_seconds())
         before = tcp_sockets()
-        store = TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=join)
+        if rank == 0:  # listening on MASTER_ADDR's interface only (see elastrain.rendezvous.binding)
+            store = tcp_store_server(master_addr, master_port, join, world_size=world_size)
+        else:
+            store = TCPStore(master_addr, master_port, world_size, is_master=False, timeout=join)
         dist.init_process_group(
             self.backend,
             store=PrefixStore(f"elastrain/live/round{round_}/", store),

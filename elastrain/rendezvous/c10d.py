@@ -20,17 +20,24 @@ from datetime import timedelta
 
 from torch._C._distributed_c10d import Store, TCPStore
 from torch.distributed import DistError
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, RendezvousStateError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
-from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
+from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
 from elastrain.checkpoint import fence
-from elastrain.errors import RendezvousStateCorruptError, RendezvousStoreLostError
+from elastrain.errors import (
+    RendezvousStateCorruptError,
+    RendezvousStoreLostError,
+    RendezvousValueCorruptError,
+    UsageError,
+)
 from elastrain.log import lifecycle
-from elastrain.rendezvous import liveness
+from elastrain.rendezvous import binding, liveness
 from elastrain.rendezvous import state as st
+from elastrain.rendezvous.auth import RendezvousAuth
 from elastrain.rendezvous.handler import STORE_ERRORS, ElastrainRendezvousHandler
+from elastrain.rendezvous.trust import host_of
 
 DEFAULT_PORT = 29400
 # Store operations on a frozen host fail after this long (torch's default, 60 s, would stall everyone).
@@ -47,15 +54,75 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def parse_endpoint(endpoint: str | None) -> tuple[str, int]:
+    """``--rdzv-endpoint`` of the c10d backend: ``host[:port]`` (port 29400 by default); UsageError naming it."""
+    text = (endpoint or "").strip()
+    if not text:
+        return "localhost", DEFAULT_PORT  # as torch's parse_rendezvous_endpoint
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest.removeprefix(":") if rest.startswith(":") else ""
+        if rest and not rest.startswith(":"):
+            raise UsageError("--rdzv-endpoint", f"expected host[:port], got {text!r}")
+    elif text.count(":") > 1:
+        host, port_text = text, ""  # a bare IPv6 address
+    else:
+        host, _, port_text = text.partition(":")
+    if not port_text:
+        return host, DEFAULT_PORT
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise UsageError("--rdzv-endpoint", f"expected host[:port] with a numeric port, got {text!r}") from None
+    if not host or not 0 <= port < 65536:
+        raise UsageError("--rdzv-endpoint", f"expected host[:port] with a port in 0-65535, got {text!r}")
+    return host, port
+
+
+def read_timeout(params: RendezvousParameters) -> timedelta:
+    """``--rdzv-conf read_timeout``: how long one store operation may take (seconds, > 0)."""
+    raw = params.get("read_timeout", None)
+    if raw is None:
+        return timedelta(seconds=DEFAULT_READ_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except (TypeError, ValueError):
+        raise UsageError("--rdzv-conf read_timeout", f"expected seconds, got {raw!r}") from None
+    if not seconds > 0:
+        raise UsageError("--rdzv-conf read_timeout", f"must be > 0 seconds, got {raw!r}")
+    return timedelta(seconds=seconds)
+
+
+class C10dStateCorruptError(RendezvousValueCorruptError, RendezvousStateError):
+    """The c10d state key holds something that is not base64; ``token`` is the raw value (c10d's token)."""
+
+
+class C10dBackend(C10dRendezvousBackend):
+    """torch's c10d backend, whose corrupt-state error carries the value's token, so that the handler ignores the
+    value (and can write a good state over it) instead of failing."""
+
+    def _decode_state(self, base64_state: bytes) -> tuple[bytes, Token] | None:
+        try:
+            return super()._decode_state(base64_state)
+        except RendezvousStateError as exc:
+            raise C10dStateCorruptError(
+                f"the rendezvous state of run {self._key.removeprefix('torch.rendezvous.')} is not base64 "
+                "(not elastrain's or torch's)",
+                token=base64_state,
+            ) from exc
+
+
 class C10dStores:
     """Creates the TCPStores: the first one at the endpoint, later ones on a successor's standby port."""
 
-    def __init__(self, params: RendezvousParameters) -> None:
+    def __init__(self, params: RendezvousParameters, auth: RendezvousAuth | None = None) -> None:
         self.params = params
         self.run_id = str(params.run_id)
         self.root: str | None = None  # the checkpoint root, where the running job's store is published
-        raw = params.get("read_timeout", None)
-        self.timeout = timedelta(seconds=float(raw) if raw is not None else DEFAULT_READ_TIMEOUT_S)
+        self.timeout = read_timeout(params)
+        self.auth = auth or RendezvousAuth(None, self.run_id)
+        # Where this node listens when it hosts a store after a failover: its advertised address's interface.
+        self.addr = binding.advertised_address(params.local_addr, str(params.endpoint))
 
     def first(self, params: RendezvousParameters) -> tuple[TCPStore, bool, str]:
         """The store to start on, whether this process hosts it, and its ``host:port``.
@@ -74,12 +141,13 @@ class C10dStores:
         """The store at ``--rdzv-endpoint``: hosted here when this node is the endpoint's host (and the port is
         free), else a client of it; raises :class:`RendezvousStoreLostError` when neither works."""
         params = self.params
-        host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
+        host, port = parse_endpoint(params.endpoint)
         cfg_is_host = params.get_as_bool("is_host")
         try_host = cfg_is_host if cfg_is_host is not None else _matches_machine_hostname(host)
         if try_host:
             try:
-                store = TCPStore(host, port, is_master=True, multi_tenant=True, timeout=self.timeout)
+                # Bound to the endpoint's interface only (torch's own binds every one: --standalone's localhost:0).
+                store = binding.tcp_store_server(host, port, self.timeout)
                 # The port actually bound (--standalone asks for port 0): what the fencing claim publishes.
                 return store, True, f"{host}:{store.port}"
             except (RuntimeError, ValueError, TimeoutError):
@@ -100,33 +168,44 @@ class C10dStores:
             return None
         if top is None or not top.store:
             return None
+        if self.auth.enabled and not self.auth.signed_store(top.store, top.store_mac):
+            lifecycle("fence_claim_untrusted", level=logging.WARNING, store=top.store, generation=top.generation,
+                      why="its store is not signed with the job's secret")  # fmt: skip
+            return None
         try:
             host, port = _split(top.store)
             store = TCPStore(host, port, is_master=False, timeout=self.timeout)
-            if not self._live(C10dRendezvousBackend(store, self.run_id)):
+            state = self._live(self.backend(store))
+            if state is None:
                 return None
         except (*STORE_ERRORS, ValueError, RendezvousStateCorruptError) as exc:
             lifecycle("published_store_silent", store=top.store, generation=top.generation, error=repr(exc)[:120])
             return None
+        if not self.auth.enabled and host.lower() not in {i.addr.lower() for i in state.nodes.values()}:
+            # Unsigned: follow it only to a store that one of its own job's nodes hosts.
+            lifecycle("fence_claim_untrusted", level=logging.WARNING, store=top.store, generation=top.generation,
+                      why="no node of the job that answers there has that address")  # fmt: skip
+            return None
         lifecycle("published_store_found", store=top.store, generation=top.generation)
         return store, False, top.store
 
-    @staticmethod
-    def _live(backend: RendezvousBackend) -> bool:
+    def _live(self, backend: RendezvousBackend) -> st.RendezvousState | None:
+        """The state at ``backend`` when a live job's rendezvous runs there (opened with the job's secret)."""
         got = backend.get_state()
         if got is None:
-            return False
-        state = st.decode(got[0])
-        return not state.closed and not state.superseded_by and bool(st.live_members(state) or state.joining)
+            return None
+        state = st.decode(self.auth.open_state(got[0]))
+        live = not state.closed and not state.superseded_by and bool(st.live_members(state) or state.joining)
+        return state if live else None
 
     def host(self, port: int) -> TCPStore:
-        return TCPStore("0.0.0.0", port, is_master=True, multi_tenant=True, timeout=self.timeout)
+        return binding.tcp_store_server(self.addr, port, self.timeout)
 
     def connect(self, addr: str, port: int, timeout_s: float) -> TCPStore:
         return TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
     def backend(self, store: Store) -> RendezvousBackend:
-        return C10dRendezvousBackend(store, self.run_id)
+        return C10dBackend(store, self.run_id)
 
     # -- what the handler asks of a node-hosted store ---------------------------------------------
     def connect_to(self, address: str, timeout_s: float) -> tuple[RendezvousBackend, Store]:
@@ -142,9 +221,20 @@ class C10dStores:
         host, port = _split(address)
         try:
             store = self.connect(host, port, timeout_s)
-            return self._live(self.backend(store))
+            return self._live(self.backend(store)) is not None
         except RendezvousStateCorruptError:
             return False
+
+    def vouches(self, address: str, timeout_s: float) -> set[str]:
+        """The addresses of the nodes of the live job whose store answers at ``address`` (empty if none does)."""
+        host, port = _split(address)
+        try:
+            state = self._live(self.backend(self.connect(host, port, timeout_s)))
+        except (*STORE_ERRORS, RuntimeError, ValueError, RendezvousStateCorruptError) as exc:
+            lifecycle("store_probe_failed", level=logging.INFO, address=address, error=repr(exc)[:120])
+            return set()
+        addrs = {i.addr.lower() for i in state.nodes.values()} if state is not None else set()
+        return addrs if host_of(address).lower() in addrs else set()
 
     def failover(
         self, cached: st.RendezvousState, me: str, exc: BaseException, timeout_s: float
@@ -173,7 +263,7 @@ class C10dStores:
                 if cand == me:
                     store = self.host(info.standby_port)
                     backend = self.backend(store)
-                    backend.set_state(st.encode(st.after_store_failover(cached, me, how)), None)
+                    backend.set_state(self.auth.seal_state(st.encode(st.after_store_failover(cached, me, how))), None)
                     return backend, store, address, True
                 if info.probe_port and liveness.refused({cand: (info.addr, info.probe_port)}, 0.5):
                     continue
@@ -209,7 +299,8 @@ def _wait_seeded(backend: RendezvousBackend, timeout_s: float) -> bool:
 
 def create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
     """elastrain's handler with its state in the embedded c10d store (with store failover)."""
-    stores = C10dStores(params)
+    auth = RendezvousAuth.from_params(params)
+    stores = C10dStores(params, auth)
     store, hosts, address = stores.first(params)
     return ElastrainRendezvousHandler(
         stores.backend(store),
@@ -219,4 +310,5 @@ def create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
         stores=stores,
         hosts_store=hosts,
         store_address=address,
+        auth=auth,
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastrain.errors import UsageError
+from elastrain.rendezvous.binding import is_loopback
 
 DEFAULT_PORT = 2379
 DEFAULT_KEY_PREFIX = "/elastrain"
@@ -37,6 +38,8 @@ class EtcdOptions:
     """Seconds the job's keys outlive the last agent."""
     compact_interval_s: float = 300.0
     """Every this many seconds, compact etcd's history up to the previous pass (0: leave it to etcd)."""
+    allow_insecure_password: bool = False
+    """Send the password to a non-loopback etcd without TLS (in clear text) anyway."""
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -49,6 +52,15 @@ class EtcdOptions:
             raise UsageError("--rdzv-conf", "client_cert needs ca_cert (the CA that signed etcd's certificate)")
         if (self.user is None) != (self.password is None):
             raise UsageError("--rdzv-conf", "user and password (or password_file) must be given together")
+        remote = [f"{h}:{p}" for h, p in self.endpoints if not is_loopback(h)]
+        if self.password is not None and not self.secure and remote and not self.allow_insecure_password:
+            # Refused rather than warned: the password (and etcd's token for it) would cross the network in clear
+            # text on every connection, and a warning scrolls by; the opt-out is one explicit key.
+            raise UsageError(
+                "--rdzv-conf password",
+                f"etcd at {','.join(remote)} without TLS would receive the password in clear text; give "
+                "ca_cert=PATH (TLS), or allow_insecure_password=true to send it anyway",
+            )
         for name in ("ca_cert", "client_cert", "client_key"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
@@ -112,6 +124,18 @@ def _float(params: RendezvousParameters, name: str, default: float) -> float:
         raise UsageError("--rdzv-conf", f"{name} must be a number of seconds, got {raw!r}") from None
 
 
+def _bool(params: RendezvousParameters, name: str) -> bool:
+    raw = _conf(params, name)
+    if raw is None:
+        return False
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise UsageError("--rdzv-conf", f"{name} must be true or false, got {raw!r}")
+
+
 def options_from_params(params: RendezvousParameters) -> EtcdOptions:
     """Read ``--rdzv-endpoint`` and the etcd keys of ``--rdzv-conf`` (torch's etcd names accepted too)."""
     password = _conf(params, "password")
@@ -134,4 +158,5 @@ def options_from_params(params: RendezvousParameters) -> EtcdOptions:
         retry_timeout_s=_float(params, "retry_timeout", 60.0),
         lease_ttl_s=int(_float(params, "lease_ttl", 60)),
         compact_interval_s=_float(params, "compact_interval", 300.0),
+        allow_insecure_password=_bool(params, "allow_insecure_password"),
     )

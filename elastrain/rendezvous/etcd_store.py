@@ -93,7 +93,10 @@ class EtcdStore(Store):
         full = self._key(key)
         while True:
             found = self._client.get(full)
-            new = value if found is None else int(found[0]) + value
+            try:
+                new = value if found is None else int(found[0]) + value
+            except ValueError:  # as c10d's stores: a typed store error, not a crash
+                raise DistStoreError(f"the etcd store key {key} holds a value that is no integer") from None
             revision = None if found is None else found[1]
 
             def compare(t: Any, revision: int | None = revision) -> list[Any]:

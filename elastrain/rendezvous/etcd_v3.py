@@ -17,7 +17,9 @@ key_prefix         root of the job's keys (default ``/elastrain``); keys go unde
 ca_cert            CA bundle that signed etcd's certificate; turns TLS on (alias ``cacert``)
 client_cert        client certificate for etcd's ``--client-cert-auth`` (alias ``cert``)
 client_key         its private key (alias ``key``)
-user, password     etcd user and password (or ``password_file``, a file holding the password)
+user, password     etcd user and password (or ``password_file``, a file holding the password); refused
+                   without TLS to a non-loopback etcd unless ``allow_insecure_password=true``
+secret_file        the job's rendezvous secret (every state write and key signed: elastrain.rendezvous.auth)
 connect_timeout    seconds the first contact may take before the launch fails (default 10)
 request_timeout    deadline of one etcd request, seconds (default 5)
 retry_timeout      seconds a request is retried through an etcd outage (default 60)
@@ -48,7 +50,7 @@ from torch._C._distributed_c10d import Store
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from elastrain.errors import RendezvousStateCorruptError
+from elastrain.errors import RendezvousValueCorruptError
 from elastrain.rendezvous.etcd_client import EtcdClient
 from elastrain.rendezvous.etcd_options import options_from_params
 from elastrain.rendezvous.etcd_store import EtcdStore
@@ -60,19 +62,20 @@ BACKEND_NAME = "etcd-v3"
 STATE_MAGIC = b"elastrain-rdzv-state/1\n"
 
 
-class EtcdStateCorruptError(RendezvousStateCorruptError, RendezvousStateError):
-    """The state key holds something elastrain did not write."""
+class EtcdStateCorruptError(RendezvousValueCorruptError, RendezvousStateError):
+    """The state key holds something elastrain did not write; ``token`` is its mod revision."""
 
 
 def encode_state(state: bytes) -> bytes:
     return STATE_MAGIC + state
 
 
-def decode_state(value: bytes, key: str) -> bytes:
+def decode_state(value: bytes, key: str, revision: int = 0) -> bytes:
     if not value.startswith(STATE_MAGIC):
         raise EtcdStateCorruptError(
-            f"the rendezvous state at etcd key {key} was not written by elastrain ({len(value)} bytes, "
-            f"starting {value[:16]!r}); use another --rdzv-id or key_prefix, or delete the key"
+            f"the rendezvous state at etcd key {key} was not written by elastrain ({len(value)} bytes); use another "
+            "--rdzv-id or key_prefix, or delete the key",
+            token=revision,
         )
     return value[len(STATE_MAGIC) :]
 
@@ -101,7 +104,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         if found is None:
             return None
         value, revision = found
-        return decode_state(value, self._key), revision
+        return decode_state(value, self._key, revision), revision
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         if token is not None and (not isinstance(token, int) or isinstance(token, bool)):
@@ -124,7 +127,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         if not found:
             return None
         value, meta = found[0]
-        return decode_state(bytes(value), key), int(meta.mod_revision), ok
+        return decode_state(bytes(value), key, int(meta.mod_revision)), int(meta.mod_revision), ok
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, Store]:

@@ -16,7 +16,10 @@ Once a round is visibly over, its live members re-join through keys of their own
 and one node folds them into the state in a single compare-and-set (:func:`state.fold`; see ``_ask``), so 63
 survivors do not race 63 compare-and-sets of the whole state.
 Liveness (probes, the node's own stall) lives in :mod:`elastrain.rendezvous.liveness`; moving the c10d
-store to a successor lives with the c10d backend (:mod:`elastrain.rendezvous.c10d`).
+store to a successor lives with the c10d backend (:mod:`elastrain.rendezvous.c10d`); the job's secret, which
+signs every value written, in :mod:`elastrain.rendezvous.auth`; what a node accepts from the store (forged or
+corrupt values, redirects) in :mod:`elastrain.rendezvous.trust`; where it listens in
+:mod:`elastrain.rendezvous.binding`.
 
 Options (``--rdzv-conf key=value``), in seconds:
 
@@ -60,19 +63,21 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
 from elastrain.checkpoint import fence
 from elastrain.errors import (
     NodeLeftError,
     RendezvousError,
+    RendezvousStateCorruptError,
     RendezvousStoreLostError,
     StaleGenerationError,
     UsageError,
 )
 from elastrain.log import lifecycle
-from elastrain.rendezvous import liveness
+from elastrain.rendezvous import binding, liveness, trust
 from elastrain.rendezvous import state as st
+from elastrain.rendezvous.auth import RendezvousAuth, SignedStore, compare_set_bytes, set_bytes
 
 _T = TypeVar("_T")
 
@@ -163,15 +168,10 @@ class HandlerSettings:
         )
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
 def node_address(params: RendezvousParameters) -> str:
-    """What peers and workers use to reach this node: ``--local-addr``, else the FQDN (as torch's handler)."""
-    return params.local_addr or socket.getfqdn()
+    """What peers and workers use to reach this node: ``--local-addr``, else loopback for a loopback endpoint, else
+    the FQDN (as torch's handler); every port it listens on is bound to this address's interface (binding.py)."""
+    return binding.advertised_address(params.local_addr, str(params.endpoint))
 
 
 class StoreFactory(Protocol):
@@ -189,6 +189,10 @@ class StoreFactory(Protocol):
 
     def answers(self, address: str, timeout_s: float) -> bool:
         """Whether a live job's rendezvous answers at ``host:port``."""
+        ...
+
+    def vouches(self, address: str, timeout_s: float) -> set[str]:
+        """The node addresses of the live job at ``host:port``, if one of them is that host (else empty)."""
         ...
 
     def refound(self) -> tuple[RendezvousBackend, Store, str, bool]:
@@ -296,6 +300,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         hosts_store: bool = False,
         store_address: str = "",
         fence_root: str | None = None,
+        auth: RendezvousAuth | None = None,
     ) -> None:
         self._backend = backend
         self._store = store
@@ -316,10 +321,14 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self._left = False
         self.fatal_error: Exception | None = None
         """Set by the heartbeat thread when the state store is gone; the agent raises it."""
-        self._probe = liveness.ProbeListener()
+        self._probe = liveness.ProbeListener(binding.listen_host(self._addr))
         self._stores = stores
         self._hosts_store = hosts_store
-        self._standby_port = free_port() if stores is not None else 0
+        self._standby_port = binding.free_port(self._addr) if stores is not None else 0
+        # What this node accepts from the store (the job's secret; stand-ins for forged or corrupt states).
+        self._auth = auth if auth is not None else RendezvousAuth.from_params(params)
+        self._standin = trust.StandIn(self._settings.heartbeat_timeout_s, secret=self._auth.enabled)
+        self._job_hosts = trust.JobHosts(str(params.endpoint), self._addr)
         self._clock = liveness.TickClock(self._settings.heartbeat_interval_s, self._settings.stall_s)
         self._probe_all = False
         self._quiet = _Throttled()
@@ -368,7 +377,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         s = self._settings
         deadline = time.monotonic() + s.join_timeout_s
-        info = st.NodeInfo(self._addr, free_port(), self._probe.port, self._standby_port)
+        info = st.NodeInfo(self._addr, binding.free_port(self._addr), self._probe.port, self._standby_port)
         self._decided, self._decision_fresh, self._scale_up_seen = None, False, None
         if self._foreign is not None:
             raise self._foreign
@@ -385,7 +394,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 continue
             except _Superseded as exc:
                 self._redirect(exc.store, deadline)
-            except (_StoreSwitched, *STORE_ERRORS) as exc:
+            except (_StoreSwitched, trust.StateUnsettledError, *STORE_ERRORS) as exc:
                 # The store failed while this node joined and no failover has taken over yet (a newcomer that
                 # never read the state knows no successor: it looks for the published store). _call gives up
                 # with RendezvousStoreLostError once the store has failed for store_lost_timeout.
@@ -401,7 +410,10 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self._members = state.members
         master = state.nodes[state.members[0]]
         rank = state.members.index(self.node_id)
-        store = PrefixStore(f"elastrain/{self.get_run_id()}/round{state.round}/", self._store)
+        prefix = f"elastrain/{self.get_run_id()}/round{state.round}/"
+        store: Store = PrefixStore(prefix, self._store)
+        if self._auth.enabled:
+            store = SignedStore(store, self._auth, prefix)  # torch's agent keys (ranks, barriers), sealed too
         bootstrap = RendezvousStoreInfo(master_addr=master.addr, master_port=master.master_port)
         return RendezvousInfo(store, rank, len(state.members), bootstrap)
 
@@ -503,8 +515,9 @@ class ElastrainRendezvousHandler(RendezvousHandler):
 
     def _write_rejoin(self, round_: int, info: st.NodeInfo) -> int:
         """Our key for the end of ``round_``, then one add to the round's count; returns the count."""
-        store, payload = self._store, st.encode_info(info).decode()
-        self._call(lambda: store.set(self._key(f"rejoin/{round_}/{self.node_id}"), payload))
+        key = self._key(f"rejoin/{round_}/{self.node_id}")
+        store, payload = self._store, self._auth.seal(key, st.encode_info(info))
+        self._call(lambda: set_bytes(store, key, payload))
         count = self._count_rejoins(store, round_, 1)
         self._keyed = (store, round_)
         return count
@@ -558,7 +571,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             raw = self._call(lambda: store.multi_get(keys))
         except _StoreSwitched:
             return None
-        rejoined = {m: st.decode_info(bytes(v)) for m, v in zip(pending, raw, strict=True)}
+        rejoined = self._opened_rejoins(list(pending), keys, raw)
         s = self._settings
         if not st.can_complete(st.fold(state, round_, rejoined), min_nodes, max_nodes, ready_for, s.last_call_s):
             return None
@@ -624,9 +637,13 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 and top.run_id == self.get_run_id()
                 and top.store != self._store_address
                 and self._answers(top.store)
+                and self._claim_trusted(top)
             ):
                 self._tombstone(top.store, f"generation {top.generation} runs at {top.store}")
-            got = fence.claim_fresh(root, self.get_run_id(), round_, self._store_address, state.members)
+            got = fence.claim_fresh(
+                root, self.get_run_id(), round_, self._store_address, state.members,
+                store_mac=self._auth.store_mac(self._store_address),
+            )  # fmt: skip
             return got.generation
         if not state.majority:
             # Perhaps the minority side of a partition: let a majority side claim first.
@@ -638,7 +655,10 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                     raise _RoundLost()
         parent = state.generation
         for _ in range(100):
-            won = fence.claim_after(root, self.get_run_id(), round_, self._store_address, state.members, parent)
+            won = fence.claim_after(
+                root, self.get_run_id(), round_, self._store_address, state.members, parent,
+                store_mac=self._auth.store_mac(self._store_address),
+            )  # fmt: skip
             if won is not None:
                 return won.generation
             winner = fence.read_claim(root, parent + 1)
@@ -647,7 +667,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 continue
             if winner is not None and winner.run_id and winner.run_id != self.get_run_id():
                 raise _other_job(root, winner, self.get_run_id())
-            self._tombstone(winner.store if winner else "", f"generation {parent + 1} was claimed by another world")
+            store = winner.store if winner is not None and self._claim_trusted(winner) else ""
+            self._tombstone(store, f"generation {parent + 1} was claimed by another world")
         raise StaleGenerationError(f"could not claim a generation after {parent} in {root} (100 tries)")
 
     def _tombstone(self, store: str, why: str) -> None:
@@ -671,6 +692,13 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 f"another world of run {self.get_run_id()} holds a newer generation in {self._fence_root} "
                 f"(its store: {address or 'unknown'}) and this backend cannot move there; start this node "
                 "again to join it"
+            )
+        if not self._auth.enabled and not self._names_member(address):
+            # Without a secret the state is anyone's to write: follow it only to a store of the job's own nodes.
+            raise RendezvousError(
+                f"the rendezvous state sends this node to {address}, which names no node of run "
+                f"{self.get_run_id()}; refused (a forged state?). Give every node a shared secret "
+                "(--rdzv-conf secret_file=PATH) so that only the job's nodes can write its rendezvous"
             )
         backoff = _Backoff(0.5, 5.0)
         while True:
@@ -706,7 +734,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 top = fence.newest(self._fence_root)
                 if top is not None and top.run_id and top.run_id != self.get_run_id():
                     self._foreign = _other_job(self._fence_root, top, self.get_run_id())
-                self._fenced_by = top.store if top else "unknown"
+                self._fenced_by = top.store if top is not None and self._claim_trusted(top) else "unknown"
                 lifecycle("world_superseded", level=logging.WARNING, node=self.node_id, why=str(exc))
             except OSError as exc:
                 self._quiet.log("fence_check_failed", exc, root=self._fence_root)
@@ -907,8 +935,10 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             store = self._store
             if self._keys_on is store:
                 return
+            key = self._key(f"beat/{self.node_id}")
+            beat = self._auth.seal(key, str(self._beats))
             try:
-                self._call(lambda s=store: s.set(self._key(f"beat/{self.node_id}"), str(self._beats)))  # type: ignore[misc]
+                self._call(lambda s=store, k=key, b=beat: set_bytes(s, k, b))  # type: ignore[misc]
                 self._call(lambda s=store: s.add(self._key("version"), 0))  # type: ignore[misc]
             except _StoreSwitched:
                 continue
@@ -918,13 +948,23 @@ class ElastrainRendezvousHandler(RendezvousHandler):
 
     def _version(self) -> int:
         store = self._store
-        return int(self._call(lambda: store.get(self._key("version"))))
+        raw = self._call(lambda: store.get(self._key("version")))
+        try:
+            return int(raw)
+        except ValueError as exc:
+            # Not a counter (written by something else): read the state again, and restart the counter at a value
+            # no reader has cached (adds to a non-number fail, and readers compare versions for equality only).
+            key = self._key("version")
+            self._quiet.log("rendezvous_value_ignored", exc, key=key)
+            fresh = str(time.time_ns())
+            self._call(lambda: compare_set_bytes(store, key, bytes(raw), fresh.encode()))
+            return -1
 
     def _bump_version(self) -> None:
         store = self._store
         try:
             self._call(lambda: store.add(self._key("version"), 1))
-        except (_StoreSwitched, *STORE_ERRORS) as exc:
+        except (_StoreSwitched, ValueError, *STORE_ERRORS) as exc:  # ValueError: the counter is not a number
             self._cached_version = None  # readers re-read the blob the next time anyway
             self._quiet.log("version_bump_failed", exc)
 
@@ -958,15 +998,42 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         for _ in range(10):
             try:
                 with self._lock:
-                    got = self._call(lambda: self._backend.get_state())
+                    got = self._call(lambda: trust.or_unreadable(self._backend.get_state))
                 break
             except _StoreSwitched:
                 continue
         else:
             raise RendezvousStoreLostError("the rendezvous store kept moving (10 failovers in a row)")
-        state = st.RendezvousState() if got is None else st.decode(got[0])
+        state, _, ignored = self._decode(got)
+        if ignored:
+            state = self._update(lambda cur: None)  # write the stand-in back over what was ignored
         self._cached = state
         return state
+
+    def _decode(
+        self, got: tuple[bytes, Token] | trust.Unreadable | None
+    ) -> tuple[st.RendezvousState, Token | None, bool]:
+        """The state in ``got``, its token, and whether it was ignored: a forged or corrupt value, or a state that
+        vanished from the store it was read from, is never acted on; the last good one stands in for it
+        (:class:`trust.StandIn`, which raises while there is none)."""
+        source = self._backend
+        if got is None:
+            good = self._standin.good(source)
+            if good is None:
+                return st.RendezvousState(), None, False
+            self._quiet.log("rendezvous_value_ignored", RendezvousStateCorruptError("the state vanished"), key="state")
+            return good, None, True
+        if isinstance(got, trust.Unreadable):
+            self._quiet.log("rendezvous_value_ignored", got.exc, key="state")
+            return self._standin.replace(source, got.exc), got.token, True
+        try:
+            state = st.decode(self._auth.open_state(got[0]))
+        except RendezvousStateCorruptError as exc:
+            self._quiet.log("rendezvous_value_ignored", exc, key="state")
+            return self._standin.replace(source, exc), got[1], True
+        self._standin.accepted(source, state)
+        self._job_hosts.add_state(state)
+        return state, got[1], False
 
     def _update(self, fn: Callable[[st.RendezvousState], st.RendezvousState | None]) -> st.RendezvousState:
         """Apply ``fn`` with compare-and-set until it sticks; return the state now stored."""
@@ -980,22 +1047,35 @@ class ElastrainRendezvousHandler(RendezvousHandler):
     def _update_once(self, fn: Callable[[st.RendezvousState], st.RendezvousState | None]) -> st.RendezvousState:
         backoff = _Backoff(0.001, 0.05)
         with self._lock:
-            got = self._call(lambda: self._backend.get_state())
+            got = self._call(lambda: trust.or_unreadable(self._backend.get_state))
             for _ in range(1000):
-                state, token = (st.RendezvousState(), None) if got is None else (st.decode(got[0]), got[1])
+                state, token, ignored = self._decode(got)
                 new = fn(state)
                 if new is None or new == state:
-                    self._cached = state
-                    return state
-                payload = st.encode(new)
-                result = self._call(lambda p=payload, t=token: self._backend.set_state(p, t))  # type: ignore[misc]
+                    if not ignored:
+                        self._cached = state
+                        return state
+                    new = state  # what stood in for an ignored value: written back over it
+                payload = self._auth.seal_state(st.encode(new))
+                result = self._call(
+                    lambda p=payload, t=token: trust.or_unreadable(lambda: self._backend.set_state(p, t))  # type: ignore[misc]
+                )
                 if result is None:
-                    got = self._call(lambda: self._backend.get_state())
+                    got = self._call(lambda: trust.or_unreadable(self._backend.get_state))
+                    continue
+                if isinstance(result, trust.Unreadable):
+                    got = result  # another unreadable value won the race
+                    backoff.sleep()
                     continue
                 data, new_token, ok = result
                 if ok:
+                    if ignored:
+                        lifecycle(
+                            "rendezvous_state_restored", level=logging.WARNING, node=self.node_id, round=new.round
+                        )
                     self._cached = new
                     self._cached_version = None
+                    self._standin.accepted(self._backend, new)  # what this node wrote is the newest good state
                     self._bump_version()
                     return new
                 got = (data, new_token)
@@ -1158,8 +1238,9 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         clock = self._clock
         self._beats += 1
         self._ensure_keys()
-        store, beat = self._store, str(self._beats)
-        self._call(lambda: store.set(self._key(f"beat/{self.node_id}"), beat))
+        key = self._key(f"beat/{self.node_id}")
+        store, beat = self._store, self._auth.seal(key, str(self._beats))
+        self._call(lambda: set_bytes(store, key, beat))
         state = self._read_cached()
         read_at = time.monotonic()
         stalled = clock.store_took(now, read_at) or stalled
@@ -1249,8 +1330,9 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 )
 
     def _publish_silence(self, silent_for: dict[str, float]) -> None:
-        store, payload = self._store, json.dumps(silent_for, separators=(",", ":"))
-        self._call(lambda: store.set(self._key("silence"), payload))
+        key = self._key("silence")
+        store, payload = self._store, self._auth.seal(key, json.dumps(silent_for, separators=(",", ":")))
+        self._call(lambda: set_bytes(store, key, payload))
 
     def _read_silence(self) -> dict[str, float]:
         """The previous judge's last snapshot of how long each node had been silent ({} if none)."""
@@ -1258,9 +1340,9 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         try:
             if not self._call(lambda: store.check([key])):
                 return {}
-            raw = json.loads(self._call(lambda: store.get(key)))
+            raw = json.loads(self._auth.open(key, self._call(lambda: store.get(key))))
             return {str(k): float(v) for k, v in raw.items()}
-        except (ValueError, AttributeError) as exc:
+        except (ValueError, AttributeError, TypeError, RendezvousStateCorruptError) as exc:
             lifecycle("silence_snapshot_unreadable", level=logging.WARNING, error=repr(exc)[:120])
             return {}
 
@@ -1272,12 +1354,56 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         keys = [self._key(f"beat/{n}") for n in nodes]
         if self._call(lambda: store.check(keys)):
             values = self._call(lambda: store.multi_get(keys))
-            return {n: int(v) for n, v in zip(nodes, values, strict=True)}
+            return {n: self._beat(n, k, v) for n, k, v in zip(nodes, keys, values, strict=True)}
         # Some node has not beaten on this store yet (just joined, or a store failover): read one by one.
         out: dict[str, int] = {}
         for n, k in zip(nodes, keys, strict=True):
-            out[n] = int(self._call(lambda k=k: store.get(k))) if self._call(lambda k=k: store.check([k])) else -1  # type: ignore[misc]
+            present = self._call(lambda k=k: store.check([k]))  # type: ignore[misc]
+            out[n] = self._beat(n, k, self._call(lambda k=k: store.get(k))) if present else -1  # type: ignore[misc]
         return out
+
+    def _beat(self, node: str, key: str, raw: bytes) -> int:
+        """A heartbeat counter as read; a forged or corrupt one counts as no move (its last value seen)."""
+        try:
+            return int(self._auth.open(key, raw))
+        except (ValueError, RendezvousStateCorruptError) as exc:
+            self._quiet.log("rendezvous_value_ignored", exc, key=key)
+            return self._obs.seen.get(node, (-1, 0.0))[0]
+
+    def _opened_rejoins(self, nodes: list[str], keys: list[str], raw: list[bytes]) -> dict[str, st.NodeInfo]:
+        """The re-join keys of ``nodes`` that this node accepts (a forged or corrupt one is ignored)."""
+        out: dict[str, st.NodeInfo] = {}
+        for n, k, v in zip(nodes, keys, raw, strict=True):
+            try:
+                out[n] = st.decode_info(self._auth.open(k, bytes(v)))
+            except RendezvousStateCorruptError as exc:
+                self._quiet.log("rendezvous_value_ignored", exc, key=k)
+        return out
+
+    # -- trust: what the store may make this node do (see elastrain.rendezvous.trust) ---------------------
+    def _names_member(self, address: str) -> bool:
+        """Whether ``address`` is on a host of the job: known to this node, or vouched for by the store there."""
+        if self._job_hosts.names_member(address):
+            return True
+        if self._stores is None:
+            return False
+        hosts = self._stores.vouches(address, self._settings.store_lost_timeout_s)
+        self._job_hosts.add(hosts)
+        return bool(hosts)
+
+    def _claim_trusted(self, claim: fence.Claim) -> bool:
+        """A fencing claim's store is followed only if the job's secret signs it, or (without a secret) it names a
+        member of the job."""
+        ok = (
+            self._auth.signed_store(claim.store, claim.store_mac)
+            if self._auth.enabled
+            else self._names_member(claim.store)
+        )
+        if not ok:
+            why = "not signed with the job's secret" if self._auth.enabled else "it names no node of the job"
+            lifecycle("fence_claim_untrusted", level=logging.WARNING, store=claim.store, generation=claim.generation,
+                      why=why)  # fmt: skip
+        return ok
 
 
 def create_handler(

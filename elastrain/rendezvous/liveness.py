@@ -29,9 +29,10 @@ from elastrain.log import lifecycle
 class ProbeListener:
     """A listening socket that exists exactly as long as this process: peers probe it to detect our death."""
 
-    def __init__(self) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("", 0))
+    def __init__(self, host: str = "") -> None:
+        """Listen on ``host`` (the interface of this node's advertised address; "" for every one)."""
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind((host, 0))
         self._sock.listen(128)
         self.port = int(self._sock.getsockname()[1])
         threading.Thread(target=self._serve, name="elastrain-probe", daemon=True).start()

@@ -159,11 +159,52 @@ def encode_info(info: NodeInfo) -> bytes:
     return json.dumps([info.addr, info.master_port, info.probe_port, info.standby_port]).encode()
 
 
+# Decoding checks every field's type: JSON of another shape (another launcher's state, a forged one) is a
+# RendezvousStateCorruptError, never an AttributeError or KeyError, and never a string made of a list.
+_DECODE_ERRORS = (ValueError, KeyError, TypeError, IndexError, RecursionError)
+
+
+def _int(v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"expected an integer, got {type(v).__name__}")
+    return v
+
+
+def _str(v: object) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def _bool(v: object) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"expected true or false, got {type(v).__name__}")
+    return v
+
+
+def _list(v: object) -> list[object]:
+    if not isinstance(v, list):
+        raise TypeError(f"expected a list, got {type(v).__name__}")
+    return v
+
+
+def _dict(v: object) -> dict[str, object]:
+    if not isinstance(v, dict):
+        raise TypeError(f"expected an object, got {type(v).__name__}")
+    return v
+
+
+def _info(v: object) -> NodeInfo:
+    items = _list(v)
+    if len(items) != 4:
+        raise ValueError(f"a node's address has 4 fields, got {len(items)}")
+    return NodeInfo(_str(items[0]), _int(items[1]), _int(items[2]), _int(items[3]))
+
+
 def decode_info(data: bytes) -> NodeInfo:
     try:
-        raw = json.loads(data)
-        return NodeInfo(str(raw[0]), int(raw[1]), int(raw[2]), int(raw[3]))
-    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        return _info(json.loads(data))
+    except _DECODE_ERRORS as exc:
         raise RendezvousStateCorruptError(
             f"a re-join key is not elastrain's ({exc}); is another launcher using the same --rdzv-id?"
         ) from exc
@@ -171,26 +212,30 @@ def decode_info(data: bytes) -> NodeInfo:
 
 def decode(data: bytes) -> RendezvousState:
     try:
-        raw = json.loads(data)
+        raw = _dict(json.loads(data))
+        generation = _list(raw.get("generation", [-1, -1]))
+        if len(generation) != 2:
+            raise ValueError(f"generation has 2 fields, got {len(generation)}")
         return RendezvousState(
-            round=int(raw["round"]),
-            members=tuple(str(m) for m in raw["members"]),
-            joining=tuple(str(m) for m in raw["joining"]),
-            departed={str(k): str(v) for k, v in raw["departed"].items()},
-            nodes={str(k): NodeInfo(str(v[0]), int(v[1]), int(v[2]), int(v[3])) for k, v in raw["nodes"].items()},
-            heartbeats={str(k): int(v) for k, v in raw["heartbeats"].items()},
-            closed=bool(raw["closed"]),
-            store_host=str(raw.get("store_host", "")),
-            generation=int(raw.get("generation", [-1, -1])[0]),
-            generation_round=int(raw.get("generation", [-1, -1])[1]),
-            majority=bool(raw.get("majority", True)),
-            superseded_by=str(raw.get("superseded_by", "")),
-            failed=tuple(str(n) for n in raw.get("failed", ())),
-            echoes=tuple(str(n) for n in raw.get("echoes", ())),
+            round=_int(raw["round"]),
+            members=tuple(_str(m) for m in _list(raw["members"])),
+            joining=tuple(_str(m) for m in _list(raw["joining"])),
+            departed={_str(k): _str(v) for k, v in _dict(raw["departed"]).items()},
+            nodes={_str(k): _info(v) for k, v in _dict(raw["nodes"]).items()},
+            heartbeats={_str(k): _int(v) for k, v in _dict(raw["heartbeats"]).items()},
+            closed=_bool(raw["closed"]),
+            store_host=_str(raw.get("store_host", "")),
+            generation=_int(generation[0]),
+            generation_round=_int(generation[1]),
+            majority=_bool(raw.get("majority", True)),
+            superseded_by=_str(raw.get("superseded_by", "")),
+            failed=tuple(_str(n) for n in _list(raw.get("failed", []))),
+            echoes=tuple(_str(n) for n in _list(raw.get("echoes", []))),
         )
-    except (ValueError, KeyError, TypeError, IndexError) as exc:
+    except _DECODE_ERRORS as exc:
         raise RendezvousStateCorruptError(
-            f"the rendezvous state is not elastrain's ({exc}); is another launcher using the same --rdzv-id?"
+            f"the rendezvous state is not elastrain's ({type(exc).__name__}: {exc}); is another launcher using the "
+            "same --rdzv-id?"
         ) from exc
 
 

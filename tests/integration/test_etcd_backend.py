@@ -177,6 +177,12 @@ def test_store_add_is_atomic(etcd: EtcdServer) -> None:
     assert stores[0].add("counter", 0) == 60
 
 
+def test_store_add_to_a_non_number_is_a_typed_store_error(store: dist.Store) -> None:
+    store.set("counter", "not a number")  # written by something else: c10d's stores refuse it too
+    with pytest.raises(dist.DistStoreError, match="no integer"):
+        store.add("counter", 1)
+
+
 def test_store_compare_set_semantics(store: dist.Store) -> None:
     assert store.compare_set("k", "", "v1") == b"v1"  # absent + empty expected: set
     assert store.compare_set("k", "v1", "v2") == b"v2"  # matches: set

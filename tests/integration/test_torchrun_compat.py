@@ -22,8 +22,13 @@ PROBE = REPO / "tests" / "scripts" / "probe_env.py"
 SCRIPTS = REPO / "tests" / "scripts"
 LAUNCHERS = {"torchrun": torchrun_cmd, "elastrain": elastrain_cmd}
 # Values that legitimately differ between two runs (ports, ids, paths) or between the two launchers'
-# rendezvous handlers (elastrain never shares the agent store with workers: pytorch#135712).
-VOLATILE = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE"}
+# rendezvous handlers (elastrain never shares the agent store with workers: pytorch#135712; a node of a
+# loopback rendezvous, --standalone's, advertises 127.0.0.1 where torchrun advertises the FQDN, and its
+# workers' gloo/NCCL listen on loopback: see elastrain.rendezvous.binding).
+VOLATILE = {
+    "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE",
+    "MASTER_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+}  # fmt: skip
 
 
 def starts(probe_dir: Path) -> list[dict]:
@@ -58,6 +63,7 @@ def test_standalone_nproc_same_env(tmp_path: Path) -> None:
     assert stable_env(tr_starts) == stable_env(el_starts)
     assert [r["argv"] for r in el_starts] == [["--flag", "x"]] * 2
     assert {r["env"]["WORLD_SIZE"] for r in el_starts} == {"2"}
+    assert {r["env"]["MASTER_ADDR"] for r in el_starts} == {"127.0.0.1"}  # --standalone listens on loopback only
     # elastrain adds its own contract beside torch's.
     assert {r["elastrain"]["ELASTRAIN_START_REASON"] for r in el_starts} == {"first_start"}
     assert "PROBE rank=0" in el.stdout and "PROBE rank=1" in el.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from elastrain.launcher.options import (
     options_from_args,
     parse_nnodes,
     parse_rdzv_conf,
+    redact_conf,
     validate_and_default,
 )
 
@@ -122,6 +124,30 @@ def test_single_node_default_like_torchrun() -> None:
         (["--save-timeout", "-1", SCRIPT], "--save-timeout"),
         (["--collective-timeout", "0", SCRIPT], "--collective-timeout"),
         (["--io-timeout", "0", SCRIPT], "--io-timeout"),
+        (["--nnodes", "2", "--rdzv-endpoint", "host:notaport", SCRIPT], "--rdzv-endpoint"),
+        (["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "host:notaport", SCRIPT], "--rdzv-endpoint"),
+        (["--nnodes", "2", "--rdzv-endpoint", "host:70000", SCRIPT], "--rdzv-endpoint"),
+        (["--nnodes", "2", "--rdzv-backend", "torch-c10d", "--rdzv-endpoint", "h:x", SCRIPT], "--rdzv-endpoint"),
+        (["--nnodes", "2", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "h:x", SCRIPT], "--rdzv-endpoint"),
+        (["--standalone", "--rdzv-conf", "read_timeout=abc", SCRIPT], "--rdzv-conf read_timeout"),
+        (["--standalone", "--rdzv-conf", "heartbeat_interval=soon", SCRIPT], "--rdzv-conf heartbeat_interval"),
+        (["--standalone", "--rdzv-conf", "secret=hunter2", SCRIPT], "--rdzv-conf secret"),
+        (["--standalone", "--rdzv-conf", "secret_file=/no/such/file", SCRIPT], "--rdzv-conf secret_file"),
+        (["--nnodes", "2", "--rdzv-conf", f"secret_file={SCRIPT}", SCRIPT], "--rdzv-conf secret_file"),  # static
+        (
+            [
+                "--nnodes",
+                "2",
+                "--rdzv-backend",
+                "etcd-v3",
+                "--rdzv-endpoint",
+                "10.0.0.9:2379",
+                "--rdzv-conf",
+                "user=u,password=hunter2",
+                SCRIPT,
+            ],
+            "--rdzv-conf password",
+        ),
     ],
 )
 def test_bad_input_is_one_line_naming_the_flag(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -130,6 +156,50 @@ def test_bad_input_is_one_line_naming_the_flag(argv: list[str], flag: str, capsy
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"elastrain-run: error: {flag}"), err
+
+
+def test_a_malformed_rdzv_conf_never_echoes_a_secret(capsys: pytest.CaptureFixture[str]) -> None:
+    for conf in ("user=u,password=hunter2,oops", "password=hun,ter2,key_prefix", "token=hunter2,x", "a,secret=hunter2"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["--nnodes", "2", "--rdzv-conf", conf, SCRIPT])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "--rdzv-conf" in err and "hunter2" not in err and "ter2" not in err, err
+    assert redact_conf("user=u,password=a,b,key_prefix=/x") == "user=u,password=<redacted>,<redacted>,key_prefix=/x"
+    assert redact_conf("password_file=/run/pw,client_key=/k.pem") == "password_file=/run/pw,client_key=/k.pem"
+
+
+def test_etcd_accepts_a_password_without_tls_on_loopback_or_when_told_to() -> None:
+    for endpoint, conf in (
+        ("127.0.0.1:2379", "user=u,password=p"),
+        ("10.0.0.9:2379", "user=u,password=p,allow_insecure_password=true"),
+    ):
+        args = parse(["--nnodes", "2", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint, "--rdzv-conf", conf,
+                      SCRIPT])  # fmt: skip
+        assert args.rdzv_backend == "etcd-v3"
+
+
+def test_fencing_off_advice_fits_the_backend() -> None:
+    from elastrain.launcher.launch import fencing_off_advice
+
+    assert "--rdzv-backend etcd-v3" in fencing_off_advice("c10d")
+    etcd = fencing_off_advice("etcd-v3")
+    assert "--checkpoint-dir" in etcd and "use --rdzv-backend etcd-v3" not in etcd
+
+
+def test_a_loopback_run_makes_the_workers_gloo_and_nccl_listen_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastrain.launcher.launch import listen_on_loopback
+    from elastrain.rendezvous.binding import loopback_interface
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "=eth9")  # the user's choice wins
+    listen_on_loopback("127.0.0.1")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == loopback_interface()
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "=eth9"
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME")
+    listen_on_loopback("192.0.2.7")  # a node reached elsewhere: gloo and NCCL choose as before
+    assert "GLOO_SOCKET_IFNAME" not in os.environ and "NCCL_SOCKET_IFNAME" not in os.environ
 
 
 def test_elastrain_options_read_pet_variables(monkeypatch: pytest.MonkeyPatch) -> None:

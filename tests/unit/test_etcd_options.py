@@ -92,6 +92,20 @@ def test_bad_conf_names_the_key(conf: dict[str, str], message: str) -> None:
     assert message in str(info.value)
 
 
+def test_a_password_without_tls_is_refused_for_a_remote_etcd_unless_allowed(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match=r"^--rdzv-conf password: .*clear text.*allow_insecure_password=true") as err:
+        options_from_params(params("127.0.0.1:2379,10.0.0.9:2379", user="u", password="hunter2"))
+    assert "hunter2" not in str(err.value) and "10.0.0.9:2379" in str(err.value)
+    assert options_from_params(params("127.0.0.1:2379", user="u", password="p")).password == "p"  # loopback only
+    allowed = options_from_params(params("10.0.0.9:2379", user="u", password="p", allow_insecure_password="true"))
+    assert allowed.allow_insecure_password
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    assert options_from_params(params("10.0.0.9:2379", user="u", password="p", ca_cert=str(ca))).secure
+    with pytest.raises(UsageError, match="allow_insecure_password must be true or false"):
+        options_from_params(params(allow_insecure_password="maybe"))
+
+
 def test_no_endpoint() -> None:
     with pytest.raises(UsageError, match="--rdzv-endpoint"):
         EtcdOptions(endpoints=())

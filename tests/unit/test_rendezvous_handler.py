@@ -320,11 +320,28 @@ def test_a_world_that_loses_the_generation_claim_joins_the_winner(tmp_path: Path
     try:
         rendezvous_all([a])
         assert a.generation == 0 and fence.newest(root).generation == 0  # type: ignore[union-attr]
-        fence.claim_after(root, "unit", 3, "10.9.9.9:1", ("x",), parent=0)  # another world of this job took over
+        fence.claim_after(root, "unit", 3, "127.0.0.1:1", ("x",), parent=0)  # another world of this job took over
         eventually(lambda: a.membership_change() is not None)
         assert a.membership_change().kind is st.ChangeKind.FENCED  # type: ignore[union-attr]
-        with pytest.raises(Exception, match=r"10\.9\.9\.9:1"):
+        with pytest.raises(Exception, match=r"127\.0\.0\.1:1"):
             a.next_rendezvous()  # no c10d stores here: the redirect names the winner's store
+    finally:
+        a.shutdown()
+
+
+def test_a_claim_whose_store_names_no_member_of_the_job_is_not_followed(tmp_path: Path) -> None:
+    from elastrain.checkpoint import fence
+
+    root = str(tmp_path)
+    (a,) = make_nodes(1, checkpoint_root=root)
+    try:
+        rendezvous_all([a])
+        fence.claim_after(root, "unit", 3, "10.9.9.9:1", ("x",), parent=0)  # unsigned, on a host of no node
+        eventually(lambda: a.membership_change() is not None)
+        assert a.membership_change().kind is st.ChangeKind.FENCED  # type: ignore[union-attr]
+        with pytest.raises(Exception, match=r"its store: unknown") as err:
+            a.next_rendezvous()  # fenced all the same (the number counts), but never sent to 10.9.9.9
+        assert "10.9.9.9" not in str(err.value)
     finally:
         a.shutdown()
 
@@ -368,14 +385,14 @@ def test_a_second_store_founded_for_the_same_job_joins_the_running_one(tmp_path:
         assert isinstance(h, ElastrainRendezvousHandler)
         return h
 
-    from elastrain.rendezvous.handler import free_port
+    from elastrain.rendezvous.binding import free_port
 
-    a = node(free_port())
+    a = node(free_port("127.0.0.1"))
     b = None
     try:
         rendezvous_all([a])
         assert a.generation == 0
-        b = node(free_port())  # its own endpoint: founds a fresh store unless it finds the published one
+        b = node(free_port("127.0.0.1"))  # its own endpoint: founds a fresh store unless it finds the published one
         got: list[RendezvousInfo] = []
         t = threading.Thread(target=lambda: got.append(b.next_rendezvous()))  # type: ignore[union-attr]
         t.start()

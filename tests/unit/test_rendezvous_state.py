@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -32,6 +33,39 @@ def test_encode_roundtrip() -> None:
 def test_decode_rejects_foreign_state() -> None:
     with pytest.raises(RendezvousStateCorruptError, match="rdzv-id"):
         st.decode(b'{"some": "other launcher"}')
+
+
+_GOOD = json.loads(st.encode(st.join(formed("a", "b"), "c", INFO)))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"departed": []},  # a list where an object belongs: was AttributeError
+        {"nodes": {"a": {"addr": "x"}}},  # was KeyError
+        {"nodes": {"a": ["x", 1, 2]}},  # a node's address cut short
+        {"nodes": {"a": [1, 2, 3, 4]}},  # a number where the address belongs
+        {"heartbeats": {"a": "7"}},
+        {"members": "ab"},  # a string where the list belongs: would have been members ("a", "b")
+        {"members": [["a"]]},
+        {"round": True},
+        {"round": 1.5},
+        {"closed": "no"},
+        {"generation": 5},
+        {"generation": [1]},
+        {"superseded_by": ["x"]},
+        {"failed": {"a": 1}},
+    ],
+)
+def test_decode_refuses_json_of_the_wrong_shape_with_a_typed_error(change: dict[str, object]) -> None:
+    with pytest.raises(RendezvousStateCorruptError, match="not elastrain's"):
+        st.decode(json.dumps({**_GOOD, **change}).encode())
+
+
+@pytest.mark.parametrize("data", [b"[]", b"null", b"5", b'"state"', b"[" * 100_000, b"\xff\xfe"])
+def test_decode_refuses_what_is_no_state_object(data: bytes) -> None:
+    with pytest.raises(RendezvousStateCorruptError):
+        st.decode(data)
 
 
 def test_join_is_idempotent_and_ordered() -> None:
@@ -115,6 +149,14 @@ def test_observer_that_stalled_restarts_its_baselines() -> None:
     obs = st.observe(st.Observations(), {"a": 0, "b": 0}, now=0.0, stalled=False)
     obs = st.observe(obs, {"a": 0, "b": 0}, now=10.0, stalled=True)  # we were frozen for 10 s
     assert st.dead_nodes(obs, 10.0, timeout_s=1.25, exclude="a") == []
+
+
+def test_a_failover_target_is_always_a_member_or_joiner_of_the_job() -> None:
+    s = formed("a", "b")
+    # An address in ``nodes`` that is neither a member nor a joiner (a forged entry) is never a successor.
+    s = replace(s, store_host="a", nodes={**s.nodes, "x": st.NodeInfo("10.6.6.6", 1, 2, 3)})
+    assert st.store_successors(s) == ["b"]
+    assert st.store_successors(replace(s, store_host="x")) == ["a", "b"]  # a host that is no node: members only
 
 
 def test_store_successors_skip_the_host_and_follow_rank_order() -> None:
@@ -259,3 +301,6 @@ def test_a_rejoin_key_roundtrips_and_a_foreign_one_is_refused() -> None:
     assert st.decode_info(st.encode_info(info)) == info
     with pytest.raises(RendezvousStateCorruptError):
         st.decode_info(b"not json")
+    for bad in (b'{"addr": "x"}', b'["x", 1, 2]', b'["x", "1", 2, 3]', b"null"):
+        with pytest.raises(RendezvousStateCorruptError):
+            st.decode_info(bad)
