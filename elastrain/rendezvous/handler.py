@@ -371,6 +371,11 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         """The job-wide round of the last completed rendezvous (identical on every node)."""
         return self._round
 
+    @property
+    def round(self) -> int | None:
+        """:class:`~elastrain.rendezvous.api.Membership`'s name for :attr:`elastrain_round`."""
+        return self._round
+
     def get_run_id(self) -> str:
         return str(self._params.run_id)
 
