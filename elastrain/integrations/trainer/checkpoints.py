@@ -60,6 +60,31 @@ def is_committed(path: str) -> bool:
     return os.path.isfile(os.path.join(path, layout.MARKER))
 
 
+@dataclass(frozen=True)
+class Choice:
+    """Which checkpoint ``trainer.train()`` resumes from, and why (for the log line)."""
+
+    path: str | None
+    why: str
+    replaced: str | None = None
+    """The folder the script asked for and that is not loaded (never committed)."""
+
+
+def choose(asked: object, root: str) -> Choice:
+    """The checkpoint to resume from for ``resume_from_checkpoint=asked``: the newest committed one in ``root``
+    when the script asks for none (``None``) or for the last (``True``), the one it names if committed, and
+    never a folder that was not committed (a save a restart cut short): the newest committed one instead."""
+    if asked is False:
+        return Choice(None, "the script asked for a fresh start")
+    found = newest_committed(root)
+    if asked is None or asked is True:
+        return Choice(found, "the newest committed checkpoint" if found else "no committed checkpoint: a fresh start")
+    path = os.path.abspath(str(asked))
+    if is_committed(path):
+        return Choice(path, "the committed checkpoint the script asked for")
+    return Choice(found, "the folder asked for was never committed (a save cut short): not loaded", replaced=path)
+
+
 def rank_zero_log(event: str, level: int = logging.INFO, **fields: Any) -> None:
     """A lifecycle line from the current rank 0 (any rank's warnings too), marked as the Trainer's."""
     import torch.distributed as dist

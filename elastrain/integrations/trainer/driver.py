@@ -43,8 +43,7 @@ from elastrain.errors import ElastrainError, ScalingError
 from elastrain.integrations.trainer.checkpoints import (
     Resume,
     TrainerCheckpoints,
-    is_committed,
-    newest_committed,
+    choose,
     rank_zero_log,
 )
 from elastrain.integrations.trainer.membership import TrainerMembership
@@ -201,30 +200,19 @@ class ElasticTrainer:
             path = self._regroup(cause)
 
     def _asked_checkpoint(self, asked: Any) -> str | None:
-        """The checkpoint the script asked for, or the newest committed one when it asked for none; never a folder
-        that was not committed (a restart may have cut it short)."""
-        root = self.checkpoints.root
-        if asked is True or asked is None:
-            found = newest_committed(root)
-            if asked is None and found is not None:
-                self.log(
-                    "trainer_resume_found", path=found, why="the script asked for no checkpoint: the newest committed"
-                )
-            return found
-        if asked is False:
-            return None
-        path = os.path.abspath(str(asked))
-        if is_committed(path):
-            return path
-        found = newest_committed(root)
-        lifecycle(
-            "trainer_resume_replaced",
-            level=logging.WARNING,
-            asked=path,
-            instead=found or "a fresh start",
-            why="the folder asked for was never committed (a save cut short): it is not loaded",
-        )
-        return found
+        """The checkpoint the script asked for, or the newest committed one; never an uncommitted folder."""
+        choice = choose(asked, self.checkpoints.root)
+        if choice.replaced is not None:
+            lifecycle(
+                "trainer_resume_replaced",
+                level=logging.WARNING,
+                asked=choice.replaced,
+                instead=choice.path or "a fresh start",
+                why=choice.why,
+            )
+        elif asked is None and choice.path is not None:
+            self.log("trainer_resume_found", path=choice.path, why="the script asked for none: " + choice.why)
+        return choice.path
 
     def _is_regroup_cause(self, exc: BaseException) -> bool:
         m = self.membership
