@@ -13,7 +13,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from trainer_trace import Event, Ledger, Run, Workload, causal_lm, classification, make_assets, reference, seq2seq, trace
+from trainer_trace import (
+    Event,
+    Run,
+    Workload,
+    causal_lm,
+    classification,
+    make_assets,
+    reference,
+    seq2seq,
+    trace,
+)
 
 from elastrain.log import parse_event_line
 
@@ -57,7 +67,8 @@ def check(run: Run, ref: Run, w: Workload, sigkills: int, where: str) -> None:
     differ = [(s, got_loss[s], want_loss[s]) for s in clean if got_loss[s] != pytest.approx(want_loss[s], rel=3e-2)]
     assert not differ, f"logged losses differ (step, elastic, uninterrupted): {differ[:8]}\n{detail}"
     last = max(want_loss)
-    assert got_loss[last] == pytest.approx(want_loss[last], rel=3e-2), f"final loss {got_loss[last]} vs {want_loss[last]}"
+    final = f"final loss {got_loss[last]} vs {want_loss[last]}"
+    assert got_loss[last] == pytest.approx(want_loss[last], rel=3e-2), final
 
 
 def _random_step(rng: random.Random, w: Workload, lo: float, hi: float) -> int:

@@ -21,7 +21,9 @@ def _steps(n: int, global_batch: int, micro: int, world: int, start: int, steps:
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize(("n", "global_batch", "micro"), [(37, 8, 4), (64, 16, 8), (10, 12, 3), (5, 4, 4)])
-def test_each_step_takes_the_same_samples_at_every_world_size(world: int, n: int, global_batch: int, micro: int) -> None:
+def test_each_step_takes_the_same_samples_at_every_world_size(
+    world: int, n: int, global_batch: int, micro: int
+) -> None:
     one = _steps(n, global_batch, micro, 1, start=3, steps=9)
     here = _steps(n, global_batch, micro, world, start=3, steps=9)
     assert [sorted(s) for s in here] == [sorted(s) for s in one]

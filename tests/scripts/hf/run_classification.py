@@ -39,7 +39,9 @@ class DataTrainingArguments:
 def main():
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses()
-    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", handlers=[logging.StreamHandler(sys.stdout)])
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", handlers=[logging.StreamHandler(sys.stdout)]
+    )
 
     last_checkpoint = None
     if os.path.isdir(training_args.output_dir) and training_args.do_train:
@@ -52,7 +54,9 @@ def main():
     raw_datasets = load_dataset("json", data_files=data_files)
     label_list = sorted(set(raw_datasets["train"]["label"]))
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
-    model = AutoModelForSequenceClassification.from_pretrained(model_args.model_name_or_path, num_labels=len(label_list))
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_args.model_name_or_path, num_labels=len(label_list)
+    )
 
     def preprocess_function(examples):
         return tokenizer(examples["sentence"], max_length=data_args.max_seq_length, truncation=True)

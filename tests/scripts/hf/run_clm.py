@@ -71,7 +71,7 @@ def main():
 
     def group_texts(examples):
         concatenated_examples = {k: list(chain(*examples[k])) for k in examples}
-        total_length = len(concatenated_examples[list(examples.keys())[0]])
+        total_length = len(concatenated_examples[next(iter(examples.keys()))])
         total_length = (total_length // block_size) * block_size
         result = {
             k: [t[i : i + block_size] for i in range(0, total_length, block_size)]
