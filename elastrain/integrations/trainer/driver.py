@@ -40,6 +40,7 @@ from elastrain.collective_failure import is_collective_failure, note_if_collecti
 from elastrain.control import RegroupChannel, RegroupNotice
 from elastrain.env import WorkerEnv
 from elastrain.errors import ElastrainError, ScalingError
+from elastrain.integrations.trainer.batch import TrainerSettings, device_batch, trainer_plan
 from elastrain.integrations.trainer.checkpoints import (
     Resume,
     TrainerCheckpoints,
@@ -52,7 +53,7 @@ from elastrain.integrations.trainer.stream import StreamBatches
 from elastrain.live.agreement import Ballot, vote
 from elastrain.live.transfer import broadcast_state
 from elastrain.log import lifecycle
-from elastrain.scaling import BatchPlan, ScalingConfig, plan
+from elastrain.scaling import BatchPlan
 from elastrain.session.regroup import regroup_due
 from elastrain.step_flags import StepFlags, flagged_allreduce
 
@@ -82,9 +83,11 @@ class ElasticTrainer:
         self.trainer = trainer
         self.membership = membership
         self.env = membership.env if membership is not None else WorkerEnv.from_environ()
-        self.user_micro = int(args.per_device_train_batch_size)
+        self.settings = _explicit_settings(trainer)
+        """An ElasticTrainerRun's settings; None: inferred from the arguments at the first world size."""
+        self.user_micro = self.settings.micro_batch if self.settings else int(args.per_device_train_batch_size)
         self.user_accumulation = int(args.gradient_accumulation_steps)
-        limit = args.save_total_limit
+        limit = self.settings.keep_last if self.settings else args.save_total_limit
         self.checkpoints = TrainerCheckpoints(args.output_dir, self.env, int(limit) if limit else NO_LIMIT)
         # The Trainer's rotation may delete the last complete checkpoint before the new one is committed, and its
         # skip-ahead replays the old world's per-rank batches: elastrain does both (see the module docstring).
@@ -108,7 +111,10 @@ class ElasticTrainer:
         from elastrain.integrations.trainer.callback import ElasticTrainerCallback
 
         self.callback = ElasticTrainerCallback(self)
-        trainer.add_callback(self.callback)
+        # Right after the Trainer's own flow callback (it decides the interval saves first), before the script's:
+        # they see the true epoch and the committed checkpoints.
+        handler = trainer.callback_handler
+        handler.callbacks.insert(min(1, len(handler.callbacks)), self.callback)
         vars(trainer)["_elastrain"] = self
         if self.env.local_rank == 0:
             lifecycle("trainer_integrated", live=self.live_ok, output_dir=self.checkpoints.root, keep_last=limit)
@@ -142,22 +148,18 @@ class ElasticTrainer:
         return dist.get_world_size() if dist.is_initialized() else 1
 
     def _first_global_batch(self) -> int:
+        if self.settings is not None:
+            return self.settings.global_batch
         return self.user_micro * self.user_accumulation * self.world_size
 
     def _replan(self, global_batch: int) -> BatchPlan:
         """Per-device batch and accumulation for this world size that keep ``global_batch`` exactly."""
         args = self.trainer.args
         try:
-            p = plan(ScalingConfig(global_batch=global_batch, micro_batch=self.user_micro), self.world_size)
+            p = trainer_plan(global_batch, self.user_micro, self.world_size)
         except ScalingError as e:
-            raise TrainerIntegrationError(f"per_device_train_batch_size / the global batch: {e}") from None
-        if not p.uniform:
-            raise TrainerIntegrationError(
-                f"per_device_train_batch_size: a global batch of {global_batch} over {p.world_size} workers with "
-                f"micro-batches of at most {self.user_micro} would give the workers different numbers of micro-batches"
-            )
-        args.per_device_train_batch_size = max(p.micro_sizes[self.rank])
-        args.gradient_accumulation_steps = p.accumulation
+            raise TrainerIntegrationError(str(e)) from None
+        args.per_device_train_batch_size, args.gradient_accumulation_steps = device_batch(p, self.rank)
         self.trainer._train_batch_size = args.per_device_train_batch_size
         if self.plan is None or self.plan.world_size != p.world_size:
             self.log(
@@ -428,15 +430,12 @@ class ElasticTrainer:
         args.max_steps = total  # epochs asked: their steps at the global batch, the same at every world size
         remaining = total - int(self.position.step)
         start = self.position.cursor
-        sampler = StreamBatches(
-            num_samples,
-            self.plan,
-            self.rank,
-            start,
-            remaining,
-            seed=t.args.data_seed if t.args.data_seed is not None else t.args.seed,
-            shuffle=t.args.train_sampling_strategy != "sequential",
-        )
+        if self.settings is not None:
+            seed, shuffle = self.settings.seed, self.settings.shuffle
+        else:
+            seed = args.data_seed if args.data_seed is not None else args.seed
+            shuffle = args.train_sampling_strategy != "sequential"
+        sampler = StreamBatches(num_samples, self.plan, self.rank, start, remaining, seed=seed, shuffle=shuffle)
         loader = DataLoader(
             dataset,
             batch_sampler=sampler,
@@ -507,6 +506,16 @@ class ElasticTrainer:
 
     def note_failure(self, exc: BaseException) -> None:
         note_if_collective_failure(self.env, exc)
+
+
+def _explicit_settings(trainer: Any) -> TrainerSettings | None:
+    """The settings of an ``ElasticTrainerRun`` whose callback the Trainer was given, if any."""
+    from elastrain.integrations.trainer.settings import SettingsCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, SettingsCallback):
+            return callback.settings
+    return None
 
 
 def _unwrapped(optimizer: Any) -> Any:
