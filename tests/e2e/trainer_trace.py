@@ -1,4 +1,4 @@
-"""Hugging Face Trainer scripts (tests/scripts/hf), unmodified, under elastrain-run through a preemption trace.
+"""Hugging Face Trainer scripts (examples/hf), unmodified, under elastrain-run through a preemption trace.
 
 :func:`assets` builds tiny models and data once per session (local files only). :func:`reference` runs a
 script uninterrupted on one node; :func:`trace` runs it as local nodes (separate ``elastrain-run`` agents on
@@ -21,7 +21,8 @@ from typing import Any
 
 from support import PYTHON, REPO, elastrain_cmd, free_port, kill_tree, reaped, run, spawn, wait_logged
 
-SCRIPTS = REPO / "tests" / "scripts" / "hf"
+SCRIPTS = REPO / "examples" / "hf"
+LEDGER = REPO / "tests" / "scripts" / "hf"  # the tests' own ledger module, imported by the scripts under LEDGER_DIR
 COMMON = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--seed", "0", "--do_train"]
 
 
@@ -183,7 +184,7 @@ def reference(w: Workload, out: Path, nproc: int = 2, timeout: float = 300.0) ->
     started = time.monotonic()
     cmd = elastrain_cmd("--standalone", "--nproc-per-node", str(nproc), "--checkpoint-dir", str(out / "ckpt"))
     cmd += [str(SCRIPTS / w.script), *w.args, "--output_dir", str(out / "model"), *COMMON]
-    proc = run(cmd, timeout=timeout, env={"LEDGER_DIR": str(out / "ledger"), "PYTHONPATH": str(SCRIPTS)}, cwd=out)
+    proc = run(cmd, timeout=timeout, env={"LEDGER_DIR": str(out / "ledger"), "PYTHONPATH": str(LEDGER)}, cwd=out)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return Run(out, {"ref": proc.stderr}, {"ref": 0}, Ledger.read(out / "ledger"), time.monotonic() - started)
 
@@ -204,7 +205,7 @@ def trace(
     out.mkdir(parents=True, exist_ok=True)
     (out / "ledger").mkdir(exist_ok=True)
     port, rdzv_id = free_port(), f"hf-{random.randrange(1 << 30)}"
-    env = {"LEDGER_DIR": str(out / "ledger"), "PYTHONPATH": str(SCRIPTS)}
+    env = {"LEDGER_DIR": str(out / "ledger"), "PYTHONPATH": str(LEDGER)}
     pace_file = out / "ledger" / "pace"
     pace_file.write_text(f"{pace[0]:g}")
     procs: dict[str, subprocess.Popen[bytes]] = {}

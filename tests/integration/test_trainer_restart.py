@@ -1,4 +1,4 @@
-"""An unmodified Trainer script (tests/scripts/hf/run_clm.py) under elastrain-run: what a restart finds.
+"""An unmodified Trainer script (examples/hf/run_clm.py) under elastrain-run: what a restart finds.
 
 transformers' own ``get_last_checkpoint`` picks a ``checkpoint-N`` folder a restart cut short (optimizer and
 scheduler written, no model weights), and ``trainer.train(resume_from_checkpoint=...)`` then fails on every
@@ -17,7 +17,7 @@ import pytest
 from support import REPO, elastrain_cmd, run
 
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
-from trainer_trace import COMMON, SCRIPTS, Event, Ledger, causal_lm, make_assets, reference, trace
+from trainer_trace import COMMON, LEDGER, SCRIPTS, Event, Ledger, causal_lm, make_assets, reference, trace
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def test_a_checkpoint_cut_short_is_never_resumed_from(assets: Path, tmp_path: Pa
     out = tmp_path / "model"
     for name in ("ledger1", "ledger2"):
         (tmp_path / name).mkdir()
-    env = {"LEDGER_DIR": str(tmp_path / "ledger1"), "PYTHONPATH": str(SCRIPTS)}
+    env = {"LEDGER_DIR": str(tmp_path / "ledger1"), "PYTHONPATH": str(LEDGER)}
     first = run(_standalone(assets, out, 80), timeout=240, env=env, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-4000:]
     # A restart cut checkpoint-80 short: its weights and the commit marker never made it to disk.

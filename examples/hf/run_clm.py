@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Fine-tune a causal language model on a text file: transformers' examples/pytorch/language-modeling/run_clm.py,
-cut down to local files. It imports nothing from elastrain (the tests run it under elastrain-run as it is)."""
+cut down to local files.
+It imports nothing from elastrain: run it under elastrain-run as it is (examples/hf/README.md)."""
 
 import logging
 import math
@@ -85,7 +86,7 @@ def main():
 
     train_dataset = lm_datasets["train"]
     callbacks = []
-    if os.environ.get("LEDGER_DIR"):  # the tests' sample ledger (not part of the recipe)
+    if os.environ.get("LEDGER_DIR"):  # elastrain's tests' sample ledger (tests/scripts/hf), not part of the recipe
         import ledger
 
         train_dataset, callbacks = ledger.wrap(train_dataset), [ledger.Callback()]

@@ -1,21 +1,23 @@
 #!/usr/bin/env python
-"""Fine-tune a sequence-to-sequence model on JSON lines of source/target pairs: transformers'
-examples/pytorch/summarization/run_summarization.py, cut down to local files, with its
-``predict_with_generate`` evaluation. It imports nothing from elastrain."""
+"""Fine-tune a sequence classifier on JSON lines of sentence/label: transformers'
+examples/pytorch/text-classification/run_glue.py, cut down to local files.
+It imports nothing from elastrain: run it under elastrain-run as it is (examples/hf/README.md)."""
 
 import logging
 import os
 import sys
 from dataclasses import dataclass, field
 
+import numpy as np
 from datasets import load_dataset
 from transformers import (
-    AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
     AutoTokenizer,
-    DataCollatorForSeq2Seq,
+    DataCollatorWithPadding,
+    EvalPrediction,
     HfArgumentParser,
-    Seq2SeqTrainer,
-    Seq2SeqTrainingArguments,
+    Trainer,
+    TrainingArguments,
     set_seed,
 )
 from transformers.trainer_utils import get_last_checkpoint
@@ -30,14 +32,13 @@ class ModelArguments:
 
 @dataclass
 class DataTrainingArguments:
-    train_file: str = field(metadata={"help": "JSON lines with source and target"})
+    train_file: str = field(metadata={"help": "JSON lines with sentence and label"})
     validation_file: str | None = field(default=None)
-    max_source_length: int = field(default=48)
-    max_target_length: int = field(default=16)
+    max_seq_length: int = field(default=48)
 
 
 def main():
-    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, Seq2SeqTrainingArguments))
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses()
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", handlers=[logging.StreamHandler(sys.stdout)]
@@ -52,34 +53,37 @@ def main():
     if data_args.validation_file is not None:
         data_files["validation"] = data_args.validation_file
     raw_datasets = load_dataset("json", data_files=data_files)
+    label_list = sorted(set(raw_datasets["train"]["label"]))
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
-    model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_args.model_name_or_path, num_labels=len(label_list)
+    )
 
     def preprocess_function(examples):
-        model_inputs = tokenizer(examples["source"], max_length=data_args.max_source_length, truncation=True)
-        labels = tokenizer(text_target=examples["target"], max_length=data_args.max_target_length, truncation=True)
-        model_inputs["labels"] = labels["input_ids"]
-        return model_inputs
+        return tokenizer(examples["sentence"], max_length=data_args.max_seq_length, truncation=True)
 
-    column_names = raw_datasets["train"].column_names
-    with training_args.main_process_first(desc="train dataset map pre-processing"):
-        processed = raw_datasets.map(preprocess_function, batched=True, remove_columns=column_names)
+    with training_args.main_process_first(desc="dataset map pre-processing"):
+        raw_datasets = raw_datasets.map(preprocess_function, batched=True, remove_columns=["sentence"])
 
-    train_dataset = processed["train"]
+    train_dataset = raw_datasets["train"]
     callbacks = []
-    if os.environ.get("LEDGER_DIR"):  # the tests' sample ledger (not part of the recipe)
+    if os.environ.get("LEDGER_DIR"):  # elastrain's tests' sample ledger (tests/scripts/hf), not part of the recipe
         import ledger
 
         train_dataset, callbacks = ledger.wrap(train_dataset), [ledger.Callback()]
 
-    data_collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
-    trainer = Seq2SeqTrainer(
+    def compute_metrics(p: EvalPrediction):
+        preds = np.argmax(p.predictions, axis=1)
+        return {"accuracy": float((preds == p.label_ids).mean())}
+
+    trainer = Trainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset if training_args.do_train else None,
-        eval_dataset=processed["validation"] if training_args.do_eval else None,
+        eval_dataset=raw_datasets["validation"] if training_args.do_eval else None,
+        compute_metrics=compute_metrics,
         processing_class=tokenizer,
-        data_collator=data_collator,
+        data_collator=DataCollatorWithPadding(tokenizer),
         callbacks=callbacks,
     )
 
@@ -93,7 +97,7 @@ def main():
         trainer.save_state()
 
     if training_args.do_eval:
-        metrics = trainer.evaluate(max_length=data_args.max_target_length, metric_key_prefix="eval")
+        metrics = trainer.evaluate()
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
 
