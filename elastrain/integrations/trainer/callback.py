@@ -86,6 +86,16 @@ class ElasticTrainerCallback(TrainerCallback):
             control.should_save = True
         if state.max_steps and state.global_step >= state.max_steps and args.save_strategy != "no":
             control.should_save = True  # the last step is committed: a crash after training redoes nothing
+        self._before_save(control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._before_save(control)
+
+    def _before_save(self, control: Any) -> None:
+        """The Trainer writes ``checkpoint-N`` before the commit: a world that lost the checkpoint root stops before
+        it writes there (collective: every rank decides ``should_save`` alike)."""
+        if control.should_save:
+            self.driver.checkpoints.ensure_current()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         d = self.driver

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from elastrain.checkpoint import layout
+from elastrain.checkpoint import fence, layout
 from elastrain.checkpoint.commit import PROTOCOL_FILES, Commit, entry_of, fsync_and_checksum
 from elastrain.checkpoint.dcp_io import check_crc
 from elastrain.checkpoint.group import Group
-from elastrain.checkpoint.storage import LocalStorage, fsync_dir
+from elastrain.checkpoint.storage import LocalStorage, fsync_dir, local_path
 from elastrain.env import WorkerEnv
 from elastrain.errors import CheckpointError
 
@@ -102,10 +102,12 @@ class TrainerCheckpoints:
     def __init__(self, root: str, env: WorkerEnv, keep_last: int, log: Callable[..., None] = rank_zero_log) -> None:
         if keep_last < 1:
             raise CheckpointError(f"save_total_limit must be >= 1 under elastrain-run, got {keep_last}")
-        self.root = os.path.abspath(root)
+        self.root = os.path.abspath(local_path(root))
         self.env = env
+        """The worker's environment in the current world (a live regroup gives a new one)."""
         self.keep_last = keep_last
         self.storage = LocalStorage()
+        self.storage.makedirs(self.root)  # made durable in its parent before anything is committed into it
         self._log = log
         self._commit: Commit | None = None
 
@@ -121,8 +123,14 @@ class TrainerCheckpoints:
                 naming=NAMING,
                 keep_last=self.keep_last,
                 log=self._log,
+                claim_as=fence.worker_world(self.env, self.root),  # the workers fence a root the launcher did not
             )
         return self._commit
+
+    def ensure_current(self) -> None:
+        """Collective, before the Trainer writes a ``checkpoint-N``: a world that lost the root stops here, before
+        it writes anything there (the commit checks again)."""
+        self.protocol().ensure_current()
 
     def leave_world(self) -> None:
         """The group the protocol runs on is gone with its world; the next world builds its own."""

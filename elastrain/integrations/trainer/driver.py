@@ -231,9 +231,11 @@ class ElasticTrainer:
             backend = "gloo" if self.trainer.args.use_cpu or not torch.cuda.is_available() else "nccl"
             provisional = m.warm
             m.join(backend)
+            self.env = m.require().env  # a warm worker's first round, or the one it was started into
             if provisional or not first:
                 self._reset_devices()
         self.checkpoints.leave_world()
+        self.checkpoints.env = self.env
         self.flags.begin_step()  # what the last world agreed (a regroup, say) is not this world's
         if m is None or not self.live_ok:
             return self._restore(asked, first)
