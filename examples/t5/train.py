@@ -212,7 +212,7 @@ if session.rank == 0:
         "global_step": session.state.step,
         "samples_seen": session.state.samples_seen,
         "epoch": session.state.epoch,
-        "world_sizes": [w for i, (_, w) in enumerate(worlds) if i == 0 or w != worlds[i - 1][1]],
+        "world_sizes": [w for _, w in worlds],  # one per start and per live regroup
         "regroups": len(regroups),
         "resumes": resumes,
         "restarts": max(len(starts) - 1, 0),

@@ -79,7 +79,7 @@ class ElasticTrainerCallback(TrainerCallback):
         d.agree_flags()
         view = d.num_samples
         if view:
-            state.epoch = d.position.cursor_at(state.global_step) / view
+            state.epoch = d.held.position.cursor_at(state.global_step) / view
         if self._channel is not None and self.trigger().check(state.global_step) is SaveReason.REQUEST:
             self.trigger().claim()
             self._requested = True
@@ -100,7 +100,7 @@ class ElasticTrainerCallback(TrainerCallback):
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         d = self.driver
         step = state.global_step
-        path = d.checkpoints.commit(step, d.position.cursor_at(step), d.position.global_batch)
+        path = d.checkpoints.commit(step, d.held.position.cursor_at(step), d.held.position.global_batch)
         trigger = self.trigger()
         trigger.started(step)
         # The Trainer saves synchronously; the answer waits for the step's own log and evaluation.

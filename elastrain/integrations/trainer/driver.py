@@ -25,7 +25,6 @@ the script imports nothing from elastrain. What it gives the script:
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import os
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastrain.collective_failure import is_collective_failure, note_if_collective_failure
+from elastrain.collective_failure import note_if_collective_failure
 from elastrain.control import RegroupChannel, RegroupNotice
 from elastrain.env import WorkerEnv
 from elastrain.errors import ElastrainError, ScalingError
@@ -48,10 +47,9 @@ from elastrain.integrations.trainer.checkpoints import (
     rank_zero_log,
 )
 from elastrain.integrations.trainer.membership import TrainerMembership
-from elastrain.integrations.trainer.memory import DataPosition, Deferred, Progress
+from elastrain.integrations.trainer.memory import DataPosition, Held
 from elastrain.integrations.trainer.stream import StreamBatches
-from elastrain.live.agreement import Ballot, vote
-from elastrain.live.transfer import broadcast_state
+from elastrain.integrations.trainer.world import TrainerWorld
 from elastrain.log import lifecycle
 from elastrain.scaling import BatchPlan
 from elastrain.session.regroup import regroup_due
@@ -94,18 +92,14 @@ class ElasticTrainer:
         args.save_total_limit = None
         args.ignore_data_skip = True
         self.flags = membership.flags if membership is not None else StepFlags()
-        self.position = DataPosition()
+        self.held = Held()
         self.num_samples = 0
         """The training set's size (known once the Trainer asks for its dataloader)."""
-        self.progress = Progress()
-        self.scheduler = Deferred()
         self.plan: BatchPlan | None = None
         self.resumed: Resume | None = None
-        self.memory_resume = False
-        """The next train() call continues from the state in memory (kept or received), not a checkpoint."""
-        self.holds_state = False
-        """This worker trained (or loaded) the state it holds: it can send it at a regroup."""
         self.live_ok = membership is not None and self._live_supported()
+        self.world = TrainerWorld(trainer, membership, self.held) if membership is not None and self.live_ok else None
+        """Live mode: this Trainer's side of the round it trains in (None: restart mode)."""
         self.regroups = 0
         self._warned_stream = False
         from elastrain.integrations.trainer.callback import ElasticTrainerCallback
@@ -123,9 +117,9 @@ class ElasticTrainer:
     def _live_supported(self) -> bool:
         t = self.trainer
         why = None
-        if getattr(t, "is_deepspeed_enabled", False) or t.args.deepspeed:
+        if t.is_deepspeed_enabled or t.args.deepspeed:
             why = "DeepSpeed"
-        elif getattr(t, "is_fsdp_enabled", False) or t.args.fsdp:
+        elif t.is_fsdp_enabled or t.args.fsdp:
             why = "FSDP"
         elif t.args.auto_find_batch_size:
             why = "auto_find_batch_size"
@@ -171,7 +165,7 @@ class ElasticTrainer:
                 policy="constant",
             )
         self.plan = p
-        self.position.global_batch = p.global_batch
+        self.held.position.global_batch = p.global_batch
         return p
 
     def total_steps(self, num_samples: int) -> int:
@@ -179,7 +173,7 @@ class ElasticTrainer:
         args = self.trainer.args
         if args.max_steps > 0:
             return int(args.max_steps)
-        return max(1, math.ceil(float(args.num_train_epochs) * num_samples / self.position.global_batch))
+        return max(1, math.ceil(float(args.num_train_epochs) * num_samples / self.held.position.global_batch))
 
     # -- train() ---------------------------------------------------------------------------------
     def train(self, original: Callable[..., Any], resume_from_checkpoint: Any, kwargs: dict[str, Any]) -> Any:
@@ -217,63 +211,21 @@ class ElasticTrainer:
         return choice.path
 
     def _is_regroup_cause(self, exc: BaseException) -> bool:
-        m = self.membership
-        if m is None or not self.live_ok or m.member is None:
-            return False
-        return m.member.group.broken.is_set() or is_collective_failure(exc)
+        return self.world is not None and self.world.broken_by(exc)
 
     # -- entering and leaving a world --------------------------------------------------------------
     def _enter_world(self, first: bool, asked: str | None = None) -> str | None:
         """Everything before ``Trainer.train`` runs in a world: devices, batch plan, agreed state. Returns the
         checkpoint the Trainer loads (None: a fresh start, or the state in memory). Collective."""
-        m = self.membership
-        if m is not None and self.live_ok:
-            backend = "gloo" if self.trainer.args.use_cpu or not torch.cuda.is_available() else "nccl"
-            provisional = m.warm
-            m.join(backend)
-            self.env = m.require().env  # a warm worker's first round, or the one it was started into
-            if provisional or not first:
-                self._reset_devices()
+        world = self.world
+        if world is not None:
+            self.env = world.join(first)
         self.checkpoints.leave_world()
         self.checkpoints.env = self.env
         self.flags.begin_step()  # what the last world agreed (a regroup, say) is not this world's
-        if m is None or not self.live_ok:
+        if world is None or not world.agree_state():
             return self._restore(asked, first)
-        ballot = Ballot(self.holds_state, int(self.trainer.state.global_step) if self.holds_state else 0)
-        device = self.trainer.args.device
-        agreement = vote(ballot, device)
-        if agreement.from_checkpoint:
-            return self._restore(asked, first)
-        source = agreement.source
-        if self.trainer.optimizer is None:
-            self.trainer.create_optimizer()
-        self.progress.track(self.trainer.state)
-        if self.holds_state:
-            self.position.rebase(int(self.trainer.state.global_step))
-        started = time.monotonic()
-        sent = broadcast_state(
-            int(source or 0),
-            self.trainer.model,
-            _unwrapped(self.trainer.optimizer),
-            {"progress": self.progress, "scheduler": self.scheduler, "data": self.position},
-            device,
-        )
-        if self.rank == source:
-            self.progress.snapshot()
-            self.scheduler.snapshot()
-        self._replan(self.position.global_batch)
-        self.memory_resume = True
-        self.holds_state = True
-        lifecycle(
-            "trainer_state_agreed",
-            rank=self.rank,
-            step=agreement.step,
-            source=source,
-            receivers=len(agreement.receivers),
-            rolled_back=",".join(map(str, agreement.ahead)) or None,
-            bytes=sent,
-            took_s=round(time.monotonic() - started, 3),
-        )
+        self._replan(self.held.position.global_batch)
         return None
 
     def _restore(self, asked: str | None, first: bool) -> str | None:
@@ -282,67 +234,44 @@ class ElasticTrainer:
         if asked is not None and resume is not None and os.path.abspath(asked) != resume.path and first:
             self.log("trainer_resume_newer", asked=asked, path=resume.path)
         self.resumed = resume
+        held = self.held
         if resume is not None:
             batch = resume.global_batch or self._first_global_batch()
-            self.position = DataPosition(resume.step, resume.cursor, batch)
+            held.position = DataPosition(resume.step, resume.cursor, batch)
         else:
-            self.position = DataPosition(0, 0, self._first_global_batch())
-        self._replan(self.position.global_batch)
-        self.memory_resume = False
-        self.holds_state = True
+            held.position = DataPosition(0, 0, self._first_global_batch())
+        self._replan(held.position.global_batch)
+        held.memory_resume = False
+        held.holds_state = True
         self.log(
             "checkpoint_restored",
             step=resume.step if resume else None,
             path=resume.path if resume else self.checkpoints.root,
             world_size=f"{resume.world_size if resume else 'none'}->{self.world_size}",
-            cursor=self.position.cursor,
-            global_batch=self.position.global_batch,
+            cursor=held.position.cursor,
+            global_batch=held.position.global_batch,
         )
         return resume.path if resume else None
 
-    def _reset_devices(self) -> None:
-        """accelerate's view of the world, made again for the current process group (rank, size, device)."""
-        t = self.trainer
-        args = t.args
-        vars(args).pop("_setup_devices", None)
-        args.distributed_state = None
-        _ = args.device  # PartialState over the current group
-        t.create_accelerator_and_postprocess()
-
     def _regroup(self, cause: BaseException | None) -> str | None:
         """Leave the current world and enter the next round's; the checkpoint path for train() (None: memory)."""
-        m = self.membership
-        member = m.require() if m is not None else None
-        if member is None:
+        world = self.world
+        if world is None:
             raise RuntimeError("internal: a regroup without live membership")
-        timeout = self.env.regroup_timeout_s
-        notice = member.pending_notice()
-        if notice is None and cause is not None:
-            member.report_broken()
-            notice = member.wait_notice(member.round, timeout)
-        if notice is None:
-            lifecycle("regroup_notice_missing", level=logging.WARNING, waited_s=timeout, error=repr(cause)[:200])
-            if cause is not None:
-                raise cause
-            raise RuntimeError("internal: left train() for a regroup without a notice")
+        notice = world.notice_for(cause)
         started = time.monotonic()
-        lifecycle(
-            "regroup_started",
-            round=f"{member.round}->{notice.round}",
-            step=self.trainer.state.global_step,
-            cause=type(cause).__name__ if cause is not None else "notice",
-            state="dropped: the job trained on without this node" if notice.superseded else "kept",
-        )
         for attempt in range(1, REGROUP_ATTEMPTS + 1):
-            self._leave_world(kept=not notice.superseded)
+            world.leave(kept=not notice.superseded)
+            self.checkpoints.leave_world()
+            self.callback.leave_world()
             try:
-                self.env = member.move_to(notice)
+                self.env = world.move_to(notice)
                 path = self._enter_world(first=False)
             except (RuntimeError, dist.DistError, TimeoutError) as exc:
                 lifecycle(
                     "regroup_failed", level=logging.WARNING, round=notice.round, attempt=attempt, error=repr(exc)[:200]
                 )
-                nxt = member.wait_notice(notice.round, timeout)
+                nxt = world.next_notice(notice)
                 if nxt is None:
                     raise
                 notice = nxt
@@ -358,27 +287,6 @@ class ElasticTrainer:
                 )
             return path
         raise TrainerIntegrationError(f"no regroup succeeded in {REGROUP_ATTEMPTS} rounds in a row")
-
-    def _leave_world(self, kept: bool) -> None:
-        """Drop what belongs to the current group (the DDP wrapper, accelerate's wrappers); keep the state."""
-        t = self.trainer
-        if kept and self.holds_state:
-            self.progress.track(t.state)
-            self.progress.snapshot()
-            self.scheduler.target = t.lr_scheduler
-            self.scheduler.snapshot()
-        else:
-            self.holds_state = False
-        t.optimizer = _unwrapped(t.optimizer)
-        if t.optimizer is not None:
-            t.optimizer.zero_grad(set_to_none=True)
-        t.model.zero_grad(set_to_none=True)
-        t.model_wrapped = t.model
-        if getattr(t, "_created_lr_scheduler", False):
-            t.lr_scheduler = None
-        self.checkpoints.leave_world()
-        self.callback.leave_world()
-        gc.collect()  # the old DDP wrapper's reducer (and its autograd hooks) must be gone before a backward
 
     def _finished(self) -> None:
         """train() returned: tell the agent this worker's training is over (a change now waits for it to end)."""
@@ -430,8 +338,8 @@ class ElasticTrainer:
         num_samples = self.num_samples = len(dataset)
         total = self.total_steps(num_samples)
         args.max_steps = total  # epochs asked: their steps at the global batch, the same at every world size
-        remaining = total - int(self.position.step)
-        start = self.position.cursor
+        remaining = total - int(self.held.position.step)
+        start = self.held.position.cursor
         if self.settings is not None:
             seed, shuffle = self.settings.seed, self.settings.shuffle
         else:
@@ -448,30 +356,33 @@ class ElasticTrainer:
             prefetch_factor=args.dataloader_prefetch_factor if args.dataloader_num_workers > 0 else None,
         )
         prepared = t.accelerator.prepare(loader)
-        shard = getattr(prepared, "batch_sampler", None)
-        if shard is not None and getattr(shard, "batch_sampler", None) is sampler:
+        from accelerate.data_loader import BatchSamplerShard
+
+        shard = prepared.batch_sampler
+        if isinstance(shard, BatchSamplerShard) and shard.batch_sampler is sampler:
             shard.num_processes = 1  # already this rank's batches: accelerate must not shard them again
             shard.process_index = 0
         return prepared
 
     def init_training_state(self, result: tuple[int, int], per_epoch: int) -> tuple[int, int]:
         """After the Trainer built a fresh ``TrainerState``: the state in memory, when resuming from it."""
-        state = self.trainer.state
-        if self.memory_resume:
-            self.progress.apply(state)
+        state, held = self.trainer.state, self.held
+        if held.memory_resume:
+            held.progress.apply(state)
             result = (int(state.global_step) // max(per_epoch, 1), 0)
-        if self.position.step != state.global_step:
+        if held.position.step != state.global_step:
             raise TrainerIntegrationError(
                 f"the Trainer resumed at step {state.global_step} but elastrain's data position is at step "
-                f"{self.position.step}: resume_from_checkpoint must name a checkpoint elastrain committed"
+                f"{held.position.step}: resume_from_checkpoint must name a checkpoint elastrain committed"
             )
         return result
 
     def prepared(self, model: Any) -> None:
         """After accelerate wrapped the model: the step flags ride on DDP's gradient sync; a kept scheduler state."""
-        if self.memory_resume:
-            self.scheduler.apply(self.trainer.lr_scheduler)
-        self.scheduler.target = self.trainer.lr_scheduler
+        held = self.held
+        if held.memory_resume:
+            held.scheduler.apply(self.trainer.lr_scheduler)
+        held.scheduler.target = self.trainer.lr_scheduler
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             return
         flags = self.flags
@@ -518,10 +429,3 @@ def _explicit_settings(trainer: Any) -> TrainerSettings | None:
         if isinstance(callback, SettingsCallback):
             return callback.settings
     return None
-
-
-def _unwrapped(optimizer: Any) -> Any:
-    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (itself if not wrapped)."""
-    from accelerate.optimizer import AcceleratedOptimizer
-
-    return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer

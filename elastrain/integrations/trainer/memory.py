@@ -105,3 +105,16 @@ class Deferred:
         if self.pending is not None and target is not None:
             target.load_state_dict(self.pending)
         self.pending = None
+
+
+@dataclasses.dataclass
+class Held:
+    """Everything a Trainer worker holds between two ``train()`` calls, besides the model and the optimizer."""
+
+    position: DataPosition = dataclasses.field(default_factory=DataPosition)
+    progress: Progress = dataclasses.field(default_factory=Progress)
+    scheduler: Deferred = dataclasses.field(default_factory=Deferred)
+    holds_state: bool = False
+    """This worker trained (or loaded) the state it holds: it can send it at a regroup."""
+    memory_resume: bool = False
+    """The next ``train()`` call continues from the state in memory (kept or received), not a checkpoint."""
