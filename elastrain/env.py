@@ -46,6 +46,8 @@ WARM = "ELASTRAIN_WARM"
 AGENT_PID = "ELASTRAIN_AGENT_PID"
 # Read by the launcher, never set by it: a file holding the job's rendezvous secret (as --rdzv-conf secret_file).
 RDZV_SECRET_FILE = "ELASTRAIN_RDZV_SECRET_FILE"
+# --trainer-integration: "1" makes the workers' bootstrap (elastrain/launcher/bootstrap) patch the HF Trainer.
+TRAINER_INTEGRATION = "ELASTRAIN_TRAINER_INTEGRATION"
 
 ALL_VARIABLES: tuple[str, ...] = (
     RUN_ID,
@@ -64,6 +66,7 @@ ALL_VARIABLES: tuple[str, ...] = (
     LIVE,
     REGROUP_TIMEOUT,
     AGENT_PID,
+    TRAINER_INTEGRATION,
 )
 
 

@@ -115,6 +115,7 @@ class ElastrainAgent(LocalElasticAgent):
         start_method: str = "spawn",
         log_line_prefix_template: str | None = None,
         shutdown_timeout: int = 30,
+        warm_start: bool = False,
     ) -> None:
         super().__init__(
             spec=spec,
@@ -128,7 +129,8 @@ class ElastrainAgent(LocalElasticAgent):
         self._worker_failed = False
         self._config_error = False
         self._rounds_seen = 0
-        self._warm = options.live  # the first workers start before the rendezvous (see _start_warm)
+        # The first workers start before the rendezvous (see _start_warm): scripts that wait for their round only.
+        self._warm = warm_start
         self._warming = False
         self._fenced = False  # the change at hand: another world won the fencing claim (see _live_capable)
         self._left_behind = False  # the change at hand: this node's round was superseded, or it was evicted

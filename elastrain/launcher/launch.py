@@ -16,10 +16,12 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
+from elastrain.env import TRAINER_INTEGRATION
 from elastrain.errors import NodeLeftError, RendezvousStoreLostError
 from elastrain.launcher import orphans
 from elastrain.launcher.agent import ElastrainAgent
 from elastrain.launcher.options import ElastrainOptions
+from elastrain.launcher.script_kind import ScriptKind, classify
 from elastrain.log import lifecycle
 from elastrain.preemption import start_monitor
 from elastrain.rendezvous import binding
@@ -32,6 +34,8 @@ def launch(
 ) -> dict[int, Any]:
     """Run this node's agent until the job ends; return the workers' return values by rank."""
     entrypoint_name = _get_entrypoint_name(entrypoint, args)
+    kind = _script_kind(entrypoint, args)
+    prepare_worker_environment(options)
     if isinstance(entrypoint, str):
         # Workers die with this agent, even on SIGKILL (see orphans.py).
         entrypoint, args = orphans.wrap(entrypoint, list(args))
@@ -61,6 +65,8 @@ def launch(
         rdzv_endpoint=config.rdzv_endpoint,
         run_id=config.run_id,
         max_restarts=config.max_restarts,
+        live=options.live,
+        script=kind.value,
     )
     spec = WorkerSpec(
         role=config.role,
@@ -87,6 +93,7 @@ def launch(
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.shutdown_timeout or 30,
+        warm_start=options.live and _waits_for_round(kind, options),
     )
     shutdown_rdzv = True
     try:
@@ -168,6 +175,37 @@ def listen_on_loopback(address: str) -> None:
         return
     for var, form in SOCKET_IFNAME_FORMATS.items():
         os.environ.setdefault(var, form.format(name))
+
+
+BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
+"""The directory whose ``sitecustomize`` runs at every worker's start (the Trainer integration)."""
+
+
+def prepare_worker_environment(options: ElastrainOptions) -> None:
+    """What every worker (and the zygote) inherits from this agent's environment: the bootstrap on PYTHONPATH,
+    and whether it installs the Trainer integration."""
+    os.environ[TRAINER_INTEGRATION] = "1" if options.trainer_integration else "0"
+    if not options.trainer_integration:
+        return
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != BOOTSTRAP_DIR]
+    os.environ["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *paths])
+
+
+def _waits_for_round(kind: ScriptKind, options: ElastrainOptions) -> bool:
+    """Whether the script waits for its round when started warm (see elastrain.launcher.script_kind)."""
+    return kind is ScriptKind.SESSION or (kind is ScriptKind.TRAINER and options.trainer_integration)
+
+
+def _script_kind(entrypoint: Callable[..., Any] | str, args: list[Any]) -> ScriptKind:
+    """Whether the worker command runs a script that waits for its round (Session, Trainer): see script_kind."""
+    import sys
+
+    if not isinstance(entrypoint, str) or os.path.realpath(entrypoint) != os.path.realpath(sys.executable):
+        return ScriptKind.OTHER
+    argv = [str(a) for a in args]
+    while argv and argv[0] == "-u":
+        argv = argv[1:]
+    return classify(argv, os.getcwd(), sys.path[1:])
 
 
 def _leave(handler: Any, reason: str, kind: Departure = Departure.FAILED) -> None:

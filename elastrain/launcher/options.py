@@ -48,8 +48,10 @@ class ElastrainOptions:
     """Base URL of the instance metadata service (default: each cloud's own; tests point it at 127.0.0.1)."""
     zygote: bool = True
     """Fork workers from a per-node process that already imported torch and the script's top-level imports."""
-    live: bool = False
-    """Regroup workers in place on a membership change (Session scripts); others keep the restart path."""
+    live: bool = True
+    """Regroup workers in place on a membership change (Session and Trainer scripts); others keep the restart path."""
+    trainer_integration: bool = True
+    """Make Hugging Face Trainer scripts elastic with no code change (the workers' bootstrap patches the Trainer)."""
 
     def __post_init__(self) -> None:
         if self.save_timeout_s < 0:
@@ -147,11 +149,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--live",
         action=env,
         type=_str_to_bool,
-        default=False,
-        help="Live reconfiguration: on a membership change, workers that use elastrain's Session regroup in "
-        "place (no restart, no checkpoint read); workers that cannot, or do not answer in time, are "
-        "restarted as without it. A node's workers are started before it joins a round (warm join) "
-        "(default: false).",
+        default=True,
+        help="Live reconfiguration: on a membership change, workers that use elastrain's Session or a Hugging "
+        "Face Trainer regroup in place (no restart, no checkpoint read); other scripts, and workers that do not "
+        "answer in time, are restarted. The workers of such scripts are started before their node joins a "
+        "round (warm join). false: every membership change restarts the workers (default: true).",
+    )
+    group.add_argument(
+        "--trainer-integration",
+        "--trainer_integration",
+        action=env,
+        type=_str_to_bool,
+        default=True,
+        help="Make Hugging Face Trainer scripts elastic with no code change: the global batch kept at every "
+        "world size, the exact data position, committed checkpoints, resume, and live regroup. The workers' "
+        "Python start-up patches transformers' Trainer (tested transformers versions only; others are refused "
+        "with a message). false: the Trainer runs unchanged (default: true).",
     )
     # Positionals must stay last for argparse.REMAINDER; torch's parser added them already.
     _move_positionals_last(parser)
@@ -176,6 +189,7 @@ def options_from_args(args: argparse.Namespace) -> ElastrainOptions:
         metadata_endpoint=args.metadata_endpoint,
         zygote=bool(args.zygote),
         live=bool(args.live),
+        trainer_integration=bool(args.trainer_integration),
     )
 
 

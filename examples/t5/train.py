@@ -189,6 +189,12 @@ if session.rank == 0:
     session.log(session.state.step, samples=session.state.samples_seen, **final)
     # Every start of this job is in the events file, whatever killed the ones before.
     starts = read_events(session.events.path, "start") if session.events.path else []
+    # A live regroup changes the world without a start: the world sizes the job trained at, starts and regroups.
+    regroups = read_events(session.events.path, "regroup") if session.events.path else []
+    worlds = sorted(
+        [(s["time"], int(s["world_size"])) for s in starts]
+        + [(r["time"], int(str(r["world_size"]).rpartition("->")[2])) for r in regroups],
+    )
     resumes = [
         {
             "step": s["restored_step"],
@@ -206,7 +212,8 @@ if session.rank == 0:
         "global_step": session.state.step,
         "samples_seen": session.state.samples_seen,
         "epoch": session.state.epoch,
-        "world_sizes": [s["world_size"] for s in starts],
+        "world_sizes": [w for _, w in worlds],  # one per start and per live regroup
+        "regroups": len(regroups),
         "resumes": resumes,
         "restarts": max(len(starts) - 1, 0),
         "elapsed_s": round(time.time() - starts[0]["time"], 2) if starts else None,

@@ -94,8 +94,9 @@ trainer = Trainer(
 result = trainer.train(resume_from_checkpoint=elastic.resume_from())  # elastrain
 eval_loss = trainer.evaluate(eval_dataset=eval_set)["eval_loss"] if args.eval_size else float("nan")
 if trainer.is_world_process_zero():
-    summary = {"step": trainer.state.global_step, "restored_step": elastic.start_step, "world_size": env.world_size}
-    summary.update(train_loss=result.training_loss, eval_loss=eval_loss)
+    # The world now (under elastrain-run's live mode a worker may have regrouped since the script read its env).
+    summary = {"step": trainer.state.global_step, "restored_step": elastic.start_step}
+    summary.update(world_size=training_args.world_size, train_loss=result.training_loss, eval_loss=eval_loss)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary))
     print("done", json.dumps(summary), flush=True)

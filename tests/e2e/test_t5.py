@@ -103,7 +103,8 @@ def test_sigkill_of_a_node_mid_run(baseline: Path, data_dir: Path, tmp_path: Pat
     script = [TRAIN, *COMMON, "--data-dir", str(data_dir), "--output-dir", str(out)]
     port = free_port()
     # A starved (not dead) node stays in on a busy CI box; --checkpoint-dir: a save before the node rejoins.
-    launcher = ["--checkpoint-dir", str(out / "checkpoints")]
+    # Restart mode: the node's return restarts both (live mode's joins: test_live_ledger.py, bench/goodput.py).
+    launcher = ["--checkpoint-dir", str(out / "checkpoints"), "--live", "false"]
 
     def node_command(_: int) -> list[str]:
         return elastrain_node_command(script, 2, port, "t5-e2e", launcher)

@@ -77,6 +77,7 @@ def agree(rank: int, world: int, port: int) -> None:
     train_step(model, optimizer, state, k + 1)
     print(f"NEXT rank={rank} hash={state_hash(model, optimizer, state)}", flush=True)
     group.leave()
+    group.drain(10.0)  # free the left group now, not during interpreter finalisation (pytorch#179291)
 
 
 def abort(rank: int, world: int, port: int, port2: int) -> None:

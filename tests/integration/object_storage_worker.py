@@ -37,15 +37,17 @@ class Regression(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return self.x[i], self.y[i]
 
 
-def hang_in_save(step: int) -> None:
-    """Stop forever inside the write of this rank's data file for the save of ``step``."""
+def hang_in_save(step: int, rank: int) -> None:
+    """Stop forever inside the write of rank ``rank``'s data file for the save of ``step`` (the rank when it saves:
+    a worker started before its round has none yet)."""
     original = _fsspec_filesystem.FileSystem.create_stream
     folder = f"/{layout.step_dir_name(step)}/"
 
     @contextlib.contextmanager
     def create_stream(self: Any, path: Any, mode: str) -> Iterator[Any]:
         with original(self, path, mode) as stream:
-            if "w" in mode and folder in str(path) and str(path).endswith(".distcp"):
+            mine = WorkerEnv.from_environ().rank == rank
+            if mine and "w" in mode and folder in str(path) and str(path).endswith(".distcp"):
                 stream.write(b"partial shard")
                 print("IN_SAVE", path, flush=True)
                 time.sleep(600)
@@ -61,8 +63,8 @@ def main() -> None:
     p.add_argument("--hang-step", type=int, default=None)
     p.add_argument("--hang-rank", type=int, default=1)
     a = p.parse_args()
-    if a.hang_step is not None and WorkerEnv.from_environ().rank == a.hang_rank:
-        hang_in_save(a.hang_step)
+    if a.hang_step is not None:
+        hang_in_save(a.hang_step, a.hang_rank)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)

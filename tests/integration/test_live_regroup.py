@@ -341,8 +341,8 @@ dist.destroy_process_group()
 
 
 def test_a_plain_script_under_live_starts_after_the_rendezvous(tmp_path: Path) -> None:
-    """--live starts workers warm (before a round); a script without Session ends for want of a rank, and
-    is then started the usual way: one warning line, the job runs."""
+    """--live starts the workers of Session and Trainer scripts warm (before a round); a plain script is started
+    after the rendezvous, as in restart mode (it would train alone): the job runs."""
     script = tmp_path / "plain.py"
     script.write_text(PLAIN)
     port = free_port()
@@ -360,7 +360,8 @@ def test_a_plain_script_under_live_starts_after_the_rendezvous(tmp_path: Path) -
     detail = "\n".join(texts)
     assert codes == [0, 0], detail
     for text in texts:
-        assert "event=warm_start_unsupported" in text and "sum=2" in text and "ws=2" in text, detail
+        assert "script=other" in text and "event=workers_warming" not in text, detail
+        assert "sum=2" in text and "ws=2" in text, detail
 
 
 def test_a_node_told_to_leave_while_its_workers_warm_up_leaves_at_once(tmp_path: Path) -> None:

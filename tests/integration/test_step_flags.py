@@ -1,4 +1,4 @@
-"""The save decision rides on the step's gradient all-reduce: no all-reduce of its own per step, same training.
+"""Restart mode (--live false): the save decision rides on the step's gradient all-reduce, no all-reduce of its own.
 
 Two nodes through the real elastrain-run (c10d, gloo): a save asked for on one node's control channel
 only is made by every rank at the same step, the checkpointer's own agreement all-reduce is never run
@@ -28,7 +28,7 @@ def _job(tmp: Path, env: dict[str, str], checkpoint_dir: Path | None) -> list[di
         log = tmp / f"node{node}.log"
         cmd = elastrain_cmd(
             "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            f"127.0.0.1:{port}", "--rdzv-id", "flags", "--max-restarts", "0", *extra, WORKER,
+            f"127.0.0.1:{port}", "--rdzv-id", "flags", "--max-restarts", "0", "--live", "false", *extra, WORKER,
         )  # fmt: skip
         procs.append((spawn(cmd, log, env=env), log))
     with reaped(*(p for p, _ in procs)):

@@ -6,7 +6,7 @@ import pytest
 
 from elastrain.errors import ScalingError
 from elastrain.integrations.ds_config import deepspeed_elasticity, elastic_config, elasticity_baseline, loss_multiplier
-from elastrain.integrations.trainer_batch import trainer_batch
+from elastrain.integrations.trainer.batch import device_batch, trainer_plan
 
 USER = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 6, "zero_optimization": {"stage": 2}}
 
@@ -95,14 +95,18 @@ def test_an_elasticity_section_is_honoured_removed_and_warned_about(caplog: pyte
         (12, 3, 4, (3, 1)),
         (12, 5, 2, (3, 2)),
         (64, 8, 4, (8, 2)),
+        (16, 8, 3, (6, 1)),  # shares 6, 5, 5: the world size need not divide the global batch
     ],
 )
-def test_trainer_batch_is_exact(global_batch: int, micro: int, world: int, expected: tuple[int, int]) -> None:
-    micro_out, accumulation = trainer_batch(global_batch, micro, world)
-    assert (micro_out, accumulation) == expected and micro_out * accumulation * world == global_batch
-    assert micro_out <= micro
+def test_the_trainer_keeps_the_global_batch_at_every_world_size(
+    global_batch: int, micro: int, world: int, expected: tuple[int, int]
+) -> None:
+    p = trainer_plan(global_batch, micro, world)
+    assert device_batch(p, 0) == expected and p.global_batch == global_batch
+    assert sum(sum(s) for s in p.micro_sizes) == global_batch
+    assert all(len(s) == p.accumulation and max(s) <= micro for s in p.micro_sizes)
 
 
-def test_trainer_batch_refuses_a_global_batch_the_world_size_does_not_divide() -> None:
-    with pytest.raises(ScalingError, match="divisible"):
-        trainer_batch(12, 3, 5)
+def test_the_trainer_refuses_ranks_with_different_numbers_of_micro_batches() -> None:
+    with pytest.raises(ScalingError, match="per_device_train_batch_size"):
+        trainer_plan(5, 1, 3)  # shares 2, 2, 1 in micro-batches of 1

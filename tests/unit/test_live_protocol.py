@@ -160,12 +160,12 @@ def test_worker_env_after_a_regroup_gives_the_new_rank_world_and_generation() ->
     assert environ["MASTER_ADDR"] == "h" and environ["MASTER_PORT"] == "1"
 
 
-def test_live_option_defaults_off_and_reads_pet_live(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_live_option_defaults_on_and_reads_pet_live(monkeypatch: pytest.MonkeyPatch) -> None:
     parser = build_parser()
-    assert options_from_args(parser.parse_args(["train.py"])).live is False
-    assert options_from_args(parser.parse_args(["--live", "true", "train.py"])).live is True
-    monkeypatch.setenv("PET_LIVE", "1")
-    assert options_from_args(build_parser().parse_args(["train.py"])).live is True
+    assert options_from_args(parser.parse_args(["train.py"])).live is True
+    assert options_from_args(parser.parse_args(["--live", "false", "train.py"])).live is False
+    monkeypatch.setenv("PET_LIVE", "0")
+    assert options_from_args(build_parser().parse_args(["train.py"])).live is False
 
 
 def test_the_hold_after_a_requested_save_ends_when_a_regroup_notice_arrives(

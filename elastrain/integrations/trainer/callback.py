@@ -1,0 +1,120 @@
+"""The Trainer callback of the zero-code integration: step boundaries, saves, epoch, metrics.
+
+Public extension points only: the callback sees each step's boundaries and saves. Before a step's first
+forward it lets a live regroup happen (:meth:`ElasticTrainer.boundary`), after each optimizer step it
+decides saves with the one save schedule (:class:`~elastrain.checkpoint.schedule.SaveTrigger`: the
+launcher's requests, agreed by every rank through the step's gradient sync), and after every save the
+Trainer made it commits the folder.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from transformers import TrainerCallback
+
+from elastrain.checkpoint.schedule import SaveReason, SaveSchedule, SaveTrigger
+from elastrain.control import ControlChannel
+from elastrain.metrics import METRICS_FILENAME, EventsFile, MetricsWriter
+
+if TYPE_CHECKING:
+    from elastrain.integrations.trainer.driver import ElasticTrainer
+
+# The launcher's save requests only: the Trainer's own save_steps decide the interval saves.
+SCHEDULE = SaveSchedule(interval_seconds=math.inf, hold_after_request_s=5.0)
+
+
+class ElasticTrainerCallback(TrainerCallback):
+    def __init__(self, driver: ElasticTrainer) -> None:
+        self.driver = driver
+        env = driver.env
+        self._channel = ControlChannel(env.control_dir) if env.control_dir else None
+        self._trigger: SaveTrigger | None = None
+        self._metrics: MetricsWriter | None = None
+        self._requested = False
+        self._hold_after: int | None = None
+
+    def trigger(self) -> SaveTrigger:
+        if self._trigger is None:
+            self._trigger = SaveTrigger(
+                SCHEDULE, self._channel, None, is_local_leader=self.driver.env.local_rank == 0, log=self.driver.log
+            )
+            self._trigger.use_flags(self.driver.flags)
+        return self._trigger
+
+    def leave_world(self) -> None:
+        """A regroup: the next world starts its own segment of metrics."""
+        self._metrics = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        d = self.driver
+        self.trigger().started(state.global_step)
+        m = d.membership
+        if m is not None and d.live_ok and m.member is not None and d.regroups == 0:
+            m.member.ready()  # from now on a membership change regroups this worker in place
+        if d.rank == 0 and self._metrics is None:
+            self._metrics = MetricsWriter(
+                os.path.join(d.checkpoints.root, METRICS_FILENAME), uuid.uuid4().hex[:12], state.global_step
+            )
+            resumed = d.resumed
+            if resumed is not None and resumed.world_size != d.world_size and d.regroups == 0:
+                EventsFile(d.env.events_file).record(
+                    "world_size_changed", old=resumed.world_size, new=d.world_size, step=state.global_step
+                )
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        d = self.driver
+        step, self._hold_after = self._hold_after, None
+        if step is not None:
+            self.trigger().hold(step)  # after a requested save: the change it announced comes now
+        d.boundary()
+        d.flags.begin_step()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        d = self.driver
+        d.agree_flags()
+        view = d.num_samples
+        if view:
+            state.epoch = d.held.position.cursor_at(state.global_step) / view
+        if self._channel is not None and self.trigger().check(state.global_step) is SaveReason.REQUEST:
+            self.trigger().claim()
+            self._requested = True
+            control.should_save = True
+        if state.max_steps and state.global_step >= state.max_steps and args.save_strategy != "no":
+            control.should_save = True  # the last step is committed: a crash after training redoes nothing
+        self._before_save(control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._before_save(control)
+
+    def _before_save(self, control: Any) -> None:
+        """The Trainer writes ``checkpoint-N`` before the commit: a world that lost the checkpoint root stops before
+        it writes there (collective: every rank decides ``should_save`` alike)."""
+        if control.should_save:
+            self.driver.checkpoints.ensure_current()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        d = self.driver
+        step = state.global_step
+        path = d.checkpoints.commit(step, d.held.position.cursor_at(step), d.held.position.global_batch)
+        trigger = self.trigger()
+        trigger.started(step)
+        # The Trainer saves synchronously; the answer waits for the step's own log and evaluation.
+        trigger.committed(step, path, time.time(), defer_answer=True)
+        if self._requested:
+            self._requested = False
+            self._hold_after = step
+        else:
+            trigger.answer()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trigger().answer()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if self._metrics is not None and logs:
+            values = {k: v for k, v in logs.items() if isinstance(v, (int, float))}
+            self._metrics.log(state.global_step, world_size=self.driver.world_size, **values)

@@ -1,0 +1,92 @@
+"""A Trainer worker's live membership (``elastrain-run``'s live mode): one per process.
+
+The Trainer builds its process group through accelerate when the script first asks for a device
+(``TrainingArguments.device``). Under elastrain-run in live mode that group is the current round's
+:class:`~elastrain.live.group.TrainingGroup` instead (joined here, before accelerate looks, so
+accelerate adopts it), whose collectives a watchdog can give up and which a regroup replaces in place.
+
+A *warm* worker (started before its node joined a round, so that the imports, the model and the data are
+ready when the node joins) has no round yet: the script runs to ``trainer.train()`` on a provisional
+one-process setup (:func:`provisional_environ`), and :meth:`TrainerMembership.enter_first_round` waits
+there for the agent's first notice.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from elastrain.env import WorkerEnv
+from elastrain.live.member import LiveMember
+from elastrain.log import lifecycle
+from elastrain.session.regroup import REGROUP_FLAG
+from elastrain.step_flags import StepFlags
+
+# What tells accelerate (and torch) that a process is one of several: hidden while a warm worker sets up.
+_DISTRIBUTED_VARIABLES = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextmanager
+def provisional_environ() -> Iterator[None]:
+    """While a warm worker's script sets up its device: the environment of a single process."""
+    saved = {name: os.environ.pop(name) for name in _DISTRIBUTED_VARIABLES if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def live_mode(env: WorkerEnv) -> bool:
+    """Whether this worker regroups in place: elastrain-run's live mode, and no process group of the script's own."""
+    import torch.distributed as dist
+
+    return env.live and env.under_elastrain and bool(env.control_dir) and not dist.is_initialized()
+
+
+class TrainerMembership:
+    """The round this process trains in, its training group, and the step flags that carry "regroup now"."""
+
+    _process: TrainerMembership | None = None
+
+    def __init__(self, env: WorkerEnv) -> None:
+        self.env = env
+        self.member: LiveMember | None = None
+        self.flags = StepFlags()
+        self.warm = env.warm
+        """True until a warm worker is given its first round."""
+
+    @classmethod
+    def of_process(cls) -> TrainerMembership | None:
+        """This process's membership in live mode (made on first use), else None (restart mode)."""
+        if cls._process is None:
+            env = WorkerEnv.from_environ()
+            if not live_mode(env):
+                return None
+            cls._process = cls(env)
+        return cls._process
+
+    @property
+    def joined(self) -> bool:
+        return self.member is not None and self.member.group.round is not None
+
+    def join(self, backend: str) -> None:
+        """Join the round this worker was started into (collective over its members); no-op once joined."""
+        if self.member is None:
+            self.member = LiveMember(self.env, backend)
+            member = self.member
+            self.flags.add(REGROUP_FLAG, lambda: member.pending_notice() is not None)
+            # Before the interpreter finalises: the watchdog stopped, left groups freed (pytorch#179291).
+            atexit.register(member.close)
+        if self.warm:
+            self.env = self.member.await_round()
+            self.warm = False
+        if self.member.group.round is None:
+            self.member.join_first()
+            lifecycle("trainer_group_joined", round=self.member.round, rank=self.env.rank, world=self.env.world_size)
+
+    def require(self) -> LiveMember:
+        if self.member is None:
+            raise RuntimeError("internal: the Trainer's live membership is used before it joined a round")
+        return self.member

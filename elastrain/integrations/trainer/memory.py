@@ -1,0 +1,120 @@
+"""What a Trainer worker holds in memory besides the model and optimizer, as one small ``Stateful`` each.
+
+At a live regroup these travel from the member that keeps the agreed state to the members that have none
+(a joining or restarted worker) or that roll back (a member a step ahead), together with the model and the
+optimizer (:func:`elastrain.live.transfer.broadcast_state`): the Trainer's own state (global step, epoch,
+log history, best metric), the learning-rate scheduler's state, and elastrain's data position. Every
+value is a plain number, string, list or dict: nothing here is code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+
+@dataclasses.dataclass
+class DataPosition:
+    """Where the data stream stands: ``cursor`` samples consumed after optimizer step ``step``."""
+
+    step: int = 0
+    cursor: int = 0
+    global_batch: int = 0
+
+    def cursor_at(self, step: int) -> int:
+        """The stream position after optimizer step ``step`` (every step takes one global batch)."""
+        return self.cursor + (step - self.step) * self.global_batch
+
+    def rebase(self, step: int) -> None:
+        """Count from optimizer step ``step`` (where the next train() call starts)."""
+        self.cursor, self.step = self.cursor_at(step), step
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.cursor, self.global_batch = int(state["step"]), int(state["cursor"]), int(state["global_batch"])
+
+
+# The fields of transformers' TrainerState that describe progress, not this process or this call of train().
+_PROGRESS_FIELDS = (
+    "epoch",
+    "global_step",
+    "num_input_tokens_seen",
+    "total_flos",
+    "log_history",
+    "best_metric",
+    "best_global_step",
+    "best_model_checkpoint",
+    "trial_name",
+    "trial_params",
+)
+
+
+class Progress:
+    """The Trainer's progress (its ``TrainerState``) as plain values, kept or received at a regroup."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] | None = None
+        self._source: Any = None
+
+    def track(self, trainer_state: Any) -> None:
+        """Send ``trainer_state``'s progress when this member is the source."""
+        self._source = trainer_state
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._source is None:
+            return {}
+        values = {name: getattr(self._source, name) for name in _PROGRESS_FIELDS}
+        return dict(json.loads(json.dumps(values)))  # plain values only (log_history may hold numpy scalars)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.values = dict(state) if state else None
+
+    def snapshot(self) -> None:
+        """Keep this member's own progress (it holds the agreed state): what the next train() resumes from."""
+        self.values = self.state_dict() or None
+
+    def apply(self, trainer_state: Any) -> None:
+        """Write the kept progress into a fresh ``TrainerState`` (the next train() call's)."""
+        if self.values is not None:
+            for name, value in self.values.items():
+                setattr(trainer_state, name, value)
+
+
+class Deferred:
+    """A ``Stateful`` for an object the Trainer builds later (its LR scheduler): a received state waits for it."""
+
+    def __init__(self) -> None:
+        self.target: Any = None
+        self.pending: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.target.state_dict()) if self.target is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pending = dict(state) if state else None
+
+    def snapshot(self) -> None:
+        self.pending = self.state_dict() or None
+
+    def apply(self, target: Any) -> None:
+        """``target`` is built: give it the kept or received state (once)."""
+        self.target = target
+        if self.pending is not None and target is not None:
+            target.load_state_dict(self.pending)
+        self.pending = None
+
+
+@dataclasses.dataclass
+class Held:
+    """Everything a Trainer worker holds between two ``train()`` calls, besides the model and the optimizer."""
+
+    position: DataPosition = dataclasses.field(default_factory=DataPosition)
+    progress: Progress = dataclasses.field(default_factory=Progress)
+    scheduler: Deferred = dataclasses.field(default_factory=Deferred)
+    holds_state: bool = False
+    """This worker trained (or loaded) the state it holds: it can send it at a regroup."""
+    memory_resume: bool = False
+    """The next ``train()`` call continues from the state in memory (kept or received), not a checkpoint."""

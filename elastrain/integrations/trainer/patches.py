@@ -1,0 +1,149 @@
+"""Where elastrain hooks into transformers' ``Trainer``: a few methods wrapped, each delegating to the driver.
+
+Every wrapper calls the original; with no driver attached (not under elastrain-run, or the integration
+turned off) it is the original. Wrapped, for the transformers versions in :data:`~elastrain.integrations.
+trainer.hook.TESTED` only:
+
+* ``TrainingArguments._setup_devices``: in live mode the process group is the round's training group
+  (joined before accelerate looks); a warm worker sets up as one process until ``train()``;
+* ``Trainer.__init__``: attaches the :class:`~elastrain.integrations.trainer.driver.ElasticTrainer`;
+* ``Trainer.train``: the driver's loop (resume, regroups);
+* ``Trainer.get_train_dataloader``: the stream's batches for this rank;
+* ``Trainer._init_training_state``: the state in memory after a regroup;
+* ``Trainer._prepare_for_training``: the step flags on DDP's gradient sync, the scheduler's kept state;
+* ``trainer_utils.get_last_checkpoint``: the newest *committed* checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from elastrain.integrations.trainer.checkpoints import newest_committed
+from elastrain.integrations.trainer.driver import ElasticTrainer, driver_of
+from elastrain.integrations.trainer.membership import TrainerMembership, provisional_environ
+from elastrain.log import lifecycle
+
+_patched: set[tuple[int, str]] = set()  # (id of the class or module, attribute) already wrapped
+
+
+def _wrap(owner: Any, name: str, make: Any) -> None:
+    """Replace ``owner.name`` by ``make(original)``, once."""
+    key = (id(owner), name)
+    if key in _patched:
+        return
+    _patched.add(key)
+    setattr(owner, name, make(owner.__dict__[name]))
+
+
+def patch_training_args(module: Any) -> None:
+    cls = module.TrainingArguments
+    key = (id(cls), "_setup_devices")
+    if key in _patched:
+        return
+    _patched.add(key)
+    original = cls.__dict__["_setup_devices"].func
+
+    @functools.wraps(original)
+    def _setup_devices(self: Any) -> Any:
+        membership = TrainerMembership.of_process()
+        if membership is None:
+            return original(self)
+        if membership.warm:
+            lifecycle("trainer_provisional", why="a warm worker sets up as one process until it is given a round")
+            with provisional_environ():
+                return original(self)
+        backend = "gloo" if self.use_cpu or not _cuda() else "nccl"
+        membership.join(backend)
+        return original(self)
+
+    replacement = functools.cached_property(_setup_devices)
+    replacement.__set_name__(cls, "_setup_devices")
+    cls._setup_devices = replacement
+
+
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def patch_trainer(module: Any) -> None:
+    cls = module.Trainer
+
+    def make_init(original: Any) -> Any:
+        @functools.wraps(original)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            if driver_of(self) is None:
+                ElasticTrainer(self, TrainerMembership.of_process())
+
+        return __init__
+
+    def make_train(original: Any) -> Any:
+        @functools.wraps(original)
+        def train(self: Any, resume_from_checkpoint: Any = None, **kwargs: Any) -> Any:
+            driver = driver_of(self)
+            if driver is None:
+                return original(self, resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            return driver.train(original, resume_from_checkpoint, kwargs)
+
+        return train
+
+    def make_dataloader(original: Any) -> Any:
+        @functools.wraps(original)
+        def get_train_dataloader(self: Any) -> Any:
+            driver = driver_of(self)
+            if driver is None or not driver.stream_ok():
+                return original(self)
+            return driver.train_dataloader()
+
+        return get_train_dataloader
+
+    def make_init_state(original: Any) -> Any:
+        @functools.wraps(original)
+        def _init_training_state(self: Any, max_steps: Any, per_epoch: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, max_steps, per_epoch, *args, **kwargs)
+            driver = driver_of(self)
+            return result if driver is None else driver.init_training_state(result, int(per_epoch))
+
+        return _init_training_state
+
+    def make_prepare(original: Any) -> Any:
+        @functools.wraps(original)
+        def _prepare_for_training(self: Any, *args: Any, **kwargs: Any) -> Any:
+            model, loader = original(self, *args, **kwargs)
+            driver = driver_of(self)
+            if driver is not None:
+                driver.prepared(model)
+            return model, loader
+
+        return _prepare_for_training
+
+    _wrap(cls, "__init__", make_init)
+    _wrap(cls, "train", make_train)
+    _wrap(cls, "get_train_dataloader", make_dataloader)
+    _wrap(cls, "_init_training_state", make_init_state)
+    _wrap(cls, "_prepare_for_training", make_prepare)
+
+
+def patch_trainer_utils(module: Any) -> None:
+    def make(original: Any) -> Any:
+        @functools.wraps(original)
+        def get_last_checkpoint(folder: str) -> str | None:
+            found = newest_committed(folder)
+            theirs = original(folder)
+            if theirs is not None and theirs != found:
+                lifecycle(
+                    "trainer_checkpoint_skipped",
+                    level=logging.WARNING,
+                    skipped=theirs,
+                    instead=found,
+                    why="not committed (a save cut short): get_last_checkpoint answers the newest committed one",
+                )
+            return found
+
+        return get_last_checkpoint
+
+    _wrap(module, "get_last_checkpoint", make)

@@ -1,0 +1,90 @@
+"""The Trainer's training data as elastrain's world-size independent stream: this rank's micro-batches.
+
+The stream is a seeded permutation of the dataset per epoch, read front to back; position ``p`` is
+sample ``epoch_order(n, seed, p // n)[p % n]``, epochs follow each other without a gap, and every
+optimizer step takes the next ``global_batch`` positions whoever the workers are (epoch end ``wrap``
+in :mod:`elastrain.data.cursor`). So the data position is one number, the samples consumed, and a
+job that resumes at any world size, from a checkpoint or from a peer's memory, reads exactly the next
+unseen sample: every sample once per epoch.
+
+:class:`StreamBatches` is a batch sampler for one rank: each step's samples are split among the
+ranks by the batch plan (:func:`elastrain.scaling.plan`: shares that differ by at most one sample,
+the same number of micro-batches on every rank), and it yields this rank's micro-batches for the
+steps left in the run. The Trainer's DataLoader takes it as its ``batch_sampler``; accelerate's own
+sharding is turned off for it (it is already this rank's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Sampler
+
+from elastrain.data import epoch_order
+from elastrain.errors import DataStateError
+from elastrain.scaling import BatchPlan
+
+
+class StreamBatches(Sampler[list[int]]):
+    """This rank's micro-batches for ``steps`` optimizer steps of the stream, starting at position ``start``."""
+
+    def __init__(
+        self, num_samples: int, plan: BatchPlan, rank: int, start: int, steps: int, seed: int, shuffle: bool = True
+    ) -> None:
+        if num_samples < 1:
+            raise DataStateError("the training dataset is empty")
+        if not 0 <= rank < plan.world_size:
+            raise DataStateError(f"rank {rank} is outside the plan's world size {plan.world_size}")
+        if not plan.uniform:
+            raise DataStateError(
+                f"a global batch of {plan.global_batch} over {plan.world_size} workers with micro-batches of "
+                f"{plan.micro_batch} gives the workers different numbers of micro-batches, which the Trainer cannot "
+                "run: raise per_device_train_batch_size or the global batch"
+            )
+        self.num_samples = num_samples
+        self.plan = plan
+        self.rank = rank
+        self.start = start
+        self.steps = max(0, steps)
+        self.seed = seed
+        self.shuffle = shuffle
+        self._orders: dict[int, np.ndarray[Any, np.dtype[np.int64]]] = {}
+
+    def _order(self, epoch: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        if epoch not in self._orders:
+            if len(self._orders) >= 2:
+                self._orders.pop(min(self._orders))
+            self._orders[epoch] = epoch_order(self.num_samples, self.seed, epoch, self.shuffle)
+        return self._orders[epoch]
+
+    def indices(self, first: int, count: int) -> list[int]:
+        """Dataset indices at stream positions ``first .. first + count - 1``."""
+        out: list[int] = []
+        pos, end = first, first + count
+        while pos < end:
+            epoch, offset = divmod(pos, self.num_samples)
+            take = min(end - pos, self.num_samples - offset)
+            out.extend(int(i) for i in self._order(epoch)[offset : offset + take])
+            pos += take
+        return out
+
+    def step_micro_batches(self, step_index: int) -> list[list[int]]:
+        """This rank's micro-batches of the ``step_index``-th step from :attr:`start`."""
+        global_batch = self.plan.global_batch
+        samples = self.indices(self.start + step_index * global_batch, global_batch)
+        sizes = self.plan.micro_sizes
+        offset = sum(sum(s) for s in sizes[: self.rank])
+        out = []
+        for n in sizes[self.rank]:
+            out.append(samples[offset : offset + n])
+            offset += n
+        return out
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for k in range(self.steps):
+            yield from self.step_micro_batches(k)
+
+    def __len__(self) -> int:
+        return self.steps * self.plan.accumulation

@@ -1,0 +1,164 @@
+"""A Trainer worker's side of the round it trains in (live mode): joining, agreeing the state, moving on.
+
+Between two ``Trainer.train()`` calls the worker leaves its world (the DDP wrapper, accelerate's wrappers
+and its view of the world are dropped; the model, the optimizer's state, the scheduler's, the Trainer's
+progress and the data position are kept, :class:`~elastrain.integrations.trainer.memory.Held`), moves its
+process group to the agent's next round, makes accelerate see the new world, and agrees with the round's
+members on the newest step every one of them holds (:mod:`elastrain.live.agreement`): one member sends it
+to the members with none (joiners, restarted workers) and to those a step ahead
+(:func:`elastrain.live.transfer.broadcast_state`). No member holding state: the round loads the newest
+committed checkpoint instead (the driver's restore).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastrain.collective_failure import is_collective_failure
+from elastrain.control import RegroupNotice
+from elastrain.env import WorkerEnv
+from elastrain.integrations.trainer.membership import TrainerMembership
+from elastrain.integrations.trainer.memory import Held
+from elastrain.live.agreement import Ballot, vote
+from elastrain.live.transfer import broadcast_state
+from elastrain.log import lifecycle
+
+
+class TrainerWorld:
+    """One Trainer's live membership: the process's round and group, and the state it keeps or receives."""
+
+    def __init__(self, trainer: Any, membership: TrainerMembership, held: Held) -> None:
+        self.trainer = trainer
+        self.membership = membership
+        self.held = held
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def join(self, first: bool) -> WorkerEnv:
+        """Join this worker's round (a warm worker waits for its first one here); accelerate then sees it."""
+        m = self.membership
+        provisional = m.warm
+        args = self.trainer.args
+        m.join("gloo" if args.use_cpu or not torch.cuda.is_available() else "nccl")
+        if provisional or not first:
+            self.reset_devices()
+        return m.require().env
+
+    def reset_devices(self) -> None:
+        """accelerate's view of the world, made again for the current process group (rank, size, device)."""
+        t = self.trainer
+        args = t.args
+        vars(args).pop("_setup_devices", None)  # transformers caches it (functools.cached_property)
+        args.distributed_state = None
+        _ = args.device  # a PartialState over the current group
+        t.create_accelerator_and_postprocess()
+
+    def agree_state(self) -> bool:
+        """Collective: the members' agreed state in this worker's memory; False when no member holds any (the
+        world loads the newest committed checkpoint)."""
+        t, held = self.trainer, self.held
+        step = int(t.state.global_step) if held.holds_state else 0
+        device = t.args.device
+        agreement = vote(Ballot(held.holds_state, step), device)
+        if agreement.from_checkpoint:
+            return False
+        source = int(agreement.source or 0)
+        if t.optimizer is None:
+            t.create_optimizer()  # a new member: an optimizer to receive the state into
+        held.progress.track(t.state)
+        if held.holds_state:
+            held.position.rebase(step)
+        started = time.monotonic()
+        sent = broadcast_state(
+            source,
+            t.model,
+            unwrapped(t.optimizer),
+            {"progress": held.progress, "scheduler": held.scheduler, "data": held.position},
+            device,
+        )
+        if self.rank == source:
+            held.progress.snapshot()
+            held.scheduler.snapshot()
+        held.memory_resume = held.holds_state = True
+        lifecycle(
+            "trainer_state_agreed",
+            rank=self.rank,
+            step=agreement.step,
+            source=source,
+            receivers=len(agreement.receivers),
+            rolled_back=",".join(map(str, agreement.ahead)) or None,
+            bytes=sent,
+            took_s=round(time.monotonic() - started, 3),
+        )
+        return True
+
+    def broken_by(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is this world breaking (a collective failed for want of a peer): a regroup, not a crash."""
+        member = self.membership.member
+        return member is not None and (member.group.broken.is_set() or is_collective_failure(exc))
+
+    def notice_for(self, cause: BaseException | None) -> RegroupNotice:
+        """The agent's notice of the next round: at hand, or awaited (bounded) after a collective broke. Without
+        one, ``cause`` is re-raised: no regroup can help."""
+        member = self.membership.require()
+        timeout = member.env.regroup_timeout_s
+        notice = member.pending_notice()
+        if notice is None and cause is not None:
+            member.report_broken()  # the agent probes its peers at once
+            notice = member.wait_notice(member.round, timeout)
+        if notice is None:
+            lifecycle("regroup_notice_missing", level=logging.WARNING, waited_s=timeout, error=repr(cause)[:200])
+            if cause is not None:
+                raise cause
+            raise RuntimeError("internal: left train() for a regroup without a notice")
+        lifecycle(
+            "regroup_started",
+            round=f"{member.round}->{notice.round}",
+            step=self.trainer.state.global_step,
+            cause=type(cause).__name__ if cause is not None else "notice",
+            state="dropped: the job trained on without this node" if notice.superseded else "kept",
+        )
+        return notice
+
+    def next_notice(self, failed: RegroupNotice) -> RegroupNotice | None:
+        """After a member of ``failed``'s round failed too: the round after it, if the agent announces one."""
+        member = self.membership.require()
+        return member.wait_notice(failed.round, member.env.regroup_timeout_s)
+
+    def move_to(self, notice: RegroupNotice) -> WorkerEnv:
+        return self.membership.require().move_to(notice)
+
+    def leave(self, kept: bool) -> None:
+        """Drop what belongs to the current group (the DDP wrapper, accelerate's wrappers); keep the state
+        (``kept``), or forget it (this node was left behind: the job trained on without it)."""
+        t, held = self.trainer, self.held
+        if kept and held.holds_state:
+            held.progress.track(t.state)
+            held.progress.snapshot()
+            held.scheduler.target = t.lr_scheduler
+            held.scheduler.snapshot()
+        else:
+            held.holds_state = False
+        t.optimizer = unwrapped(t.optimizer)
+        if t.optimizer is not None:
+            t.optimizer.zero_grad(set_to_none=True)
+        t.model.zero_grad(set_to_none=True)
+        t.model_wrapped = t.model
+        if t._created_lr_scheduler:
+            t.lr_scheduler = None  # the Trainer makes its own again, whose state the kept one replaces
+        gc.collect()  # the old DDP wrapper's reducer (and its autograd hooks) must be gone before a backward
+
+
+def unwrapped(optimizer: Any) -> Any:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (itself if not wrapped)."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer

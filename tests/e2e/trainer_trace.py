@@ -1,0 +1,268 @@
+"""Hugging Face Trainer scripts (examples/hf), unmodified, under elastrain-run through a preemption trace.
+
+:func:`assets` builds tiny models and data once per session (local files only). :func:`reference` runs a
+script uninterrupted on one node; :func:`trace` runs it as local nodes (separate ``elastrain-run`` agents on
+127.0.0.1, elastrain-run's defaults but for ``--checkpoint-dir``) and plays :class:`Event` s, each when the
+job has reached a step (read from the tests' ledger, ``tests/scripts/hf/ledger.py``) with the world size it
+names. :class:`Ledger` reads what every step trained on, in which world, and how many steps ran twice.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from support import PYTHON, REPO, elastrain_cmd, free_port, kill_tree, reaped, run, spawn, wait_logged
+
+SCRIPTS = REPO / "examples" / "hf"
+LEDGER = REPO / "tests" / "scripts" / "hf"  # the tests' own ledger module, imported by the scripts under LEDGER_DIR
+COMMON = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--seed", "0", "--do_train"]
+
+
+def make_assets(out: Path) -> Path:
+    done = out / "done"
+    if not done.exists():
+        proc = run([PYTHON, str(SCRIPTS / "make_assets.py"), str(out)], timeout=240)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        done.write_text("ok")
+    return out
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A script and its arguments (the output dir is added per run)."""
+
+    script: str
+    args: tuple[str, ...]
+    max_steps: int
+
+
+def causal_lm(assets: Path, max_steps: int = 400) -> Workload:
+    return Workload(
+        "run_clm.py",
+        (
+            "--model_name_or_path", str(assets / "gpt2"), "--train_file", str(assets / "text" / "train.txt"),
+            "--block_size", "32", "--per_device_train_batch_size", "4", "--learning_rate", "2e-3",
+            "--save_steps", "40", "--logging_steps", "10", "--max_steps", str(max_steps),
+        ),
+        max_steps,
+    )  # fmt: skip
+
+
+def seq2seq(assets: Path, max_steps: int = 160) -> Workload:
+    return Workload(
+        "run_summarization.py",
+        (
+            "--model_name_or_path", str(assets / "t5"), "--train_file", str(assets / "pairs" / "train.json"),
+            "--validation_file", str(assets / "pairs" / "validation.json"), "--do_eval", "--predict_with_generate",
+            "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "16", "--learning_rate", "3e-3",
+            "--save_steps", "40", "--logging_steps", "10", "--max_steps", str(max_steps),
+        ),
+        max_steps,
+    )  # fmt: skip
+
+
+def classification(assets: Path, max_steps: int = 160) -> Workload:
+    return Workload(
+        "run_classification.py",
+        (
+            "--model_name_or_path", str(assets / "bert"), "--train_file", str(assets / "labels" / "train.json"),
+            "--validation_file", str(assets / "labels" / "validation.json"), "--do_eval",
+            "--per_device_train_batch_size", "8", "--learning_rate", "3e-4",
+            "--save_steps", "40", "--logging_steps", "10", "--max_steps", str(max_steps),
+        ),
+        max_steps,
+    )  # fmt: skip
+
+
+@dataclass
+class Ledger:
+    """Every rank's row per step (tests/scripts/hf/ledger.py): which samples, in which world."""
+
+    rows: list[dict[str, Any]]
+
+    @classmethod
+    def read(cls, folder: Path) -> Ledger:
+        rows = []
+        for path in sorted(folder.glob("ledger-*.jsonl")):
+            text = path.read_text()
+            complete = text[: text.rfind("\n") + 1]  # a line being written now is read next time
+            rows.extend(json.loads(line) for line in complete.splitlines() if line.strip())
+        return cls(rows)
+
+    def _worlds(self) -> dict[int, list[list[dict[str, Any]]]]:
+        """Per step, the rows grouped by the world that computed it (round, world size), oldest first."""
+        by_step: dict[int, dict[tuple[int, int], list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+        for row in self.rows:
+            by_step[row["step"]][(row["round"], row["world"])].append(row)
+        return {s: sorted(groups.values(), key=lambda g: max(r["t"] for r in g)) for s, groups in by_step.items()}
+
+    def last_step(self) -> int:
+        return max((r["step"] for r in self.rows), default=0)
+
+    def world_now(self) -> int:
+        return max(self.rows, key=lambda r: r["t"])["world"] if self.rows else 0
+
+    def steps(self) -> dict[int, list[int]]:
+        """Each step's samples, as trained by the last world that computed it (all its ranks)."""
+        out = {}
+        for step, worlds in self._worlds().items():
+            last = worlds[-1]
+            out[step] = sorted(i for r in last for i in r["ids"])
+        return out
+
+    def complete(self) -> dict[int, bool]:
+        """Whether every rank of the step's last world wrote its row."""
+        return {s: len({r["rank"] for r in w[-1]}) == w[-1][0]["world"] for s, w in self._worlds().items()}
+
+    def redone(self) -> list[int]:
+        """Steps that more than one world completed (computed again after a rollback or a restart)."""
+        return sorted(s for s, worlds in self._worlds().items() if len(worlds) > 1)
+
+    def world_change_steps(self) -> list[int]:
+        """The first step of every world after the first (where the world, its round or size, changed)."""
+        last = [(w[-1][0]["round"], w[-1][0]["world"]) for _, w in sorted(self._worlds().items())]
+        return [i + 1 for i in range(1, len(last)) if last[i] != last[i - 1]]
+
+    def world_sizes(self) -> list[int]:
+        """The world size of each step's last world, in step order."""
+        return [w[-1][0]["world"] for _, w in sorted(self._worlds().items())]
+
+
+@dataclass(frozen=True)
+class Event:
+    """At step ``at`` (once the job trains ``world`` ranks), do ``action`` to node ``node``. ``wait`` does nothing
+    but waits until the job trains ``world`` ranks again, after some step trained another number."""
+
+    action: str  # "kill" (SIGKILL the node: agent and workers), "term" (SIGTERM its agent), "start", "wait"
+    node: str
+    at: int = 0
+    world: int | None = None
+
+
+@dataclass
+class Run:
+    out: Path
+    logs: dict[str, str]
+    codes: dict[str, int]
+    ledger: Ledger
+    wall_s: float
+    events: list[str] = field(default_factory=list)
+
+    def state(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((self.out / "model" / "trainer_state.json").read_text())
+        return data
+
+    def losses(self) -> dict[int, float]:
+        return {int(h["step"]): float(h["loss"]) for h in self.state()["log_history"] if "loss" in h}
+
+    def dump(self) -> str:
+        return "\n".join(f"--- {n} ---\n{log[-5000:]}" for n, log in self.logs.items())
+
+
+def _command(w: Workload, out: Path, port: int, rdzv_id: str, nnodes: str, extra: tuple[str, ...]) -> list[str]:
+    return elastrain_cmd(
+        "--nnodes", nnodes, "--nproc-per-node", "1",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
+        "--checkpoint-dir", str(out / "ckpt"), *extra,
+        str(SCRIPTS / w.script), *w.args, "--output_dir", str(out / "model"), *COMMON,
+    )  # fmt: skip
+
+
+def reference(w: Workload, out: Path, nproc: int = 2, timeout: float = 300.0) -> Run:
+    """The workload uninterrupted: one node of ``nproc`` workers (the trace's first world size, whose global
+    batch every later world keeps)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ledger").mkdir(exist_ok=True)
+    started = time.monotonic()
+    cmd = elastrain_cmd("--standalone", "--nproc-per-node", str(nproc), "--checkpoint-dir", str(out / "ckpt"))
+    cmd += [str(SCRIPTS / w.script), *w.args, "--output_dir", str(out / "model"), *COMMON]
+    proc = run(cmd, timeout=timeout, env={"LEDGER_DIR": str(out / "ledger"), "PYTHONPATH": str(LEDGER)}, cwd=out)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return Run(out, {"ref": proc.stderr}, {"ref": 0}, Ledger.read(out / "ledger"), time.monotonic() - started)
+
+
+def trace(
+    w: Workload,
+    out: Path,
+    events: list[Event],
+    first: tuple[str, ...] = ("a", "b"),
+    nnodes: str = "1:2",
+    extra: tuple[str, ...] = (),
+    timeout: float = 420.0,
+    pace: tuple[float, float] = (0.03, 0.4),
+) -> Run:
+    """The workload as local nodes, ``first`` started at once, through ``events`` in order. Until the last event
+    has played, each step also sleeps (the tests' ledger does) ``pace[0]`` seconds, and ``pace[1]`` while a node
+    started by an event warms up to join: the job outlasts the trace whatever the machine's speed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ledger").mkdir(exist_ok=True)
+    port, rdzv_id = free_port(), f"hf-{random.randrange(1 << 30)}"
+    env = {"LEDGER_DIR": str(out / "ledger"), "PYTHONPATH": str(LEDGER)}
+    pace_file = out / "ledger" / "pace"
+    pace_file.write_text(f"{pace[0]:g}")
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    logs: dict[str, Path] = {}
+    started = time.monotonic()
+    done: list[str] = []
+
+    def start(name: str) -> None:
+        n = sum(1 for k in logs if k.startswith(name))
+        key = name if n == 0 else f"{name}{n + 1}"
+        logs[key] = out / f"{key}.log"
+        procs[name] = spawn(_command(w, out, port, rdzv_id, nnodes, extra), logs[key], env=env, cwd=out)
+
+    for name in first:
+        start(name)
+    every = list(procs.values())
+    with reaped(*every):
+        for ev in events:
+            deadline = time.monotonic() + timeout
+            changed = ev.action != "wait"
+            while True:
+                ledger = Ledger.read(out / "ledger")
+                now = ledger.world_now()
+                changed = changed or (ev.world is not None and now != ev.world)
+                if ledger.last_step() >= ev.at and changed and (ev.world is None or now == ev.world):
+                    pace_file.write_text(f"{pace[0]:g}")
+                    break
+                if ledger.last_step() >= w.max_steps or time.monotonic() > deadline:
+                    raise AssertionError(f"the job never reached {ev} (at step {ledger.last_step()})\n" + _dump(logs))
+                time.sleep(0.05)
+            if ev.action == "start":
+                start(ev.node)
+                every.append(procs[ev.node])
+                pace_file.write_text(f"{pace[1]:g}")  # few steps pass while it warms up
+            elif ev.action == "kill":
+                kill_tree(procs[ev.node].pid, signal.SIGKILL)
+            elif ev.action == "term":
+                procs[ev.node].send_signal(signal.SIGTERM)
+            elif ev.action != "wait":
+                raise ValueError(ev.action)
+            done.append(f"{ev.action} {ev.node} at step {Ledger.read(out / 'ledger').last_step()}")
+        pace_file.unlink()
+        codes = wait_logged([(p, logs[k]) for k, p in _by_log(procs, logs).items()], timeout)
+    texts = {k: p.read_text(errors="replace") for k, p in logs.items()}
+    keys = list(_by_log(procs, logs))
+    return Run(out, texts, dict(zip(keys, codes, strict=True)), Ledger.read(out / "ledger"),
+               time.monotonic() - started, done)  # fmt: skip
+
+
+def _by_log(procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path]) -> dict[str, subprocess.Popen[bytes]]:
+    """The last process of each node name, keyed by its log's name (earlier ones were killed)."""
+    latest = {}
+    for key in logs:
+        name = key.rstrip("0123456789") or key
+        latest[name] = key
+    return {latest[name]: proc for name, proc in procs.items()}
+
+
+def _dump(logs: dict[str, Path]) -> str:
+    return "\n".join(f"--- {k} ---\n{p.read_text(errors='replace')[-4000:]}" for k, p in logs.items() if p.exists())

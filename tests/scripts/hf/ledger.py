@@ -1,0 +1,75 @@
+"""The tests' sample ledger for Trainer scripts: which samples each optimizer step used, in which world.
+
+Not elastrain's: the test's own instrument, which the scripts import only when ``LEDGER_DIR`` is set.
+:func:`wrap` wraps the training set so every micro-batch read is noted, in order; :class:`Callback` writes, at
+each step's end, one line per rank to ``LEDGER_DIR/ledger-<pid>.jsonl``: the step, the ids of the step's
+``gradient_accumulation_steps`` micro-batches (the DataLoader reads one micro-batch ahead: it stays for the
+next step), the rank, the world size and the round (``ELASTRAIN_ROUND``, the world it ran in). Reads of a
+step that never ended (given up when a peer died) are dropped at the next ``train()`` entry. While the test's
+trace plays, each step also waits the seconds written in ``LEDGER_DIR/pace`` (long while a node warms up to
+join), so the job outlasts the trace on a slow machine without burning CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from typing import Any
+
+import torch.distributed as dist
+from torch.utils.data import Dataset
+from transformers import TrainerCallback
+
+_batches: deque[list[int]] = deque()  # micro-batches read and not yet accounted to a step, oldest first
+
+
+class _Noted(Dataset):  # type: ignore[type-arg]
+    def __init__(self, base: Any) -> None:
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int) -> Any:
+        _batches.append([int(i)])
+        return self.base[i]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:  # torch's DataLoader reads a micro-batch with it
+        _batches.append([int(i) for i in indices])
+        return [self.base[i] for i in indices]
+
+    def __getattr__(self, name: str) -> Any:  # column_names, features... of a datasets.Dataset
+        return getattr(self.base, name)
+
+
+def wrap(dataset: Any) -> Any:
+    return _Noted(dataset)
+
+
+class Callback(TrainerCallback):
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        _batches.clear()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        ids = [i for _ in range(min(args.gradient_accumulation_steps, len(_batches))) for i in _batches.popleft()]
+        row = {
+            "step": int(state.global_step),
+            "ids": ids,
+            "rank": rank,
+            "world": world,
+            "round": int(os.environ.get("ELASTRAIN_ROUND", "0") or 0),
+            "pid": os.getpid(),
+            "t": time.time(),
+        }
+        folder = os.environ["LEDGER_DIR"]
+        with open(os.path.join(folder, f"ledger-{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+        try:
+            with open(os.path.join(folder, "pace")) as f:
+                time.sleep(float(f.read() or 0))
+        except (FileNotFoundError, ValueError):
+            pass

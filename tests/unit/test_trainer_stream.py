@@ -1,0 +1,73 @@
+"""The Trainer's data stream (elastrain.integrations.trainer.stream): pure, world-size independent."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastrain.errors import DataStateError
+from elastrain.integrations.trainer.stream import StreamBatches
+from elastrain.scaling import ScalingConfig, plan
+
+
+def _steps(n: int, global_batch: int, micro: int, world: int, start: int, steps: int) -> list[list[int]]:
+    """Each step's samples over all ranks, in rank order."""
+    p = plan(ScalingConfig(global_batch=global_batch, micro_batch=micro), world)
+    ranks = [StreamBatches(n, p, r, start, steps, seed=7) for r in range(world)]
+    out = []
+    for k in range(steps):
+        out.append([i for s in ranks for mb in s.step_micro_batches(k) for i in mb])
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize(("n", "global_batch", "micro"), [(37, 8, 4), (64, 16, 8), (10, 12, 3), (5, 4, 4)])
+def test_each_step_takes_the_same_samples_at_every_world_size(
+    world: int, n: int, global_batch: int, micro: int
+) -> None:
+    one = _steps(n, global_batch, micro, 1, start=3, steps=9)
+    here = _steps(n, global_batch, micro, world, start=3, steps=9)
+    assert [sorted(s) for s in here] == [sorted(s) for s in one]
+    assert all(len(s) == global_batch for s in here)
+
+
+@pytest.mark.parametrize(("n", "global_batch"), [(37, 8), (64, 16), (10, 12)])
+def test_every_sample_once_per_epoch(n: int, global_batch: int) -> None:
+    steps = 3 * n // global_batch + 2
+    flat = [i for s in _steps(n, global_batch, 4, 2, start=0, steps=steps) for i in s]
+    for epoch in range(len(flat) // n):
+        assert sorted(flat[epoch * n : (epoch + 1) * n]) == list(range(n))
+    tail = flat[(len(flat) // n) * n :]
+    assert len(set(tail)) == len(tail)
+
+
+def test_resuming_at_a_position_continues_the_same_stream() -> None:
+    whole = _steps(23, 6, 2, 2, start=0, steps=10)
+    later = _steps(23, 6, 2, 3, start=4 * 6, steps=6)
+    assert [sorted(s) for s in later] == [sorted(s) for s in whole[4:]]
+
+
+def test_a_rank_yields_its_micro_batches_for_the_steps_left() -> None:
+    p = plan(ScalingConfig(global_batch=10, micro_batch=2), 3)  # shares 4, 3, 3: two micro-batches each
+    s = StreamBatches(50, p, 2, start=0, steps=5, seed=0)
+    batches = list(s)
+    assert len(batches) == len(s) == 5 * p.accumulation
+    assert all(1 <= len(b) <= 2 for b in batches)
+
+
+def test_the_seed_and_shuffle_decide_the_order() -> None:
+    p = plan(ScalingConfig(global_batch=4, micro_batch=4), 1)
+    assert StreamBatches(8, p, 0, 0, 2, seed=0, shuffle=False).indices(0, 8) == list(range(8))
+    a = StreamBatches(8, p, 0, 0, 2, seed=1).indices(0, 8)
+    b = StreamBatches(8, p, 0, 0, 2, seed=2).indices(0, 8)
+    assert sorted(a) == sorted(b) == list(range(8)) and a != b
+
+
+def test_uneven_micro_batch_counts_are_refused_with_the_setting_to_change() -> None:
+    p = plan(ScalingConfig(global_batch=5, micro_batch=1), 3)  # shares 2, 2, 1: two micro-batches vs one
+    with pytest.raises(DataStateError, match="per_device_train_batch_size"):
+        StreamBatches(10, p, 0, 0, 1, seed=0)
+
+
+def test_an_empty_dataset_is_refused() -> None:
+    with pytest.raises(DataStateError, match="empty"):
+        StreamBatches(0, plan(ScalingConfig(global_batch=2, micro_batch=2), 1), 0, 0, 1, seed=0)
