@@ -391,8 +391,8 @@ def check_checkpoints(root: str, expect: Expectation | None = None) -> Check:
     ``generation``, a later step never has an older one."""
     from elastrain.checkpoint import layout
     from elastrain.checkpoint.dcp_io import metadata_problems, read_metadata
-    from elastrain.checkpoint.storage import storage_for
     from elastrain.errors import CheckpointCorruptError
+    from elastrain.storage import storage_for
 
     check = Check("committed checkpoints load")
     st = storage_for(root)

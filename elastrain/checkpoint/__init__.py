@@ -9,9 +9,7 @@ directories, commit markers, retention).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
+from elastrain.checkpoint.checkpointer import Checkpointer, RestoreInfo, SaveResult
 from elastrain.checkpoint.layout import (
     CommitMarker,
     FileEntry,
@@ -26,23 +24,7 @@ from elastrain.checkpoint.layout import (
     verify_step,
     write_commit_marker,
 )
-
-if TYPE_CHECKING:
-    from elastrain.checkpoint.checkpointer import Checkpointer, RestoreInfo, SaveResult
-    from elastrain.checkpoint.schedule import SaveSchedule
-
-# Imported on first use: the launcher reads the fence (elastrain.checkpoint.fence) and must not pay for
-# torch.distributed.checkpoint (about a second per agent) to do so.
-_LAZY = {"Checkpointer": "checkpointer", "RestoreInfo": "checkpointer", "SaveResult": "checkpointer"}
-_LAZY["SaveSchedule"] = "schedule"
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'elastrain.checkpoint' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"elastrain.checkpoint.{module}"), name)
-
+from elastrain.checkpoint.schedule import SaveSchedule
 
 __all__ = [
     "Checkpointer",

@@ -55,7 +55,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from elastrain.checkpoint import fence, layout
+from elastrain import fence
+from elastrain.checkpoint import layout
 from elastrain.checkpoint.commit import Commit, entry_of, save_error
 from elastrain.checkpoint.dcp_io import (
     METADATA,
@@ -76,7 +77,6 @@ from elastrain.checkpoint.schedule import DEFAULT_INTERVAL_SECONDS, SaveReason, 
 from elastrain.checkpoint.settings import resolve_root
 from elastrain.checkpoint.staging import Stager
 from elastrain.checkpoint.state import Registry
-from elastrain.checkpoint.storage import storage_for
 from elastrain.control import ControlChannel, SaveRequest
 from elastrain.env import WorkerEnv
 from elastrain.errors import (
@@ -89,6 +89,7 @@ from elastrain.errors import (
 )
 from elastrain.log import lifecycle
 from elastrain.step_flags import StepFlags
+from elastrain.storage import storage_for
 
 __all__ = ["DEFAULT_INTERVAL_SECONDS", "Checkpointer", "RestoreInfo", "SaveResult"]
 

@@ -4,7 +4,7 @@ A save of step N, on every rank (each phase a collective on the checkpointer's I
 timeout is ``--io-timeout``, because it waits on storage, not on a peer's compute):
 
 0. **claim** (once, before the first restore or save; only where the workers fence the root
-   themselves, :func:`elastrain.checkpoint.fence.worker_world`): rank 0 claims this world's
+   themselves, :func:`elastrain.fence.worker_world`): rank 0 claims this world's
    generation in the root; a world that lost the root to a newer one exits (``WorldSupersededExit``).
 1. **prepare** (:meth:`Commit.prepare`): rank 0 checks the fence and decides whether N is to be
    written. A committed step is never overwritten. A leftover of an interrupted save is removed,
@@ -14,7 +14,7 @@ timeout is ``--io-timeout``, because it waits on storage, not on a peer's comput
    their lengths and CRC-32s (DCP computes them while writing, :mod:`elastrain.checkpoint.dcp_io`;
    DeepSpeed and the Trainer's ``torch.save`` files are checksummed by their writer right after).
 3. **commit** (:meth:`Commit.commit`): rank 0 gathers the reports (or the ranks' errors), checks
-   that every expected file was reported, checks the fence (:func:`elastrain.checkpoint.fence.check`:
+   that every expected file was reported, checks the fence (:func:`elastrain.fence.check`:
    a newer world claimed the root), fsyncs the step directory, writes the commit marker with the
    generation, and checks the fence again: a marker that raced a newer world's claim is withdrawn.
    It broadcasts the outcome: every rank raises the same :class:`CheckpointSaveError`, naming the
@@ -38,17 +38,18 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
-from elastrain.checkpoint import fence, layout
-from elastrain.checkpoint.fence import World
+from elastrain import fence
+from elastrain.checkpoint import layout
 from elastrain.checkpoint.group import Group
 from elastrain.checkpoint.layout import CommitMarker, FileEntry, Naming, StepDir
-from elastrain.checkpoint.storage import Storage, check_shared
 from elastrain.errors import (
     CheckpointCorruptError,
     CheckpointSaveError,
     StaleGenerationError,
     WorldSupersededExit,
 )
+from elastrain.fence import World
+from elastrain.storage import Storage, check_shared
 
 OWNER = "elastrain-owner.json"
 # Files of the protocol itself: never part of a format's file list.
@@ -132,7 +133,7 @@ class Commit:
         """``fence(root, generation, storage)`` is called at prepare and around the marker's write
         (default :func:`check_fence`). ``claim_as``: the world claims its own generation in ``root``
         before its first restore or save (the launcher claimed none there; see
-        :func:`elastrain.checkpoint.fence.worker_world`), and ``generation`` is then the claim's."""
+        :func:`elastrain.fence.worker_world`), and ``generation`` is then the claim's."""
         self.root = root
         self.storage = storage
         self.group = group
@@ -162,7 +163,7 @@ class Commit:
     # -- 0. claim --------------------------------------------------------------------------------
     def claim(self) -> int | None:
         """Collective, once: this world's generation in the root, claimed where the workers fence it themselves
-        (:class:`elastrain.checkpoint.fence.WorkerClaim`); a world that lost the root raises :meth:`_stale`'s."""
+        (:class:`elastrain.fence.WorkerClaim`); a world that lost the root raises :meth:`_stale`'s."""
         if self.claim_as is None or self.generation is not None:
             return self.generation
         try:
@@ -477,5 +478,5 @@ class Commit:
 
 
 def check_fence(root: str, generation: int | None, storage: Storage) -> None:
-    """:func:`elastrain.checkpoint.fence.check`: :class:`StaleGenerationError` if a newer world claimed ``root``."""
+    """:func:`elastrain.fence.check`: :class:`StaleGenerationError` if a newer world claimed ``root``."""
     fence.check(root, generation, storage)

@@ -43,8 +43,8 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from elastrain import wire
 from elastrain.checkpoint.layout import Chunk, FileEntry
-from elastrain.checkpoint.storage import Storage, is_url
 from elastrain.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointTamperedError
+from elastrain.storage import Storage, is_url
 
 METADATA = ".metadata"
 _MD = "torch.distributed.checkpoint.metadata"

@@ -21,8 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastrain.checkpoint.storage import Storage, storage_for
 from elastrain.errors import CheckpointCorruptError
+from elastrain.storage import Storage, storage_for
 
 STEP_PREFIX = "step-"
 MARKER = "elastrain-commit.json"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from elastrain.checkpoint.storage import local_path
 from elastrain.env import CHECKPOINT_DIR
 from elastrain.errors import CheckpointError
+from elastrain.storage import local_path
 
 
 def resolve_root(directory: str | os.PathLike[str] | None, env_directory: str | None, owner: str) -> str:

@@ -37,13 +37,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
-from elastrain.checkpoint import fence, layout
+from elastrain import fence
+from elastrain.checkpoint import layout
 from elastrain.checkpoint.commit import PROTOCOL_FILES, Commit, entry_of, fsync_and_checksum
 from elastrain.checkpoint.group import Group, default_group_timeout
 from elastrain.checkpoint.schedule import SaveReason, SaveSchedule, SaveTrigger
 from elastrain.checkpoint.settings import resolve_root
 from elastrain.checkpoint.state import Stateful
-from elastrain.checkpoint.storage import LocalStorage, fsync_dir
 from elastrain.control import ControlChannel
 from elastrain.env import WorkerEnv
 from elastrain.errors import (
@@ -55,6 +55,7 @@ from elastrain.errors import (
 from elastrain.integrations import ds_universal
 from elastrain.integrations.ds_config import DeepSpeedBatch, elastic_config, loss_multiplier
 from elastrain.log import configure, lifecycle
+from elastrain.storage import LocalStorage, fsync_dir
 
 __all__ = [
     "DeepSpeedBatch",

@@ -31,8 +31,8 @@ import uuid
 from pathlib import Path
 
 from elastrain.checkpoint import layout
-from elastrain.checkpoint.storage import fsync_dir
 from elastrain.errors import CheckpointCorruptError, CheckpointError
+from elastrain.storage import fsync_dir
 
 UNIVERSAL = "universal"
 _TMP_PREFIX = ".universal-"

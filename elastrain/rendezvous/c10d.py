@@ -7,7 +7,7 @@ successor hosts a new store seeded with that state, and the others connect to it
 is reachable the handler fails in seconds with a message that recommends ``--rdzv-backend etcd-v3``.
 
 With a checkpoint root, the store a job's world runs on is published in its fencing claim
-(:mod:`elastrain.checkpoint.fence`). A node started with the original ``--rdzv-endpoint`` after a
+(:mod:`elastrain.fence`). A node started with the original ``--rdzv-endpoint`` after a
 failover (a replaced VM, a re-created ``worker-0`` pod) looks there first and joins the running job's
 store instead of founding a second job at the endpoint.
 """
@@ -25,7 +25,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
-from elastrain.checkpoint import fence
+from elastrain import fence
 from elastrain.errors import (
     RendezvousStateCorruptError,
     RendezvousStoreLostError,

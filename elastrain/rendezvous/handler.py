@@ -9,7 +9,7 @@ member's place in the next round. Each round gets its own store prefix and its o
 (MASTER_PORT picked by the rank-0 node), never the agent's shared store (pytorch#135712).
 
 With a checkpoint root (``elastrain-run --checkpoint-dir``), every round's leader claims the job's next
-fencing generation there before any worker starts (:mod:`elastrain.checkpoint.fence`): a world that
+fencing generation there before any worker starts (:mod:`elastrain.fence`): a world that
 loses the claim (the other side of a partition, a store founded again at the original endpoint) stops
 and joins the winner's store, and a world that finds a newer claim while it runs stops its workers.
 Once a round is visibly over, its live members re-join through keys of their own (one write and one count each)
@@ -65,7 +65,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from elastrain.checkpoint import fence
+from elastrain import fence
 from elastrain.errors import (
     NodeLeftError,
     RendezvousError,

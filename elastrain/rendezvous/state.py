@@ -20,7 +20,7 @@ fresh state. The rules:
   state and completes the round in a single compare-and-set (:func:`fold`). Nothing else reads the keys:
   every decision that looks at ``joining`` for a member's re-join has already seen the round end.
 * ``generation`` is the fencing token this lineage's current world claimed in the checkpoint root
-  (:mod:`elastrain.checkpoint.fence`); ``superseded_by`` is a tombstone: another world won the claim,
+  (:mod:`elastrain.fence`); ``superseded_by`` is a tombstone: another world won the claim,
   and every node of this lineage must leave it for that world's store.
 * A member that dies, freezes or leaves is recorded in ``departed``; the live members see it and
   re-join at once. Liveness comes from per-node heartbeat counters that *observers* judge with their

@@ -18,12 +18,12 @@ from typing import Any, Literal, TypedDict, TypeVar, Unpack
 
 import torch
 
-from elastrain.checkpoint.storage import local_path
 from elastrain.data import EpochEnd
 from elastrain.errors import CheckpointError
 from elastrain.live.sharded import ShardFn
 from elastrain.scaling import Policy, ScalingConfig, Schedule
 from elastrain.session.errors import SessionConfigError
+from elastrain.storage import local_path
 
 OnSaveError = Literal["raise", "warn"]
 _E = TypeVar("_E", Policy, EpochEnd)

@@ -11,7 +11,6 @@ import logging
 from typing import Any
 
 from elastrain.checkpoint import RestoreInfo
-from elastrain.checkpoint.storage import join_path
 from elastrain.data import ElasticSampler
 from elastrain.env import WorkerEnv
 from elastrain.log import lifecycle
@@ -26,6 +25,7 @@ from elastrain.metrics import (
 )
 from elastrain.scaling import BatchPlan
 from elastrain.session.config import OutputConfig
+from elastrain.storage import join_path
 from elastrain.train_state import TrainState
 
 

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from elastrain import WorkerEnv
-from elastrain.checkpoint import Checkpointer, checkpointer, layout, storage
+from elastrain import WorkerEnv, storage
+from elastrain.checkpoint import Checkpointer, checkpointer, layout
 from elastrain.log import configure
 
 KILL_INSTANTS = ("before_write", "mid_write", "before_marker", "marker_tmp")

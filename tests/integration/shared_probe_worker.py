@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from elastrain import WorkerEnv
 from elastrain.checkpoint.group import Group
-from elastrain.checkpoint.storage import check_shared
 from elastrain.errors import EX_CONFIG, CheckpointError
+from elastrain.storage import check_shared
 
 
 def main() -> int:

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from support import REPO, elastrain_cmd, free_port, reaped, spawn, wait_for, wait_logged
 
-from elastrain.checkpoint import fence, layout
+from elastrain import fence
+from elastrain.checkpoint import layout
 from elastrain.errors import EX_CONFIG
 from elastrain.log import parse_event_line
 

@@ -21,8 +21,8 @@ from s3_server import S3Server
 from support import REPO, alive, descendants, elastrain_cmd, kill_tree, reaped, run, spawn, wait_for
 
 from elastrain.checkpoint import layout
-from elastrain.checkpoint.storage import join_path
 from elastrain.metrics import read_events, read_metrics
+from elastrain.storage import join_path
 
 WORKER = str(REPO / "tests" / "integration" / "object_storage_worker.py")
 pytestmark = pytest.mark.slow

@@ -1,7 +1,7 @@
 """A multi-node job must have one checkpoint location: a node-local --checkpoint-dir is refused at start.
 
 Two elastrain-run agents on 127.0.0.1 play two nodes (``--nnodes 2``, one worker each). With the
-same directory they pass the probe (:func:`elastrain.checkpoint.storage.check_shared`); with a
+same directory they pass the probe (:func:`elastrain.storage.check_shared`); with a
 directory each (what ``/tmp/ckpt`` on two machines looks like) every rank stops with one line that
 names --checkpoint-dir, instead of failing at the first save.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support import REPO, elastrain_cmd, free_port, reaped, spawn, wait_logged
 
-from elastrain.checkpoint import fence
+from elastrain import fence
 
 WORKER = str(REPO / "tests" / "integration" / "shared_probe_worker.py")
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ import pytest
 from support import PYTHON, free_port, reaped, wait_for, worker_env
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastrain.checkpoint import fence
+from elastrain import fence
 from elastrain.rendezvous.c10d import create_c10d_handler
 from elastrain.rendezvous.handler import ElastrainRendezvousHandler
 

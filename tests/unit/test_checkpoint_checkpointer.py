@@ -306,7 +306,7 @@ def test_fsspec_url_round_trip() -> None:
 def test_a_superseded_generation_never_commits_whatever_on_save_error_says(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on_save_error: str
 ) -> None:
-    from elastrain.checkpoint import fence
+    from elastrain import fence
     from elastrain.errors import StaleGenerationError
 
     root = tmp_path / "c"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from elastrain.checkpoint import fence as fence_mod
+from elastrain import fence as fence_mod
 from elastrain.checkpoint import layout
 from elastrain.checkpoint.commit import (
     OWNER,
@@ -22,8 +22,8 @@ from elastrain.checkpoint.commit import (
 )
 from elastrain.checkpoint.group import Group
 from elastrain.checkpoint.layout import Candidate, Chunk, CommitMarker, FileEntry, StepDir, restore_order
-from elastrain.checkpoint.storage import LocalStorage, fsync_dir
 from elastrain.errors import CheckpointDurabilityError, CheckpointSaveError, StaleGenerationError
+from elastrain.storage import LocalStorage, fsync_dir
 
 
 @pytest.mark.parametrize(
@@ -63,7 +63,7 @@ def test_merge_reports(
 
 
 class Fence:
-    """Stands in for elastrain.checkpoint.fence (the lead's module): records calls, raises when told to."""
+    """Stands in for elastrain.fence (the lead's module): records calls, raises when told to."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int | None]] = []

@@ -127,7 +127,7 @@ def test_marker_json_is_stable() -> None:
 
 def test_fsspec_storage_supports_the_layout() -> None:
     pytest.importorskip("fsspec")
-    from elastrain.checkpoint.storage import FsspecStorage
+    from elastrain.storage import FsspecStorage
 
     st = FsspecStorage("memory://x")
     path = "memory://elastrain-test/ck/" + layout.step_dir_name(3)

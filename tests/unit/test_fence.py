@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elastrain.checkpoint import fence
+from elastrain import fence
 from elastrain.errors import StaleGenerationError
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from elastrain.checkpoint.storage import join_path
 from elastrain.metrics import EventsFile, MetricsWriter, read_events, read_metrics
 from elastrain.metrics.lines import LineLog, compact, read_json_lines
+from elastrain.storage import join_path
 
 
 @pytest.fixture
@@ -130,7 +130,7 @@ def test_a_checkpointed_step_stores_its_points_when_they_are_logged(root: str) -
 
 
 def test_probe_messages_name_rank_ranges() -> None:
-    from elastrain.checkpoint.storage import _ranges
+    from elastrain.storage import _ranges
 
     assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
     assert _ranges([3]) == "3"

@@ -11,9 +11,9 @@ import pytest
 from torch.distributed import DistStoreError, HashStore, PrefixStore
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastrain.checkpoint.fence import Claim
 from elastrain.env import RDZV_SECRET_FILE
 from elastrain.errors import RendezvousForgeryError, RendezvousSecretError, UsageError
+from elastrain.fence import Claim
 from elastrain.rendezvous import auth
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import RendezvousAuth, SignedStore

@@ -313,7 +313,7 @@ def test_the_judge_folds_the_keys_when_the_last_member_is_evicted_instead_of_rej
 
 
 def test_a_world_that_loses_the_generation_claim_joins_the_winner(tmp_path: Path) -> None:
-    from elastrain.checkpoint import fence
+    from elastrain import fence
 
     root = str(tmp_path)
     (a,) = make_nodes(1, checkpoint_root=root)
@@ -330,7 +330,7 @@ def test_a_world_that_loses_the_generation_claim_joins_the_winner(tmp_path: Path
 
 
 def test_a_claim_whose_store_names_no_member_of_the_job_is_not_followed(tmp_path: Path) -> None:
-    from elastrain.checkpoint import fence
+    from elastrain import fence
 
     root = str(tmp_path)
     (a,) = make_nodes(1, checkpoint_root=root)
@@ -347,7 +347,7 @@ def test_a_claim_whose_store_names_no_member_of_the_job_is_not_followed(tmp_path
 
 
 def test_another_job_taking_over_the_checkpoint_dir_stops_this_one_with_one_line(tmp_path: Path) -> None:
-    from elastrain.checkpoint import fence
+    from elastrain import fence
     from elastrain.errors import RendezvousError
 
     root = str(tmp_path)
@@ -364,7 +364,7 @@ def test_another_job_taking_over_the_checkpoint_dir_stops_this_one_with_one_line
 
 def test_a_second_store_founded_for_the_same_job_joins_the_running_one(tmp_path: Path) -> None:
     """A node started again at an endpoint where nobody runs any more finds the running job's store."""
-    from elastrain.checkpoint import fence
+    from elastrain import fence
     from elastrain.rendezvous.c10d import create_c10d_handler
 
     root = str(tmp_path)

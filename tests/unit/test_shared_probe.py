@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from elastrain.checkpoint.storage import PROBE_PREFIX, check_shared
 from elastrain.errors import CheckpointError
+from elastrain.storage import PROBE_PREFIX, check_shared
 
 
 class ThreadGroup:

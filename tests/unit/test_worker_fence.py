@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from elastrain import env as env_vars
-from elastrain.checkpoint import Checkpointer, fence, layout
+from elastrain import fence
+from elastrain.checkpoint import Checkpointer, layout
 from elastrain.checkpoint.commit import Commit
 from elastrain.checkpoint.group import Group
-from elastrain.checkpoint.storage import LocalStorage
 from elastrain.env import WorkerEnv
 from elastrain.errors import EX_CONFIG, CheckpointSaveError, StaleGenerationError, WorldSupersededExit
 from elastrain.log import lifecycle, parse_event_line
+from elastrain.storage import LocalStorage
 
 ELASTRAIN = {env_vars.AGENT_PID: "1", env_vars.RUN_ID: "job", env_vars.ROUND: "4"}
 

@@ -21,13 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from elastrain.checkpoint import fence, layout
+from elastrain import fence
+from elastrain.checkpoint import layout
 from elastrain.checkpoint.commit import PROTOCOL_FILES, Commit, entry_of, fsync_and_checksum
 from elastrain.checkpoint.dcp_io import check_crc
 from elastrain.checkpoint.group import Group
-from elastrain.checkpoint.storage import LocalStorage, fsync_dir, local_path
 from elastrain.env import WorkerEnv
 from elastrain.errors import CheckpointError
+from elastrain.storage import LocalStorage, fsync_dir, local_path
 
 KIND = "hf-trainer"
 STATE_FILE = "elastrain-state.json"

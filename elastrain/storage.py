@@ -1,9 +1,9 @@
-"""Where checkpoint files live: a local/shared filesystem path, or any fsspec URL.
+"""Where a job's files live (checkpoints, fencing claims, metrics): a local/shared filesystem path, or any fsspec URL.
 
-The layout code (:mod:`elastrain.checkpoint.layout`) goes through this small interface so that it
-works the same on ``/mnt/outputs/ckpt``, ``s3://bucket/ckpt`` and ``az://container/ckpt``. Local
-writes are fsynced (files and their directory); object stores make a completed ``put`` durable and
-atomic on their own: an object is either absent or whole, never torn. A failed fsync raises
+The checkpoint layout (:mod:`elastrain.checkpoint.layout`) and the fence (:mod:`elastrain.fence`) go through this
+small interface so that they work the same on ``/mnt/outputs/ckpt``, ``s3://bucket/ckpt`` and
+``az://container/ckpt``. Local writes are fsynced (files and their directory); object stores make a completed
+``put`` durable and atomic on their own: an object is either absent or whole, never torn. A failed fsync raises
 (:class:`~elastrain.errors.CheckpointDurabilityError`): durability that is claimed is real. ``file://``
 URLs name local paths (:func:`local_path`).
 

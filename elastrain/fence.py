@@ -39,7 +39,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from elastrain.checkpoint.storage import (
+from elastrain.env import WorkerEnv
+from elastrain.errors import CheckpointSaveError, StaleGenerationError
+from elastrain.log import lifecycle
+from elastrain.storage import (
     FsspecStorage,
     LocalStorage,
     ProbeGroup,
@@ -49,9 +52,6 @@ from elastrain.checkpoint.storage import (
     local_path,
     storage_for,
 )
-from elastrain.env import WorkerEnv
-from elastrain.errors import CheckpointSaveError, StaleGenerationError
-from elastrain.log import lifecycle
 
 FENCE_DIR = "elastrain-fence"
 _PREFIX = "gen-"
