@@ -340,7 +340,8 @@ def _check_rendezvous(args: argparse.Namespace, conf: dict[str, str], min_nodes:
     found now: one line naming the flag instead of a traceback from inside the agent."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from elastrain.rendezvous import auth, c10d, etcd_options, registry
+    from elastrain.rendezvous import auth, registry
+    from elastrain.rendezvous.backends import c10d, etcd_options
     from elastrain.rendezvous.handler import HandlerSettings
 
     backend, endpoint = args.rdzv_backend, args.rdzv_endpoint or ""

@@ -16,7 +16,7 @@ Once a round is visibly over, its live members re-join through keys of their own
 and one node folds them into the state in a single compare-and-set (:func:`state.fold`; see ``_ask``), so 63
 survivors do not race 63 compare-and-sets of the whole state.
 Liveness (probes, the node's own stall) lives in :mod:`elastrain.rendezvous.liveness`; moving the c10d
-store to a successor lives with the c10d backend (:mod:`elastrain.rendezvous.c10d`); the job's secret, which
+store to a successor lives with the c10d backend (:mod:`elastrain.rendezvous.backends.c10d`); the job's secret, which
 signs every value written, in :mod:`elastrain.rendezvous.auth`; what a node accepts from the store (forged or
 corrupt values, redirects) in :mod:`elastrain.rendezvous.trust`; where it listens in
 :mod:`elastrain.rendezvous.binding`.

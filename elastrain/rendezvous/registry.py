@@ -5,7 +5,7 @@ handler, and torch's ``torchrun.handlers`` entry point reaches the same creators
 
 Inside elastrain, ``c10d`` is elastrain's fast handler over torch's c10d store backend; torch's own
 c10d handler stays reachable as ``torch-c10d``. ``etcd-v3`` is elastrain's handler over an etcd v3
-backend (``elastrain.rendezvous.etcd_v3``), imported only when used.
+backend (``elastrain.rendezvous.backends.etcd_v3``), imported only when used.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ def _create_torch_c10d_handler(params: RendezvousParameters) -> RendezvousHandle
 
 def create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
     """elastrain's handler with its state in the embedded c10d store, with store failover."""
-    from elastrain.rendezvous.c10d import create_c10d_handler as create
+    from elastrain.rendezvous.backends.c10d import create_c10d_handler as create
 
     return create(params)
 
 
 def create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
-    from elastrain.rendezvous.etcd_v3 import create_backend  # type: ignore[import-not-found,unused-ignore]
+    from elastrain.rendezvous.backends.etcd_v3 import create_backend  # type: ignore[import-not-found,unused-ignore]
     from elastrain.rendezvous.handler import create_handler
 
     backend, store = create_backend(params)

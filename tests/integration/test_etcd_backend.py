@@ -22,9 +22,9 @@ from support import free_port
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters, RendezvousStateError
 
 from elastrain.errors import RendezvousError, UsageError
-from elastrain.rendezvous.etcd_client import EtcdUnavailableError
-from elastrain.rendezvous.etcd_store import EtcdStore
-from elastrain.rendezvous.etcd_v3 import EtcdV3RendezvousBackend, create_backend
+from elastrain.rendezvous.backends.etcd_client import EtcdUnavailableError
+from elastrain.rendezvous.backends.etcd_store import EtcdStore
+from elastrain.rendezvous.backends.etcd_v3 import EtcdV3RendezvousBackend, create_backend
 
 pytestmark = pytest.mark.etcd
 

@@ -137,9 +137,9 @@ class EtcdStranger(Stranger):
     def __init__(self, endpoint: str, run_id: str) -> None:
         from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-        from elastrain.rendezvous.etcd_client import EtcdClient
-        from elastrain.rendezvous.etcd_options import options_from_params
-        from elastrain.rendezvous.etcd_v3 import STATE_MAGIC
+        from elastrain.rendezvous.backends.etcd_client import EtcdClient
+        from elastrain.rendezvous.backends.etcd_options import options_from_params
+        from elastrain.rendezvous.backends.etcd_v3 import STATE_MAGIC
 
         self.client = EtcdClient(options_from_params(RendezvousParameters("etcd-v3", endpoint, run_id, 1, 1)), run_id)
         self.client.connect()

@@ -19,7 +19,7 @@ from support import PYTHON, free_port, reaped, wait_for, worker_env
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastrain import fence
-from elastrain.rendezvous.c10d import create_c10d_handler
+from elastrain.rendezvous.backends.c10d import create_c10d_handler
 from elastrain.rendezvous.handler import ElastrainRendezvousHandler
 
 FAST = {"heartbeat_interval": "0.1", "heartbeat_timeout": "1", "last_call_timeout": "0.3"}
@@ -28,7 +28,7 @@ WORLD = textwrap.dedent(
     """
     import sys, time
     from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from elastrain.rendezvous.c10d import create_c10d_handler
+    from elastrain.rendezvous.backends.c10d import create_c10d_handler
     params = RendezvousParameters(backend="c10d", endpoint=sys.argv[1], run_id="refound", min_nodes=1, max_nodes=2,
                                   local_addr="127.0.0.1", is_host="true", checkpoint_root=sys.argv[2],
                                   heartbeat_interval="0.1", heartbeat_timeout="1", last_call_timeout="0.3")

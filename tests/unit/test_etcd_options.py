@@ -8,8 +8,8 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
 
 from elastrain.errors import RendezvousError, UsageError
-from elastrain.rendezvous.etcd_options import EtcdOptions, options_from_params, parse_endpoints
-from elastrain.rendezvous.etcd_v3 import STATE_MAGIC, decode_state, encode_state
+from elastrain.rendezvous.backends.etcd_options import EtcdOptions, options_from_params, parse_endpoints
+from elastrain.rendezvous.backends.etcd_v3 import STATE_MAGIC, decode_state, encode_state
 
 
 def params(endpoint: str = "127.0.0.1:2379", **conf: str) -> RendezvousParameters:

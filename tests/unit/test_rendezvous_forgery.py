@@ -22,7 +22,7 @@ from elastrain.errors import RendezvousError, RendezvousSecretError, RendezvousS
 from elastrain.rendezvous import auth
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import RendezvousAuth, SignedStore
-from elastrain.rendezvous.c10d import C10dBackend
+from elastrain.rendezvous.backends.c10d import C10dBackend
 from elastrain.rendezvous.handler import ElastrainRendezvousHandler
 
 FAST = {"heartbeat_interval": "0.05", "heartbeat_timeout": "0.5", "last_call_timeout": "5"}
@@ -232,8 +232,8 @@ def test_without_a_secret_a_redirect_to_a_host_of_no_member_is_refused(tmp_path:
     """The state is anyone's to write without a secret: a redirect is followed only to a node of the job."""
     from torch.distributed import TCPStore
 
+    from elastrain.rendezvous.backends.c10d import create_c10d_handler
     from elastrain.rendezvous.binding import free_port
-    from elastrain.rendezvous.c10d import create_c10d_handler
 
     port = free_port("127.0.0.1")
     params = RendezvousParameters(

@@ -365,7 +365,7 @@ def test_another_job_taking_over_the_checkpoint_dir_stops_this_one_with_one_line
 def test_a_second_store_founded_for_the_same_job_joins_the_running_one(tmp_path: Path) -> None:
     """A node started again at an endpoint where nobody runs any more finds the running job's store."""
     from elastrain import fence
-    from elastrain.rendezvous.c10d import create_c10d_handler
+    from elastrain.rendezvous.backends.c10d import create_c10d_handler
 
     root = str(tmp_path)
 
@@ -450,7 +450,7 @@ def test_a_store_call_into_a_network_cut_is_abandoned_and_later_calls_fail_fast(
     from torch.distributed import TCPStore
 
     from elastrain.errors import RendezvousStoreLostError
-    from elastrain.rendezvous.c10d import create_c10d_handler
+    from elastrain.rendezvous.backends.c10d import create_c10d_handler
 
     master = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=timedelta(seconds=10))
     hole = _Blackhole(master.port)

@@ -4,11 +4,11 @@
 key, ``<key_prefix>/<run_id>/state``. The token is the key's mod revision; ``set_state`` is one transaction
 that writes only if the revision is still the caller's (compare-and-set), and otherwise returns the
 current state and token. The store handed to the agents (rank assignment, barriers, MASTER_ADDR) lives
-in etcd too (:mod:`elastrain.rendezvous.etcd_store`), so any node, including the first one started, can
+in etcd too (:mod:`elastrain.rendezvous.backends.etcd_store`), so any node, including the first one started, can
 die without taking the job with it.
 
 torch's own etcd backends speak the etcd v2 API only (gone after etcd 3.5). The client library and the
-retry, failover, TLS, auth and lease behaviour are described in :mod:`elastrain.rendezvous.etcd_client`.
+retry, failover, TLS, auth and lease behaviour are described in :mod:`elastrain.rendezvous.backends.etcd_client`.
 
 ``--rdzv-conf`` keys (all optional):
 
@@ -51,9 +51,9 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters, Rendezvou
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
 from elastrain.errors import RendezvousValueCorruptError
-from elastrain.rendezvous.etcd_client import EtcdClient
-from elastrain.rendezvous.etcd_options import options_from_params
-from elastrain.rendezvous.etcd_store import EtcdStore
+from elastrain.rendezvous.backends.etcd_client import EtcdClient
+from elastrain.rendezvous.backends.etcd_options import options_from_params
+from elastrain.rendezvous.backends.etcd_store import EtcdStore
 
 logger = logging.getLogger(__name__)
 

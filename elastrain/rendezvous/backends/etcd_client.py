@@ -39,7 +39,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from elastrain.errors import RendezvousStoreLostError, UsageError
 from elastrain.log import lifecycle
-from elastrain.rendezvous.etcd_options import EtcdOptions
+from elastrain.rendezvous.backends.etcd_options import EtcdOptions
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 from torch._C._distributed_c10d import Store
 from torch.distributed import DistStoreError
 
-from elastrain.rendezvous.etcd_client import EtcdClient
+from elastrain.rendezvous.backends.etcd_client import EtcdClient
 
 _POLL_START_S = 0.01
 _POLL_MAX_S = 0.1
