@@ -342,7 +342,7 @@ def _check_rendezvous(args: argparse.Namespace, conf: dict[str, str], min_nodes:
 
     from elastrain.rendezvous import auth, registry
     from elastrain.rendezvous.backends import c10d, etcd_options
-    from elastrain.rendezvous.handler import HandlerSettings
+    from elastrain.rendezvous.settings import HandlerSettings
 
     backend, endpoint = args.rdzv_backend, args.rdzv_endpoint or ""
     if backend == registry.ETCD_V3:

@@ -15,8 +15,9 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 
 from elastrain.errors import NodeLeftError
 from elastrain.rendezvous import state as st
-from elastrain.rendezvous.handler import ElastrainRendezvousHandler, HandlerSettings
+from elastrain.rendezvous.handler import ElastrainRendezvousHandler
 from elastrain.rendezvous.registry import ETCD_V3, TORCH_C10D, etcd_v3_handler_creator, register_handlers
+from elastrain.rendezvous.settings import HandlerSettings
 
 FAST = {"heartbeat_interval": "0.05", "heartbeat_timeout": "0.5", "last_call_timeout": "5"}
 

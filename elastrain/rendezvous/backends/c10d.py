@@ -36,7 +36,8 @@ from elastrain.log import lifecycle
 from elastrain.rendezvous import binding, liveness
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import RendezvousAuth
-from elastrain.rendezvous.handler import STORE_ERRORS, ElastrainRendezvousHandler
+from elastrain.rendezvous.connection import STORE_ERRORS
+from elastrain.rendezvous.handler import ElastrainRendezvousHandler
 from elastrain.rendezvous.trust import host_of
 
 DEFAULT_PORT = 29400
@@ -114,6 +115,8 @@ class C10dBackend(C10dRendezvousBackend):
 
 class C10dStores:
     """Creates the TCPStores: the first one at the endpoint, later ones on a successor's standby port."""
+
+    movable = True  # the store lives in a node: calls get a deadline, and it fails over, refounds, redirects
 
     def __init__(self, params: RendezvousParameters, auth: RendezvousAuth | None = None) -> None:
         self.params = params

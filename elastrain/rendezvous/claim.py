@@ -1,0 +1,221 @@
+"""The fencing generation of a node's world: settle it for each round, claim it, redirect, check it while running.
+
+With a checkpoint root (``elastrain-run --checkpoint-dir``), every round's leader claims the job's next fencing
+generation there before any worker starts (:mod:`elastrain.fence`): a world that loses the claim (the other side
+of a partition, a store founded again at the original endpoint) stops and joins the winner's store, and a world
+that finds a newer claim while it runs stops its workers. A claim's store is followed only when the job's secret
+signs it, or (without a secret) when it names a member of the job (:mod:`elastrain.rendezvous.trust`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from torch._C._distributed_c10d import Store
+from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
+
+from elastrain import fence
+from elastrain.errors import RendezvousError, StaleGenerationError
+from elastrain.log import lifecycle
+from elastrain.rendezvous import state as st
+from elastrain.rendezvous import trust
+from elastrain.rendezvous.auth import RendezvousAuth
+from elastrain.rendezvous.pacing import Backoff, Throttled
+from elastrain.rendezvous.rounds import RoundLost, Superseded
+from elastrain.rendezvous.settings import HandlerSettings
+from elastrain.rendezvous.store import StateStore
+
+
+def other_job(root: str, claim: fence.Claim, run_id: str) -> RendezvousError:
+    return RendezvousError(
+        f"--checkpoint-dir {root} was taken over by another job (run id {claim.run_id!r}, generation "
+        f"{claim.generation}); one checkpoint directory serves one job: give this job its own --checkpoint-dir, "
+        f"or start it with that job's --rdzv-id to join it (this one is {run_id!r})"
+    )
+
+
+class Fencing:
+    """This node's world's fencing generation in the checkpoint root ``root`` (None: no fencing)."""
+
+    def __init__(
+        self,
+        root: str | None,
+        node_id: str,
+        params: RendezvousParameters,
+        settings: HandlerSettings,
+        state: StateStore,
+        auth: RendezvousAuth,
+        job_hosts: trust.JobHosts,
+        quiet: Throttled,
+    ) -> None:
+        self.root = root
+        self.generation: int | None = None
+        """The fencing generation this node's world claimed (None without a checkpoint root)."""
+        self.fenced_by: str | None = None
+        """The store of the newer world found while this one ran ("unknown" when it cannot be trusted)."""
+        self.foreign: RendezvousError | None = None
+        """Set when another job took over the checkpoint root: this node stops with it."""
+        self._node_id = node_id
+        self._run_id = str(params.run_id)
+        self._params = params
+        self._settings = settings
+        self._state = state
+        self._auth = auth
+        self._job_hosts = job_hosts
+        self._quiet = quiet
+        self._next_check = 0.0
+
+    def settle(self, state: st.RendezvousState, deadline: float) -> st.RendezvousState:
+        """The round's leader claims its generation; every member waits (bounded) for it."""
+        root = self.root
+        if root is None:
+            return state
+        round_ = state.round
+        if state.members[0] == self._node_id and state.generation_round != round_:
+            try:
+                generation = self._claim(state, root)
+            except OSError as exc:
+                raise RendezvousError(
+                    f"--checkpoint-dir {root}: cannot claim the job's fencing generation there ({exc}); "
+                    "it must be a directory (or URL) that every node can write"
+                ) from exc
+            after = self._state.update(lambda cur: st.record_generation(cur, round_, generation))
+            if after.round != round_:
+                raise RoundLost()
+            address = self._state.conn.address
+            lifecycle("generation_claimed", generation=generation, round=round_, store=address, root=root)
+        backoff = Backoff(self._settings.poll_min_s, self._settings.poll_max_s)
+        while True:
+            cur = self._state.read_cached()
+            if cur.superseded_by:
+                raise Superseded(cur.superseded_by)
+            if cur.round != round_ or self._node_id not in cur.members:
+                raise RoundLost()
+            change = st.change_for(cur, self._node_id, round_, self._params.max_nodes)
+            if change is not None and change.kind is not st.ChangeKind.SCALE_UP:
+                raise RoundLost()  # the leader died (or a member left) before the generation was settled
+            if cur.generation_round == round_:
+                self.generation = cur.generation
+                return cur
+            if time.monotonic() > deadline:
+                raise RendezvousTimeoutError(f"round {round_}'s leader claimed no generation in time")
+            backoff.sleep()
+
+    def _claim(self, state: st.RendezvousState, root: str) -> int:
+        """Claim this round's generation in ``root``, or tombstone the lineage and raise :class:`Superseded`."""
+        round_ = state.round
+        run_id, address = self._run_id, self._state.conn.address
+        if state.generation_round < 0:
+            # A fresh store: a job is either starting, or running elsewhere (a store founded again at the
+            # original endpoint, a restarted worker-0 pod): join that job rather than found a second one.
+            top = fence.newest(root)
+            if (
+                top is not None
+                and top.store
+                and top.run_id == run_id
+                and top.store != address
+                and self._state.conn.answers(top.store)
+                and self._claim_trusted(top)
+            ):
+                self._tombstone(top.store, f"generation {top.generation} runs at {top.store}")
+            got = fence.claim_fresh(
+                root, run_id, round_, address, state.members, store_mac=self._auth.store_mac(address),
+            )  # fmt: skip
+            return got.generation
+        if not state.majority:
+            # Perhaps the minority side of a partition: let a majority side claim first.
+            lifecycle("claim_delayed", round=round_, grace_s=self._settings.grace_s, why="no majority of voters")
+            end = time.monotonic() + self._settings.grace_s
+            while time.monotonic() < end:
+                time.sleep(min(0.25, max(0.0, end - time.monotonic())))
+                if self._state.read().round != round_:
+                    raise RoundLost()
+        parent = state.generation
+        for _ in range(100):
+            address = self._state.conn.address
+            won = fence.claim_after(
+                root, run_id, round_, address, state.members, parent, store_mac=self._auth.store_mac(address),
+            )  # fmt: skip
+            if won is not None:
+                return won.generation
+            winner = fence.read_claim(root, parent + 1)
+            if winner is not None and winner.store == self._state.conn.address and winner.run_id == run_id:
+                parent += 1  # our own lineage's claim, by a leader that died before recording it
+                continue
+            if winner is not None and winner.run_id and winner.run_id != run_id:
+                raise other_job(root, winner, run_id)
+            store = winner.store if winner is not None and self._claim_trusted(winner) else ""
+            self._tombstone(store, f"generation {parent + 1} was claimed by another world")
+        raise StaleGenerationError(f"could not claim a generation after {parent} in {root} (100 tries)")
+
+    def _tombstone(self, store: str, why: str) -> None:
+        lifecycle("world_superseded", level=logging.WARNING, node=self._node_id, winner_store=store, why=why)
+        self._state.update(lambda cur: st.supersede(cur, store))
+        raise Superseded(store)
+
+    def connect_winner(self, address: str, deadline: float) -> tuple[RendezvousBackend, Store]:
+        """Connect to ``address`` (the winning world's store), if this node may follow the state there."""
+        if not self._state.conn.movable or not address or address == "unknown":
+            raise RendezvousError(
+                f"another world of run {self._run_id} holds a newer generation in {self.root} "
+                f"(its store: {address or 'unknown'}) and this backend cannot move there; start this node "
+                "again to join it"
+            )
+        if not self._auth.enabled and not self._names_member(address):
+            # Without a secret the state is anyone's to write: follow it only to a store of the job's own nodes.
+            raise RendezvousError(
+                f"the rendezvous state sends this node to {address}, which names no node of run "
+                f"{self._run_id}; refused (a forged state?). Give every node a shared secret "
+                "(--rdzv-conf secret_file=PATH) so that only the job's nodes can write its rendezvous"
+            )
+        return self._state.conn.connect_waiting(address, deadline)
+
+    def forget(self) -> None:
+        """This node left its world for another's: no generation, nothing fenced."""
+        self.fenced_by = None
+        self.generation = None
+
+    def change(self) -> st.Change | None:
+        """Every heartbeat timeout, whether a newer world claimed the checkpoint root (then: stop, join it)."""
+        if not self.root or self.generation is None:
+            return None
+        now = time.monotonic()
+        if self.fenced_by is None and now >= self._next_check:
+            self._next_check = now + self._settings.heartbeat_timeout_s / 2
+            try:
+                fence.check(self.root, self.generation)
+            except StaleGenerationError as exc:
+                top = fence.newest(self.root)
+                if top is not None and top.run_id and top.run_id != self._run_id:
+                    self.foreign = other_job(self.root, top, self._run_id)
+                self.fenced_by = top.store if top is not None and self._claim_trusted(top) else "unknown"
+                lifecycle("world_superseded", level=logging.WARNING, node=self._node_id, why=str(exc))
+            except OSError as exc:
+                self._quiet.log("fence_check_failed", exc, root=self.root)
+        if self.fenced_by is not None:
+            return st.Change(st.ChangeKind.FENCED, f"a newer world runs at {self.fenced_by}")
+        return None
+
+    def _names_member(self, address: str) -> bool:
+        """Whether ``address`` is on a host of the job: known to this node, or vouched for by the store there."""
+        if self._job_hosts.names_member(address):
+            return True
+        hosts = self._state.conn.vouches(address)
+        self._job_hosts.add(hosts)
+        return bool(hosts)
+
+    def _claim_trusted(self, claim: fence.Claim) -> bool:
+        """A fencing claim's store is followed only if the job's secret signs it, or (without a secret) it names a
+        member of the job."""
+        ok = (
+            self._auth.signed_store(claim.store, claim.store_mac)
+            if self._auth.enabled
+            else self._names_member(claim.store)
+        )
+        if not ok:
+            why = "not signed with the job's secret" if self._auth.enabled else "it names no node of the job"
+            lifecycle("fence_claim_untrusted", level=logging.WARNING, store=claim.store, generation=claim.generation,
+                      why=why)  # fmt: skip
+        return ok

@@ -1,0 +1,314 @@
+"""The connection to the job's state store: which store it is, every call to it (bounded), and its moves.
+
+A call that fails is retried by its caller once the store moved (:class:`StoreSwitched`, through
+:meth:`Connection.retrying`, the one place that bounds those retries). The store moves when its host died
+(failover to the host's first reachable successor), when this node never joined a round and the job has no
+live store any more (refound at the endpoint), and when another world of the job holds the newer generation
+(a redirect, see :mod:`elastrain.rendezvous.claim`). What a backend can do here comes from its
+:class:`StoreFactory`: the c10d store lives in a node and moves; an etcd cluster (:class:`FixedStores`) never
+does, and its client bounds every call itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol, TypeVar, cast
+
+from torch._C._distributed_c10d import Store
+from torch.distributed import DistError
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
+
+from elastrain.errors import RendezvousError, RendezvousStoreLostError
+from elastrain.log import lifecycle
+from elastrain.rendezvous import state as st
+from elastrain.rendezvous.pacing import Backoff, Throttled
+from elastrain.rendezvous.settings import HandlerSettings
+
+_T = TypeVar("_T")
+
+# What a store operation may raise when the store is slow, gone or unreachable (typed, never matched by text).
+STORE_ERRORS = (DistError, RendezvousConnectionError, TimeoutError, ConnectionError)
+
+
+class StoreSwitched(Exception):
+    """The state store moved to a successor; the operation restarts on the new one."""
+
+
+class StoreFactory(Protocol):
+    """Where a backend's state store can go: a node-hosted store (c10d) moves, an external cluster does not."""
+
+    movable: bool
+    """Whether the store lives in a node: its calls get a deadline (a TCPStore client whose packets are dropped
+    blocks forever), and it can fail over, be founded again, or be left for another world's."""
+
+    def failover(
+        self, cached: st.RendezvousState, me: str, exc: BaseException, timeout_s: float
+    ) -> tuple[RendezvousBackend, Store, str, bool] | None:
+        """Move to the dead host's first reachable successor: (backend, store, address, hosted here) or None."""
+        ...
+
+    def connect_to(self, address: str, timeout_s: float) -> tuple[RendezvousBackend, Store]:
+        """Connect to the state store at ``host:port`` (another world's store, after a lost claim)."""
+        ...
+
+    def answers(self, address: str, timeout_s: float) -> bool:
+        """Whether a live job's rendezvous answers at ``host:port``."""
+        ...
+
+    def vouches(self, address: str, timeout_s: float) -> set[str]:
+        """The node addresses of the live job at ``host:port``, if one of them is that host (else empty)."""
+        ...
+
+    def refound(self) -> tuple[RendezvousBackend, Store, str, bool] | None:
+        """The store at the endpoint, where a job with no live store starts over: (backend, store, address,
+        hosted here); None where the store never moves; raises :class:`RendezvousStoreLostError` when it can be
+        neither hosted nor reached."""
+        ...
+
+
+class FixedStores:
+    """:class:`StoreFactory` of a store that never moves (etcd): no failover, no refound, no other world's store."""
+
+    movable = False
+
+    def failover(
+        self, cached: st.RendezvousState, me: str, exc: BaseException, timeout_s: float
+    ) -> tuple[RendezvousBackend, Store, str, bool] | None:
+        return None
+
+    def connect_to(self, address: str, timeout_s: float) -> tuple[RendezvousBackend, Store]:
+        raise RendezvousError(f"this rendezvous backend cannot move to another store ({address})")
+
+    def answers(self, address: str, timeout_s: float) -> bool:
+        return False
+
+    def vouches(self, address: str, timeout_s: float) -> set[str]:
+        return set()
+
+    def refound(self) -> tuple[RendezvousBackend, Store, str, bool] | None:
+        return None
+
+
+def with_deadline(op: Callable[[], _T], timeout_s: float) -> _T:
+    """``op()`` in a daemon thread; TimeoutError if it has not returned within ``timeout_s`` (it is abandoned)."""
+    box: dict[str, object] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["out"] = op()
+        except BaseException as exc:  # handed to the caller below
+            box["err"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="elastrain-store-call", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"a rendezvous store call did not return in {timeout_s}s")
+    if "err" in box:
+        raise cast(BaseException, box["err"])
+    return cast(_T, box["out"])
+
+
+class Connection:
+    """The state store this node talks to now, the last state read from it, and every call to it."""
+
+    def __init__(
+        self,
+        backend: RendezvousBackend,
+        store: Store,
+        address: str,
+        hosted_here: bool,
+        stores: StoreFactory,
+        settings: HandlerSettings,
+        node_id: str,
+        on_store_lost: str,
+        quiet: Throttled,
+    ) -> None:
+        self.backend = backend
+        self.store = store
+        self.address = address
+        self.hosted_here = hosted_here
+        """Whether this node's process hosts the store (it dies with it)."""
+        self.lock = threading.RLock()  # RLock: a signal handler on the main thread may leave mid-update
+        self.cached = st.RendezvousState()
+        """The state last read or written (a failover picks the successor from it)."""
+        self.cached_version: int | None = None
+        self.joined = False
+        """Whether this node was ever a member of a completed round (then it has something at stake)."""
+        self._stores = stores
+        self._settings = settings
+        self._node_id = node_id
+        self._on_store_lost = on_store_lost
+        self._quiet = quiet
+        self._failing_since: float | None = None
+        self._wedged: object | None = None
+        self._next_reconnect = 0.0
+        self._reconnect_pause = 0.0
+
+    @property
+    def movable(self) -> bool:
+        return self._stores.movable
+
+    @property
+    def failing(self) -> bool:
+        return self._failing_since is not None
+
+    def retrying(self, op: Callable[[], _T]) -> _T:
+        """``op()``, again on the new store each time the store moved under it (10 moves at most)."""
+        for _ in range(10):
+            try:
+                return op()
+            except StoreSwitched:
+                continue
+        raise RendezvousStoreLostError("the rendezvous store kept moving (10 failovers in a row)")
+
+    def call(self, op: Callable[[], _T]) -> _T:
+        """One store call: bounded; :class:`StoreSwitched` once the store moved, RendezvousStoreLostError once it
+        has failed for too long."""
+        try:
+            out = self._bounded(op)
+        except STORE_ERRORS as exc:
+            now = time.monotonic()
+            # The main and heartbeat threads both get here: read the shared field once.
+            since = self._failing_since
+            if since is None:
+                since = self._failing_since = now
+            # A node that never joined a round has nothing at stake and knows no successor: it keeps looking
+            # for the store the job's world publishes with its next fencing claim (a survivor that took the
+            # store over claims when its round forms), as long as it would wait for a round; with none alive
+            # for refound_after, every member is gone with it, and it starts the job over at the endpoint.
+            newcomer = not self.joined and self._node_id not in self.cached.nodes
+            refound = newcomer and now - since >= self._settings.refound_after_s
+            if self._failover(exc) or (refound and self._refound(now - since)):
+                self._failing_since = None
+                raise StoreSwitched() from exc
+            limit = self._settings.join_timeout_s if newcomer else self._settings.store_lost_timeout_s
+            if now - since >= limit:
+                raise RendezvousStoreLostError(
+                    f"the rendezvous store stopped answering for {now - since:.1f}s ({exc})"
+                    + (f"; {self._on_store_lost}" if self._on_store_lost else "")
+                ) from exc
+            raise
+        self._failing_since = None
+        return out
+
+    def _bounded(self, op: Callable[[], _T]) -> _T:
+        """Run one store call with a deadline (see ``store_op_timeout_s``).
+
+        A call past its deadline is left blocked in its (daemon) thread and its client is marked wedged:
+        later calls fail fast until a fresh connection to the same store answers (tried with a growing
+        pause, 1 s up to 30 s), so a long network cut neither blocks the agent nor piles up threads.
+        """
+        if not self._stores.movable:
+            return op()  # etcd: its client bounds every request and rides out outages (retry_timeout)
+        if self._wedged is not None and self._wedged is self.store:
+            self._reconnect()
+        try:
+            return with_deadline(op, self._settings.store_op_timeout_s)
+        except TimeoutError:
+            self._wedged = self.store
+            lifecycle("store_call_stuck", level=logging.WARNING, store=self.address,
+                      waited_s=self._settings.store_op_timeout_s)  # fmt: skip
+            raise
+
+    def _reconnect(self) -> None:
+        """Replace a wedged store client by a fresh connection, or fail fast (tries back off up to 30 s)."""
+        now = time.monotonic()
+        stores = self._stores
+        if now < self._next_reconnect:
+            raise TimeoutError(f"the rendezvous store at {self.address} does not answer (client wedged)")
+        self._reconnect_pause = min(30.0, max(1.0, 2 * self._reconnect_pause))
+        self._next_reconnect = now + self._reconnect_pause
+        wedged, address = self.store, self.address
+        timeout, deadline = self._settings.store_lost_timeout_s, self._settings.store_op_timeout_s
+        try:
+            backend, store = with_deadline(lambda: stores.connect_to(address, timeout), deadline)
+        except STORE_ERRORS as exc:
+            raise TimeoutError(f"the rendezvous store at {address} does not answer ({exc!r:.80})") from exc
+        with self.lock:
+            if self.store is wedged:
+                self.backend, self.store, self._wedged = backend, store, None
+                self.cached_version = None
+                self._reconnect_pause = 0.0
+        lifecycle("store_reconnected", store=address)
+
+    def _refound(self, silent_s: float) -> bool:
+        """Start the job over at the endpoint's store (c10d; hosted here when this node may host it)."""
+        try:
+            got = self._stores.refound()
+        except RendezvousStoreLostError as exc:
+            self._quiet.log("refound_failed", exc, node=self._node_id)
+            return False
+        if got is None:
+            return False
+        self.backend, self.store, self.address, self.hosted_here = got
+        address, hosts = self.address, self.hosted_here
+        self.cached, self.cached_version = st.RendezvousState(), None
+        lifecycle(
+            "job_refounded",
+            level=logging.WARNING,
+            node=self._node_id,
+            store=address,
+            hosts=hosts,
+            silent_s=round(silent_s, 1),
+            why="no live store of this job: its published store is silent and this node never joined a round",
+        )
+        return True
+
+    def _failover(self, exc: BaseException) -> bool:
+        """Move the state store to the first reachable successor of its dead host (c10d only)."""
+        cached = self.cached
+        if cached.store_host == self._node_id:
+            return False
+        if not cached.store_host and self._node_id in cached.nodes:
+            return False  # a state without a host (never on c10d): no successor can be picked from it
+        got = self._stores.failover(cached, self._node_id, exc, self._settings.store_lost_timeout_s)
+        if got is None:
+            return False
+        self.backend, self.store, self.address, self.hosted_here = got
+        self.cached_version = None
+        lifecycle(
+            "store_failover",
+            level=logging.WARNING,
+            old_host=cached.store_host,
+            endpoint=self.address,
+            cause=repr(exc)[:120],
+        )
+        return True
+
+    def answers(self, address: str) -> bool:
+        """Whether a live job's rendezvous answers at ``address`` (never, for a store that does not move)."""
+        try:
+            return self._stores.answers(address, self._settings.store_lost_timeout_s)
+        except STORE_ERRORS as exc:
+            lifecycle("store_probe_failed", level=logging.INFO, address=address, error=repr(exc)[:120])
+            return False
+
+    def vouches(self, address: str) -> set[str]:
+        """The node addresses of the live job whose store answers at ``address`` (empty if none does)."""
+        return self._stores.vouches(address, self._settings.store_lost_timeout_s)
+
+    def connect_waiting(self, address: str, deadline: float) -> tuple[RendezvousBackend, Store]:
+        """Connect to the store at ``address`` (the winning world's), retrying until ``deadline``."""
+        backoff = Backoff(0.5, 5.0)
+        while True:
+            try:
+                return self._stores.connect_to(address, self._settings.store_lost_timeout_s)
+            except STORE_ERRORS as exc:
+                lifecycle("redirect_waiting", level=logging.WARNING, store=address, error=repr(exc)[:120])
+                if time.monotonic() > deadline:
+                    raise RendezvousTimeoutError(f"the winning world's store at {address} did not answer") from exc
+                backoff.sleep()
+
+    def switch(self, backend: RendezvousBackend, store: Store, address: str) -> None:
+        """Talk to another world's store from now on (hosted elsewhere); call with :attr:`lock` held."""
+        self.backend, self.store = backend, store
+        self.hosted_here = False
+        self.address = address
+        self.cached = st.RendezvousState()
+        self.cached_version = None

@@ -1,0 +1,116 @@
+"""The rendezvous handler's settings: ``--rdzv-conf`` keys, read and checked once.
+
+Options (``--rdzv-conf key=value``), in seconds:
+
+* ``heartbeat_interval`` (0.25) and ``heartbeat_timeout`` (5): a node whose heartbeat did not move
+  for the timeout is dead (a node whose agent process is gone is dead at once: its probe port refuses,
+  so the timeout only decides for frozen or unreachable nodes; a short one evicts live nodes that are
+  merely CPU-starved, as seen with 1.25 s on a loaded 2-core machine);
+* ``last_call_timeout`` (30, as torch): how long a job's *first* round waits for more than
+  ``min_nodes``; later rounds never wait for it;
+* ``join_timeout`` (600): how long a node waits for a round while no round of the job is running
+  (a spare waits as long as the job runs);
+* ``store_lost_timeout`` (3): how long the store may fail before giving up;
+* ``scale_up_window`` (1): a running round waits this long after it first sees a newcomer before it
+  re-forms, so that nodes arriving together join in one round;
+* ``claim_grace`` (2 x heartbeat_timeout): how long a round that holds no majority of the previous
+  round's voters waits before it claims the next generation (a majority side claims first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from elastrain.errors import UsageError
+from elastrain.rendezvous import binding
+
+
+@dataclass(frozen=True)
+class HandlerSettings:
+    heartbeat_interval_s: float = 0.25
+    heartbeat_timeout_s: float = 5.0
+    last_call_s: float = 30.0
+    join_timeout_s: float = 600.0
+    store_lost_timeout_s: float = 3.0
+    scale_up_window_s: float = 1.0
+    claim_grace_s: float | None = None
+    poll_min_s: float = 0.02
+    poll_max_s: float = 0.25
+    poll_forming_s: float = 0.05
+    """How often, at most, a node waits between reads while a round it belongs to is forming (a member departed
+    or re-joined): the round completes within moments, and every waiter should see it at once."""
+    suspect_after: float = 0.9
+    """Heartbeat intervals without a move after which the judge probes a node (a refused probe evicts it)."""
+    leave_timeout_s: float = 5.0
+    store_op_timeout_s: float = 10.0
+    """A store call that has not returned by then is abandoned: a TCPStore client whose packets are silently
+    dropped (a network cut) blocks in its receive forever, whatever its own timeout."""
+    refound_after_s: float = 60.0
+    """A node that never joined a round and found no live store of its job for this long (the published store
+    silent: every member died with its host) starts the job over at ``--rdzv-endpoint`` (c10d): a first start
+    from the newest checkpoint, under the next fencing generation (a world that was only slow is then fenced)."""
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval_s <= 0:
+            raise UsageError("--rdzv-conf heartbeat_interval", f"must be > 0, got {self.heartbeat_interval_s}")
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s + 0.2:
+            raise UsageError(
+                "--rdzv-conf heartbeat_timeout",
+                f"must be at least 2 x heartbeat_interval + 0.2 s ({2 * self.heartbeat_interval_s + 0.2:.2f}), "
+                f"got {self.heartbeat_timeout_s}: a shorter one evicts live but busy nodes",
+            )
+        if self.scale_up_window_s < 0:
+            raise UsageError("--rdzv-conf scale_up_window", f"must be >= 0, got {self.scale_up_window_s}")
+        if self.claim_grace_s is not None and self.claim_grace_s < 0:
+            raise UsageError("--rdzv-conf claim_grace", f"must be >= 0, got {self.claim_grace_s}")
+        if self.refound_after_s <= self.store_lost_timeout_s:
+            raise UsageError(
+                "--rdzv-conf refound_after",
+                f"must be > store_lost_timeout ({self.store_lost_timeout_s} s), got {self.refound_after_s}",
+            )
+
+    @property
+    def stall_s(self) -> float:
+        """A heartbeat tick this late (or a store read this slow) means this node itself stalled."""
+        return max(self.heartbeat_timeout_s / 2, 0.5)
+
+    @property
+    def grace_s(self) -> float:
+        return 2 * self.heartbeat_timeout_s if self.claim_grace_s is None else self.claim_grace_s
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters) -> HandlerSettings:
+        def num(key: str, default: float | None) -> float | None:
+            raw = params.get(key, None)
+            if raw is None:
+                return default
+            try:
+                return float(raw)
+            except (TypeError, ValueError):
+                raise UsageError(f"--rdzv-conf {key}", f"expected seconds, got {raw!r}") from None
+
+        d = cls()
+
+        def req(key: str, default: float) -> float:
+            value = num(key, default)
+            return default if value is None else value
+
+        return cls(
+            heartbeat_interval_s=req("heartbeat_interval", d.heartbeat_interval_s),
+            heartbeat_timeout_s=req("heartbeat_timeout", d.heartbeat_timeout_s),
+            last_call_s=req("last_call_timeout", d.last_call_s),
+            join_timeout_s=req("join_timeout", d.join_timeout_s),
+            store_lost_timeout_s=req("store_lost_timeout", d.store_lost_timeout_s),
+            scale_up_window_s=req("scale_up_window", d.scale_up_window_s),
+            store_op_timeout_s=req("store_op_timeout", d.store_op_timeout_s),
+            claim_grace_s=num("claim_grace", None),
+            refound_after_s=req("refound_after", d.refound_after_s),
+        )
+
+
+def node_address(params: RendezvousParameters) -> str:
+    """What peers and workers use to reach this node: ``--local-addr``, else loopback for a loopback endpoint, else
+    the FQDN (as torch's handler); every port it listens on is bound to this address's interface (binding.py)."""
+    return binding.advertised_address(params.local_addr, str(params.endpoint))
