@@ -47,7 +47,7 @@ from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import RendezvousAuth, SignedStore
 from elastrain.rendezvous.claim import Fencing
 from elastrain.rendezvous.connection import STORE_ERRORS, Connection, FixedStores, StoreFactory, StoreSwitched
-from elastrain.rendezvous.heartbeat import Heartbeat
+from elastrain.rendezvous.heartbeat import Heartbeat, linger_until_seen
 from elastrain.rendezvous.pacing import Backoff, Throttled
 from elastrain.rendezvous.rounds import RoundLost, Rounds, Superseded
 from elastrain.rendezvous.settings import HandlerSettings, node_address
@@ -176,8 +176,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         if self._decision_fresh:
             self._decision_fresh = False
             change = self._decided
-            return 0 if change is None else max(1, st.nodes_waiting(self._conn.cached, self._params.max_nodes))
-        change = self._change()
+        else:
+            change = self._change()
         return 0 if change is None else max(1, st.nodes_waiting(self._conn.cached, self._params.max_nodes))
 
     def shutdown(self) -> bool:
@@ -189,7 +189,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             lifecycle("rendezvous_close_failed", level=logging.WARNING, error=repr(exc)[:200])
             return False
         if self._conn.hosted_here:
-            self._beat.linger_until_seen()  # the late joiners learn that the job is over, not that the store died
+            self._linger()  # the late joiners learn that the job is over, not that the store died
         return True
 
     # -- elastrain's additions: the Membership seam (elastrain.rendezvous.api) ----------------------
@@ -280,7 +280,10 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         else:
             lifecycle("node_left", node=self.node_id, reason=reason, kind=kind.value, round=self._round)
             if self._conn.hosted_here:
-                self._beat.linger_until_seen()
+                self._linger()
+
+    def _linger(self) -> None:
+        linger_until_seen(self._beat, self._state, self.node_id, self._settings, self._quiet)
 
     # -- what tests reach into (not part of any seam) ------------------------------------------------
     @property

@@ -26,6 +26,37 @@ from elastrain.rendezvous.settings import HandlerSettings
 from elastrain.rendezvous.store import StateStore
 
 
+class FailureWatch:
+    """After this node's workers fail: until when it watches every member's heartbeat, the counters it first read
+    in that window, and the members whose counter moved since (alive, so no excuse)."""
+
+    def __init__(self, node_id: str) -> None:
+        self._node_id = node_id
+        self._until = 0.0
+        self._first: dict[str, int] = {}
+        self._moved: set[str] = set()
+
+    def start(self, until: float) -> None:
+        self._first, self._moved = {}, set()
+        self._until = until
+
+    def active(self, now: float) -> bool:
+        return now < self._until
+
+    def saw(self, counters: dict[str, int]) -> None:
+        for n, c in counters.items():
+            if self._first.setdefault(n, c) != c:
+                self._moved.add(n)
+
+    def unseen(self, state: st.RendezvousState, round_: int) -> bool:
+        """Whether, within the watch, a live member of ``round_`` has not beaten since it began."""
+        if time.monotonic() >= self._until:
+            return False
+        if state.round != round_:
+            return False  # the round is over: membership_change says so
+        return any(m != self._node_id and m not in self._moved for m in st.live_members(state))
+
+
 class Heartbeat:
     """This node's heartbeat thread, its judgement of the others, and its watch after a worker failure."""
 
@@ -52,11 +83,7 @@ class Heartbeat:
         self._obs = st.Observations()
         self._probe_all = False
         self._judged_last: str | None = None
-        # After this node's workers fail: until when it watches every member's heartbeat, the counters it
-        # first read in that window, and the members whose counter moved since (alive, so no excuse).
-        self._watch_until = 0.0
-        self._watch_first: dict[str, int] = {}
-        self._watch_moved: set[str] = set()
+        self._watch = FailureWatch(node_id)
 
     def start(self) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -85,8 +112,7 @@ class Heartbeat:
         self._probe_all = True
         if round_ < 0:
             return
-        self._watch_first, self._watch_moved = {}, set()
-        self._watch_until = time.monotonic() + watch_s
+        self._watch.start(time.monotonic() + watch_s)
         try:
             after = self._state.update(lambda cur: st.report_failure(cur, self._node_id, round_, echo))
         except (RendezvousError, *STORE_ERRORS) as exc:
@@ -105,11 +131,7 @@ class Heartbeat:
 
     def peers_unseen(self, state: st.RendezvousState, round_: int) -> bool:
         """Whether, within the watch after a worker failure, a live member of ``round_`` has not beaten since."""
-        if time.monotonic() >= self._watch_until:
-            return False
-        if state.round != round_:
-            return False  # the round is over: membership_change says so
-        return any(m != self._node_id and m not in self._watch_moved for m in st.live_members(state))
+        return self._watch.unseen(state, round_)
 
     def _loop(self) -> None:
         clock = self._clock
@@ -147,16 +169,14 @@ class Heartbeat:
             return  # not part of the job (evicted or not joined): never judge the others
         judge = st.judge(state)
         judging = judge == me
-        watching_all = read_at < self._watch_until
+        watching_all = self._watch.active(read_at)
         if judging or watching_all:
             watched = [n for n in state.heartbeats if n != me]
         else:
             watched = [judge] if judge is not None else []
         counters = self.read_beats(watched)
         if watching_all:
-            for n, c in counters.items():
-                if self._watch_first.setdefault(n, c) != c:
-                    self._watch_moved.add(n)
+            self._watch.saw(counters)
         if judging and self._judged_last != me:
             # Taking over as judge: start from the previous judge's evidence, so that many nodes vanishing
             # together (the judge among them) cost one heartbeat timeout, not one per node.
@@ -270,23 +290,26 @@ class Heartbeat:
             self._quiet.log("rendezvous_value_ignored", exc, key=key)
             return self._obs.seen.get(node, (-1, 0.0))[0]
 
-    def linger_until_seen(self) -> None:
-        """The store dies with this process: keep it up (bounded) until every peer has read the state since our
-        leave or the job's end, so that each learns why (a setting error, a notice, the job is over) instead of
-        a silent store loss (which a joiner would answer by hosting a store of its own).
-        A peer reads the state right after each beat, so one beat past our first look is enough."""
-        s = self._settings
-        deadline = time.monotonic() + 4 * s.heartbeat_interval_s + 0.5
-        started = time.monotonic()
-        try:
-            peers = [n for n in self._state.read_cached().heartbeats if n != self._node_id]
-            first = self.read_beats(peers)
-            while peers and time.monotonic() < deadline:
-                now = self.read_beats(peers)
-                peers = [n for n in peers if now[n] <= first[n]]
-                if peers:
-                    time.sleep(s.heartbeat_interval_s / 4)
-        except (RendezvousError, StoreSwitched, *STORE_ERRORS) as exc:
-            self._quiet.log("store_linger_failed", exc, node=self._node_id)
-            return
-        lifecycle("store_host_lingered", waited_s=round(time.monotonic() - started, 3), unseen=len(peers))
+
+def linger_until_seen(
+    heartbeat: Heartbeat, state: StateStore, node_id: str, settings: HandlerSettings, quiet: Throttled
+) -> None:
+    """The store dies with this process: keep it up (bounded) until every peer has read the state since our
+    leave or the job's end, so that each learns why (a setting error, a notice, the job is over) instead of
+    a silent store loss (which a joiner would answer by hosting a store of its own).
+    A peer reads the state right after each beat, so one beat past our first look is enough."""
+    s = settings
+    deadline = time.monotonic() + 4 * s.heartbeat_interval_s + 0.5
+    started = time.monotonic()
+    try:
+        peers = [n for n in state.read_cached().heartbeats if n != node_id]
+        first = heartbeat.read_beats(peers)
+        while peers and time.monotonic() < deadline:
+            now = heartbeat.read_beats(peers)
+            peers = [n for n in peers if now[n] <= first[n]]
+            if peers:
+                time.sleep(s.heartbeat_interval_s / 4)
+    except (RendezvousError, StoreSwitched, *STORE_ERRORS) as exc:
+        quiet.log("store_linger_failed", exc, node=node_id)
+        return
+    lifecycle("store_host_lingered", waited_s=round(time.monotonic() - started, 3), unseen=len(peers))
