@@ -93,11 +93,7 @@ class EtcdClient:
         self.root = f"{options.key_prefix.rstrip('/')}/{run_id}/"
         self._lock = threading.Lock()
         self._client: etcd3.MultiEndpointEtcd3Client | None = None
-        self._lease_id: int | None = None
-        self._keepalive: threading.Thread | None = None
-        self._closed = threading.Event()
-        self._compaction_mark: int | None = None
-        self._may_compact = True
+        self._lease = JobLease(self)
 
     # -- connection ---------------------------------------------------------------------------
     def _new_client(self) -> etcd3.MultiEndpointEtcd3Client:
@@ -212,112 +208,20 @@ class EtcdClient:
         )
 
     def close(self) -> None:
-        self._closed.set()
+        self._lease.stop()
         with self._lock:
             client, self._client = self._client, None
         if client is not None:
             client.close()
 
-    # -- the job's lease ----------------------------------------------------------------------------
+    # -- the job's lease (see JobLease) -------------------------------------------------------------
     def lease_id(self) -> int:
         """The lease every key of this job is attached to (created by the first agent, shared by all)."""
-        with self._lock:
-            lease = self._lease_id
-        if lease is None:
-            lease = self._acquire_lease()
-        return lease
-
-    def _acquire_lease(self) -> int:
-        key = self.root + "lease"
-        ttl = self.options.lease_ttl_s
-
-        def acquire(c: etcd3.MultiEndpointEtcd3Client) -> int:
-            mine = c.lease(ttl)
-            ok, responses = c.transaction(
-                compare=[c.transactions.create(key) == 0],
-                success=[c.transactions.put(key, str(mine.id), lease=mine.id)],
-                failure=[c.transactions.get(key)],
-            )
-            if ok:
-                return int(mine.id)
-            c.revoke_lease(mine.id)
-            found = responses[0]
-            if not found:
-                raise etcd_exc.ConnectionFailedError()  # the shared lease expired just now: try again
-            return int(found[0][0])
-
-        lease = self.call("lease acquisition", acquire)
-        with self._lock:
-            self._lease_id = lease
-            if self._keepalive is None:
-                self._keepalive = threading.Thread(target=self._keep_alive, name="elastrain-etcd-lease", daemon=True)
-                self._keepalive.start()
-        return lease
-
-    def _lease_expired(self, lease: int) -> None:
-        with self._lock:
-            if self._lease_id == lease:
-                self._lease_id = None
-        lifecycle("etcd_lease_expired", level=logging.WARNING, lease=lease, root=self.root)
-
-    def _keep_alive(self) -> None:
-        interval = max(self.options.lease_ttl_s / 4, 1.0)
-        every = self.options.compact_interval_s
-        next_compaction = time.monotonic() + every * random.uniform(0.5, 1.0)
-        while not self._closed.wait(interval):
-            with self._lock:
-                lease = self._lease_id
-            if lease is None:
-                continue
-            try:
-                responses = self.call(
-                    "lease keep-alive",
-                    lambda c, lease=lease: list(c.refresh_lease(lease)),  # type: ignore[misc]
-                    timeout=self.options.lease_ttl_s / 2,
-                )
-                if not responses or responses[0].TTL <= 0:
-                    self._lease_expired(lease)
-                if every > 0 and time.monotonic() >= next_compaction:
-                    next_compaction = time.monotonic() + every
-                    self.compact_history()
-            except Exception as exc:  # the next request retries; the thread must not die
-                logger.warning("etcd lease keep-alive failed: %s", _describe_error(exc))
+        return self._lease.lease_id()
 
     def compact_history(self) -> int | None:
-        """Compact etcd's history up to the revision seen by the previous call; return the new mark.
-
-        Every heartbeat rewrites the rendezvous state, and etcd keeps every old version until it is
-        compacted: without this (or etcd's own ``--auto-compaction-retention``) a long job fills etcd's
-        space quota and etcd refuses all writes. Compaction is cluster-wide and idempotent.
-        """
-        revision = int(self.call("revision", lambda c: c.get_response(self.root + "lease").header.revision))
-        mark, self._compaction_mark = self._compaction_mark, revision
-        if mark is None or not self._may_compact:
-            return revision
-
-        def compact(c: etcd3.MultiEndpointEtcd3Client) -> grpc.StatusCode:
-            try:
-                c.compact(mark)
-            except grpc.RpcError as exc:
-                code = _rpc_code(exc)
-                # OUT_OF_RANGE: someone compacted further already; PERMISSION_DENIED: not an admin.
-                if code in (grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.PERMISSION_DENIED):
-                    return code
-                raise
-            return grpc.StatusCode.OK
-
-        code = self.call("compaction", compact)
-        if code is grpc.StatusCode.OK:
-            lifecycle("etcd_compacted", revision=mark, root=self.root)
-        elif code is grpc.StatusCode.PERMISSION_DENIED:
-            self._may_compact = False
-            lifecycle(
-                "etcd_compaction_denied",
-                level=logging.WARNING,
-                user=self.options.user,
-                hint="run etcd with --auto-compaction-retention, or set compact_interval=0",
-            )
-        return revision
+        """Compact etcd's history up to the revision seen by the previous call; return the new mark."""
+        return self._lease.compact_history()
 
     # -- key-value helpers --------------------------------------------------------------------------
     def get(self, key: str) -> tuple[bytes, int] | None:
@@ -338,7 +242,7 @@ class EtcdClient:
                 return self.call(what, lambda c, lease=lease: fn(c, lease))  # type: ignore[misc]
             except grpc.RpcError as exc:
                 if _rpc_code(exc) is grpc.StatusCode.NOT_FOUND and "lease not found" in str(exc.details()):
-                    self._lease_expired(lease)
+                    self._lease.expired(lease)
                     continue
                 raise
         raise EtcdUnavailableError(f"etcd at {self.options.describe()} keeps losing the lease of {self.root}")
@@ -394,3 +298,122 @@ class EtcdClient:
                     compare=[], success=[c.transactions.put(k, v, lease=lease) for k, v in chunk], failure=[]
                 ),
             )
+
+
+class JobLease:
+    """The etcd lease that every key of the job is attached to, kept alive (and etcd's history compacted) by a
+    thread of this agent."""
+
+    def __init__(self, client: EtcdClient) -> None:
+        self._client = client
+        self._options = client.options
+        self._root = client.root
+        self._lock = threading.Lock()
+        self._lease_id: int | None = None
+        self._keepalive: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self._compaction_mark: int | None = None
+        self._may_compact = True
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def lease_id(self) -> int:
+        """The lease every key of this job is attached to (created by the first agent, shared by all)."""
+        with self._lock:
+            lease = self._lease_id
+        if lease is None:
+            lease = self._acquire_lease()
+        return lease
+
+    def _acquire_lease(self) -> int:
+        key = self._root + "lease"
+        ttl = self._options.lease_ttl_s
+
+        def acquire(c: etcd3.MultiEndpointEtcd3Client) -> int:
+            mine = c.lease(ttl)
+            ok, responses = c.transaction(
+                compare=[c.transactions.create(key) == 0],
+                success=[c.transactions.put(key, str(mine.id), lease=mine.id)],
+                failure=[c.transactions.get(key)],
+            )
+            if ok:
+                return int(mine.id)
+            c.revoke_lease(mine.id)
+            found = responses[0]
+            if not found:
+                raise etcd_exc.ConnectionFailedError()  # the shared lease expired just now: try again
+            return int(found[0][0])
+
+        lease = self._client.call("lease acquisition", acquire)
+        with self._lock:
+            self._lease_id = lease
+            if self._keepalive is None:
+                self._keepalive = threading.Thread(target=self._keep_alive, name="elastrain-etcd-lease", daemon=True)
+                self._keepalive.start()
+        return lease
+
+    def expired(self, lease: int) -> None:
+        with self._lock:
+            if self._lease_id == lease:
+                self._lease_id = None
+        lifecycle("etcd_lease_expired", level=logging.WARNING, lease=lease, root=self._root)
+
+    def _keep_alive(self) -> None:
+        interval = max(self._options.lease_ttl_s / 4, 1.0)
+        every = self._options.compact_interval_s
+        next_compaction = time.monotonic() + every * random.uniform(0.5, 1.0)
+        while not self._stopped.wait(interval):
+            with self._lock:
+                lease = self._lease_id
+            if lease is None:
+                continue
+            try:
+                responses = self._client.call(
+                    "lease keep-alive",
+                    lambda c, lease=lease: list(c.refresh_lease(lease)),  # type: ignore[misc]
+                    timeout=self._options.lease_ttl_s / 2,
+                )
+                if not responses or responses[0].TTL <= 0:
+                    self.expired(lease)
+                if every > 0 and time.monotonic() >= next_compaction:
+                    next_compaction = time.monotonic() + every
+                    self.compact_history()
+            except Exception as exc:  # the next request retries; the thread must not die
+                logger.warning("etcd lease keep-alive failed: %s", _describe_error(exc))
+
+    def compact_history(self) -> int | None:
+        """Compact etcd's history up to the revision seen by the previous call; return the new mark.
+
+        Every heartbeat rewrites the rendezvous state, and etcd keeps every old version until it is
+        compacted: without this (or etcd's own ``--auto-compaction-retention``) a long job fills etcd's
+        space quota and etcd refuses all writes. Compaction is cluster-wide and idempotent.
+        """
+        revision = int(self._client.call("revision", lambda c: c.get_response(self._root + "lease").header.revision))
+        mark, self._compaction_mark = self._compaction_mark, revision
+        if mark is None or not self._may_compact:
+            return revision
+
+        def compact(c: etcd3.MultiEndpointEtcd3Client) -> grpc.StatusCode:
+            try:
+                c.compact(mark)
+            except grpc.RpcError as exc:
+                code = _rpc_code(exc)
+                # OUT_OF_RANGE: someone compacted further already; PERMISSION_DENIED: not an admin.
+                if code in (grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.PERMISSION_DENIED):
+                    return code
+                raise
+            return grpc.StatusCode.OK
+
+        code = self._client.call("compaction", compact)
+        if code is grpc.StatusCode.OK:
+            lifecycle("etcd_compacted", revision=mark, root=self._root)
+        elif code is grpc.StatusCode.PERMISSION_DENIED:
+            self._may_compact = False
+            lifecycle(
+                "etcd_compaction_denied",
+                level=logging.WARNING,
+                user=self._options.user,
+                hint="run etcd with --auto-compaction-retention, or set compact_interval=0",
+            )
+        return revision
