@@ -1,6 +1,6 @@
 """The embedded c10d backend: rendezvous state in a TCPStore hosted by one node's agent, with failover.
 
-torch's c10d backend dies with the node that hosts its store (measured: the job ends in 1.3 s). Here
+torch's c10d backend dies with the node that hosts its store (the job ends within seconds). Here
 every node publishes a standby port; when the store stops answering, the survivors pick the host's
 successor deterministically from the last state they saw (:func:`state.store_successors`), the
 successor hosts a new store seeded with that state, and the others connect to it. Where no successor

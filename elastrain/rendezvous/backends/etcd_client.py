@@ -1,13 +1,7 @@
 """A connection to an etcd v3 cluster for one job: failover, bounded retries, auth renewal, the job's lease.
 
-Client library: ``python3-etcd3`` 0.13 (the maintained, synchronous fork of ``etcd3`` with the same API).
-Measured on this machine beside torch 2.13, transformers 5.23, deepspeed 0.19.8 and protobuf 7: it imports
-cleanly in ~0.2 s; a read costs ~0.8 ms and a compare-and-set transaction ~1.3 ms on loopback. The others:
-``etcd3`` 0.12 does not import beside protobuf 7 unless ``PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python`` is
-set before any protobuf import (slowing every protobuf user in the process and leaking into workers);
-``aetcd`` is asyncio-only (torch's rendezvous and store interfaces are synchronous, called from several
-threads); ``etcetra`` does not install beside this stack; ``etcd3gw`` works but goes through etcd's
-HTTP/JSON gateway, and python3-etcd3 is already the ``etcd`` extra. gRPC gives per-call deadlines and,
+Client library: ``python3-etcd3`` 0.13 (the maintained, synchronous fork of ``etcd3`` with the same API; why
+this one and what its calls cost: docs/benchmarks.md). gRPC gives per-call deadlines and,
 with the options below, reconnects within a second after an etcd restart. Two python3-etcd3 defaults
 are overridden here: a failed endpoint is skipped for 300 s (here 0.5 s; our own backoff paces retries),
 and auth tokens are sent as call credentials, which gRPC refuses on a plaintext channel (here: metadata).
