@@ -48,6 +48,7 @@ from elastrain.launcher import zygote
 from elastrain.launcher.leave import Leave
 from elastrain.launcher.options import ElastrainOptions
 from elastrain.log import lifecycle
+from elastrain.rendezvous.api import membership_of
 from elastrain.rendezvous.state import Change, ChangeKind, Departure
 
 # How many rounds in a row may lose a member before it shared its worker info (each bounded by timeouts).
@@ -84,26 +85,6 @@ def _remove_control_dir(directory: Path, owner_pid: int) -> None:
         lifecycle("control_dir_left", level=logging.WARNING, control_dir=str(directory), error=repr(exc)[:300])
         return
     lifecycle("control_dir_removed", level=logging.DEBUG, control_dir=str(directory))
-
-
-def _handler_round(handler: Any, fallback: int) -> int:
-    """The job-wide round number, where the handler knows one (it is the same on every node)."""
-    for attr in ("elastrain_round", "round"):
-        value = getattr(handler, attr, None)
-        if isinstance(value, int):
-            return value
-    state_holder = getattr(handler, "_state_holder", None)
-    state = getattr(state_holder, "state", None)
-    value = getattr(state, "round", None)
-    return value if isinstance(value, int) else fallback
-
-
-def _membership_change(handler: Any) -> Change | None:
-    probe = getattr(handler, "membership_change", None)
-    if not callable(probe):
-        return None
-    change = probe()
-    return change if isinstance(change, Change) else None
 
 
 class ElastrainAgent(LocalElasticAgent):
@@ -146,6 +127,7 @@ class ElastrainAgent(LocalElasticAgent):
         self._probed_round: int | None = None
         # Started now, so that torch is imported while the first rendezvous runs.
         self._zygote = zygote.Zygote.for_entrypoint(spec.entrypoint, spec.args) if options.zygote else None
+        self._membership = membership_of(spec.rdzv_handler)
 
     # -- leaving -----------------------------------------------------------------------------------
     def request_leave(self, reason: str, deadline_s: float) -> None:
@@ -162,12 +144,7 @@ class ElastrainAgent(LocalElasticAgent):
             lifecycle("leave_requested", level=logging.WARNING, reason=reason, deadline_s=deadline_s)
             if self._workers_running:
                 self._checkpoint_before_change(SaveCause.LEAVE, reason, max(0.0, deadline_s - 1.0))
-            leave = getattr(self._worker_group.spec.rdzv_handler, "leave", None)
-            if callable(leave):
-                leave(reason)  # bounded, and logs its own failure
-            else:
-                why = "the rendezvous handler cannot announce a leave"
-                lifecycle("leave_unannounced", level=logging.WARNING, why=why)
+            self._membership.leave(reason)  # bounded, and logs its own failure
         finally:
             self._leave.over()
         lifecycle("leave_announced", reason=reason, took_s=round(time.monotonic() - started, 3))
@@ -236,13 +213,12 @@ class ElastrainAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._raise_if_left()
-        handler = worker_group.spec.rdzv_handler
-        self._raise_if_fatal(handler)
+        self._raise_if_fatal()
         result: RunResult = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._fatal_exit(result):
             return self._end_on_config_error(result)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-            change = self._wait_for_membership_change(handler, self._failure_is_echo(result))
+            change = self._wait_for_membership_change(self._failure_is_echo(result))
             if change is not None:
                 # A peer died, left or was evicted: our workers' collective broke because of it.
                 lifecycle("membership_changed", level=logging.WARNING, cause=str(change), workers="failed")
@@ -254,10 +230,10 @@ class ElastrainAgent(LocalElasticAgent):
         if result.state is WorkerState.HEALTHY:
             if self._finishing(worker_group):
                 return result  # a change waits for the closing workers (_restart_workers says so, once)
-            self._probe_if_a_worker_broke(handler)
-            change = _membership_change(handler)
+            self._probe_if_a_worker_broke()
+            change = self._membership.membership_change()
             if change is not None and Departure.CONFIG in change.departures:
-                own = self._await_own_verdict(worker_group, handler)
+                own = self._await_own_verdict(worker_group)
                 if own is not None:
                     return own
             if change is not None:
@@ -283,12 +259,12 @@ class ElastrainAgent(LocalElasticAgent):
         self._remaining_restarts = 0  # torch's loop then ends this node: launch.py announces the leave
         return result
 
-    def _await_own_verdict(self, worker_group: WorkerGroup, handler: Any) -> RunResult | None:
+    def _await_own_verdict(self, worker_group: WorkerGroup) -> RunResult | None:
         """A peer left on a setting error, most often one that every node shares (one command for all): let our
         workers, still running, reach the same verdict (bounded by the membership grace) before stopping them
         for a new round, which would wait for the peer forever. The node-local cases go on as a departure."""
-        grace = getattr(handler, "membership_grace_s", None)
-        deadline = time.monotonic() + (grace if isinstance(grace, float) else 0.0)
+        grace = self._membership.membership_grace_s
+        deadline = time.monotonic() + grace
         lifecycle("peer_config_error", why="a peer left on a setting error: waiting for our workers", grace_s=grace)
         while time.monotonic() < deadline:
             result: RunResult = super()._monitor_workers(worker_group)
@@ -314,9 +290,9 @@ class ElastrainAgent(LocalElasticAgent):
             )
         return bool(fatal)
 
-    def _raise_if_fatal(self, handler: Any) -> None:
-        fatal = getattr(handler, "fatal_error", None)
-        if isinstance(fatal, BaseException):
+    def _raise_if_fatal(self) -> None:
+        fatal = self._membership.fatal_error
+        if fatal is not None:
             raise fatal
 
     def _failure_is_echo(self, result: RunResult) -> bool:
@@ -331,24 +307,19 @@ class ElastrainAgent(LocalElasticAgent):
             f.local_rank in noted or names_collective_failure(str(f.message or "")) for f in primary
         )
 
-    def _wait_for_membership_change(self, handler: Any, echo: bool) -> Change | None:
+    def _wait_for_membership_change(self, echo: bool) -> Change | None:
         """After a worker failure, wait (bounded) to learn whether a peer's departure or failure caused it."""
-        grace = getattr(handler, "membership_grace_s", None)
-        if not isinstance(grace, float):
-            return None
-        deadline = time.monotonic() + grace
+        membership = self._membership
+        deadline = time.monotonic() + membership.membership_grace_s
         # Peers that report later learn that theirs is an echo of ours; every peer is probed at the next tick.
-        report = getattr(handler, "report_worker_failure", None)
-        if callable(report):
-            report(echo=echo)
+        membership.report_worker_failure(echo=echo)
         while True:
-            self._raise_if_fatal(handler)
-            change = _membership_change(handler)
+            self._raise_if_fatal()
+            change = membership.membership_change()
             if change is not None:
                 return change
             # Pending while the store fails or a peer has not beaten since (bounded by the handler).
-            pending = bool(getattr(handler, "verdict_pending", False))
-            if time.monotonic() >= deadline and not pending:
+            if time.monotonic() >= deadline and not membership.verdict_pending:
                 return None
             time.sleep(0.05)
 
@@ -370,14 +341,13 @@ class ElastrainAgent(LocalElasticAgent):
                     error=repr(exc)[:200],
                     why="a member of the new round did not share its worker info in time; forming the next round",
                 )
-                probe = getattr(worker_group.spec.rdzv_handler, "probe_peers", None)
-                if callable(probe):
-                    probe()
+                self._membership.probe_peers()
         spec = worker_group.spec
         world_size = worker_group.workers[0].world_size if worker_group.workers else 0
         reason = start_reason(self._previous_world_size, world_size, self._worker_failed)
         failures = spec.max_restarts - self._remaining_restarts
-        round_ = _handler_round(spec.rdzv_handler, self._rounds_seen)
+        known = self._membership.round
+        round_ = known if known is not None else self._rounds_seen  # job-wide where the handler knows it
         self._rounds_seen += 1
         self._context = LaunchContext(
             run_id=spec.rdzv_handler.get_run_id(),
@@ -390,7 +360,7 @@ class ElastrainAgent(LocalElasticAgent):
             control_dir=str(self.control.directory),
             collective_timeout_s=self._options.collective_timeout_s,
             io_timeout_s=self._options.io_timeout_s,
-            generation=getattr(spec.rdzv_handler, "generation", None),
+            generation=self._membership.generation,
             live=self._options.live,
             regroup_timeout_s=self._regroup_timeout_s() if self._options.live else None,
         )
@@ -564,7 +534,7 @@ class ElastrainAgent(LocalElasticAgent):
         of a new round to join it: the agent's wait for acknowledgements, plus a restarted worker's cold start."""
         return self._ack_wait_s() + COLD_START_ALLOWANCE_S
 
-    def _probe_if_a_worker_broke(self, handler: Any) -> None:
+    def _probe_if_a_worker_broke(self) -> None:
         """--live: a worker whose collective broke stays alive and says so; probe the peers now (a dead
         peer's refused probe is found at the next heartbeat tick instead of after its timeout)."""
         if not self._options.live or self._context is None:
@@ -573,10 +543,8 @@ class ElastrainAgent(LocalElasticAgent):
         if broken is None or broken < self._context.round or broken == self._probed_round:
             return
         self._probed_round = broken
-        probe = getattr(handler, "probe_peers", None)
-        if callable(probe):
-            probe()
-            lifecycle("peers_probed", round=broken, why="a worker's collective broke")
+        self._membership.probe_peers()
+        lifecycle("peers_probed", round=broken, why="a worker's collective broke")
 
     def _live_capable(self, worker_group: WorkerGroup) -> bool:
         """Live mode is on, the workers are running and healthy, and every one said it can regroup."""
@@ -612,7 +580,7 @@ class ElastrainAgent(LocalElasticAgent):
             start_reason=ctx.start_reason.value,
             previous_world_size=old_world_size,
             announced_at=time.time(),
-            no_departure=bool(getattr(worker_group.spec.rdzv_handler, "kept_every_member", False)),
+            no_departure=self._membership.kept_every_member,
             superseded=self._left_behind,
         )
         self._left_behind = False
