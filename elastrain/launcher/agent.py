@@ -71,6 +71,8 @@ def _remove_control_dir(directory: Path, owner_pid: int) -> None:
 
 
 class ElastrainAgent(LocalElasticAgent):
+    """torch's agent with elastrain's hooks: each one moves the workers' phase and hands the job to its module."""
+
     def __init__(
         self,
         spec: WorkerSpec,
