@@ -25,6 +25,7 @@ from elastrain.launcher.script_kind import ScriptKind, classify
 from elastrain.log import lifecycle
 from elastrain.preemption import start_monitor
 from elastrain.rendezvous import binding
+from elastrain.rendezvous.api import membership_of
 from elastrain.rendezvous.registry import ETCD_V3
 from elastrain.rendezvous.state import Departure
 
@@ -107,10 +108,11 @@ def launch(
             shutdown_rdzv = False
             ranks = ",".join(str(r) for r in sorted(result.failures))
             lifecycle("node_failed", level=logging.ERROR, failed_ranks=ranks, max_restarts=config.max_restarts)
+            membership = membership_of(spec.rdzv_handler)
             if agent.config_error:
-                _leave(spec.rdzv_handler, "a worker exited with EX_USAGE or EX_CONFIG", Departure.CONFIG)
+                membership.leave("a worker exited with EX_USAGE or EX_CONFIG", Departure.CONFIG)
             else:
-                _leave(spec.rdzv_handler, f"workers failed past --max-restarts {config.max_restarts}")
+                membership.leave(f"workers failed past --max-restarts {config.max_restarts}", Departure.FAILED)
             raise ChildFailedError(name=entrypoint_name, failures=result.failures)
         lifecycle("job_succeeded")
         return dict(result.return_values)
@@ -206,12 +208,3 @@ def _script_kind(entrypoint: Callable[..., Any] | str, args: list[Any]) -> Scrip
     while argv and argv[0] == "-u":
         argv = argv[1:]
     return classify(argv, os.getcwd(), sys.path[1:])
-
-
-def _leave(handler: Any, reason: str, kind: Departure = Departure.FAILED) -> None:
-    """Announce this node's departure as a failure, where the handler can (elastrain's handlers)."""
-    leave = getattr(handler, "leave", None)
-    if callable(leave):
-        leave(reason, kind)
-    else:
-        lifecycle("leave_unannounced", level=logging.WARNING, why="the rendezvous handler cannot announce a leave")

@@ -1,0 +1,64 @@
+"""The agent's one builder of :class:`~elastrain.env.LaunchContext`: what its workers are told at each start.
+
+Two kinds of start: a round's (after a rendezvous: the round, its start reason, the fencing generation)
+and a warm one (``--live``: workers started before this node has a round, told everything but their
+place in one). Both carry the node's settings the same way, from :class:`ContextBuilder`.
+"""
+
+from __future__ import annotations
+
+from elastrain.env import LaunchContext, StartReason
+from elastrain.launcher.options import ElastrainOptions
+from elastrain.launcher.regroup import regroup_timeout_s
+
+
+class ContextBuilder:
+    """Builds the launch context of each start of this node's workers, from the node's settings."""
+
+    def __init__(self, options: ElastrainOptions, run_id: str, control_dir: str) -> None:
+        self._options = options
+        self._run_id = run_id
+        self._control_dir = control_dir
+
+    def for_round(
+        self,
+        round_: int,
+        failure_count: int,
+        start_reason: StartReason,
+        previous_world_size: int | None,
+        generation: int | None,
+    ) -> LaunchContext:
+        """The context of a start into round ``round_`` (its restart count is the round: the same on every node)."""
+        live = self._options.live
+        return self._build(round_, round_, failure_count, start_reason, previous_world_size, generation, live)
+
+    def warm(self) -> LaunchContext:
+        """What a warm worker is told before it has a round: everything but its place in one."""
+        return self._build(-1, 0, 0, StartReason.FIRST_START, None, None, live=True)
+
+    def _build(
+        self,
+        round_: int,
+        restart_count: int,
+        failure_count: int,
+        start_reason: StartReason,
+        previous_world_size: int | None,
+        generation: int | None,
+        live: bool,
+    ) -> LaunchContext:
+        opts = self._options
+        return LaunchContext(
+            run_id=self._run_id,
+            restart_count=restart_count,
+            failure_count=failure_count,
+            start_reason=start_reason,
+            previous_world_size=previous_world_size,
+            round=round_,
+            checkpoint_dir=opts.checkpoint_dir,
+            control_dir=self._control_dir,
+            collective_timeout_s=opts.collective_timeout_s,
+            io_timeout_s=opts.io_timeout_s,
+            generation=generation,
+            live=live,
+            regroup_timeout_s=regroup_timeout_s(opts) if live else None,
+        )
