@@ -12,13 +12,16 @@ a tiny all-reduce of its own), and reports commits back to the launcher. A check
 from __future__ import annotations
 
 import enum
+import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from elastrain.control import ControlChannel, SaveAck, SaveRequest, hold_for_restart
+from elastrain.control import ControlChannel, RegroupChannel, SaveAck, SaveRequest
+from elastrain.env import LIVE, ROUND
 from elastrain.errors import CheckpointError
 from elastrain.step_flags import StepFlags
 
@@ -187,3 +190,42 @@ class SaveTrigger:
         self.answer()
         answer = self._answer if self._is_local_leader else None
         hold_for_restart(self.schedule.hold_after_request_s, step, self._log, self.channel, answer)
+
+
+def hold_for_restart(
+    seconds: float,
+    step: int,
+    log: Callable[..., None],
+    channel: ControlChannel | None = None,
+    answer: SaveAck | None = None,
+    poll_s: float = 0.05,
+) -> None:
+    """Worker side, after the save that answered a request: wait (bounded) to be restarted.
+
+    The launcher asked because a membership change is coming; a step run now would be redone after
+    the restart. If no restart comes within ``seconds`` (the change was called off), training goes on
+    from the checkpoint. Meanwhile the training state *is* checkpoint ``answer``: a request that
+    arrives now (another agent saw the change later) is answered with it at once, when ``channel`` is
+    given (``answer`` on the node's local rank 0; ``None`` on the others, which only mark it answered).
+    ``log(event, level, **fields)`` is the caller's lifecycle logger.
+    """
+    if seconds <= 0:
+        return
+    log("checkpoint_hold", logging.INFO, step=step, up_to_s=seconds)
+    # --live: the change may come as a regroup in place rather than a restart; then holding is over.
+    regroup = RegroupChannel(channel.directory) if channel is not None and os.environ.get(LIVE) == "1" else None
+    current_round = int(os.environ.get(ROUND, "0") or 0)
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(poll_s, left))
+        if regroup is not None and regroup.newer_than(current_round) is not None:
+            log("checkpoint_hold_over", logging.INFO, step=step, why="regroup in place")
+            return
+        if channel is not None and channel.pending() is not None:
+            now = time.time()
+            if answer is not None:
+                channel.ack(answer.step, answer.checkpoint, now)
+                log("checkpoint_reacked", logging.INFO, step=answer.step, current_at=now)
+            else:
+                channel.answered(now)
+    log("checkpoint_hold_over", logging.WARNING, step=step)

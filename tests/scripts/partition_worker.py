@@ -21,7 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastrain.control import ControlChannel, SaveAck, hold_for_restart
+from elastrain.checkpoint.schedule import hold_for_restart
+from elastrain.control import ControlChannel, SaveAck
 from elastrain.log import format_event
 
 HOLD_S = 5.0  # the checkpointer's default hold_after_request_s

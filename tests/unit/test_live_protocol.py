@@ -171,7 +171,8 @@ def test_live_option_defaults_on_and_reads_pet_live(monkeypatch: pytest.MonkeyPa
 def test_the_hold_after_a_requested_save_ends_when_a_regroup_notice_arrives(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from elastrain.control import ControlChannel, hold_for_restart
+    from elastrain.checkpoint.schedule import hold_for_restart
+    from elastrain.control import ControlChannel
     from elastrain.env import LIVE, ROUND
 
     monkeypatch.setenv(LIVE, "1")
