@@ -55,8 +55,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from elastrain.checkpoint import fence, layout
-from elastrain.checkpoint.commit import Commit, entry_of, save_error
+from elastrain.checkpoint import layout
+from elastrain.checkpoint.commit import entry_of, save_error
 from elastrain.checkpoint.dcp_io import (
     METADATA,
     check_crc,
@@ -70,14 +70,13 @@ from elastrain.checkpoint.dcp_io import (
     writer_for,
     written_files,
 )
-from elastrain.checkpoint.group import Group
+from elastrain.checkpoint.parts import CheckpointParts
 from elastrain.checkpoint.rng import capture_rng, restore_rng
-from elastrain.checkpoint.schedule import DEFAULT_INTERVAL_SECONDS, SaveReason, SaveSchedule, SaveTrigger
-from elastrain.checkpoint.settings import resolve_root
+from elastrain.checkpoint.schedule import DEFAULT_INTERVAL_SECONDS, SaveReason, SaveSchedule
 from elastrain.checkpoint.staging import Stager
 from elastrain.checkpoint.state import Registry
 from elastrain.checkpoint.storage import storage_for
-from elastrain.control import ControlChannel, SaveRequest
+from elastrain.control import SaveRequest
 from elastrain.env import WorkerEnv
 from elastrain.errors import (
     CheckpointCorruptError,
@@ -87,7 +86,6 @@ from elastrain.errors import (
     CheckpointTamperedError,
     StaleGenerationError,
 )
-from elastrain.log import lifecycle
 from elastrain.step_flags import StepFlags
 
 __all__ = ["DEFAULT_INTERVAL_SECONDS", "Checkpointer", "RestoreInfo", "SaveResult"]
@@ -156,6 +154,8 @@ class Checkpointer:
 
     ``on_save_error="raise"`` (the default) makes a failed save raise :class:`CheckpointSaveError` from
     the next call; ``"warn"`` logs ``checkpoint_save_failed`` and lets training go on.
+
+    ``env``: the worker's environment (default: read from the process's); a live regroup passes the new world's.
     """
 
     def __init__(
@@ -173,46 +173,39 @@ class Checkpointer:
         overlap_staging: bool = True,
         hold_after_request_s: float = 5.0,
         on_save_error: OnSaveError = "raise",
+        env: WorkerEnv | None = None,
     ) -> None:
-        env = WorkerEnv.from_environ()
-        root = resolve_root(directory, env.checkpoint_dir, "Checkpointer")
-        if keep_last < 1:
-            raise CheckpointError(f"keep_last must be >= 1 (a complete checkpoint always remains), got {keep_last}")
-        if on_save_error not in ("raise", "warn"):
-            raise CheckpointError(f'on_save_error must be "raise" or "warn", got {on_save_error!r}')
-        schedule = SaveSchedule.default(
-            interval_steps,
-            interval_seconds,
-            hold_after_request_s=hold_after_request_s,
-            agree_every_steps=sync_every_steps,
+        parts = CheckpointParts(
+            "Checkpointer",
+            directory,
+            env if env is not None else WorkerEnv.from_environ(),
+            kind=KIND,
+            keep_last=keep_last,
+            on_save_error=on_save_error,
+            schedule=lambda: SaveSchedule.default(
+                interval_steps,
+                interval_seconds,
+                hold_after_request_s=hold_after_request_s,
+                agree_every_steps=sync_every_steps,
+            ),
+            storage=storage_for,
+            process_group=process_group,
         )
-        self.root = root
+        self.root = parts.root
         self.keep_last = keep_last
         self.async_save = async_save
         self.verify_checksums = verify_checksums
         self.thread_count = thread_count
         self.on_save_error: OnSaveError = on_save_error
-        self.storage = storage_for(self.root)
-        self.storage.makedirs(self.root)
+        self.storage = parts.storage
         self.registry = Registry()
         # Agreeing when to save (training thread); and every collective that waits on storage: saving
         # (writer thread), restoring and preparing a step directory (training thread, with no save in flight).
-        self._sync = Group(process_group, env.collective_timeout_s)
-        self._io = Group(process_group, env.io_timeout_s)
-        self.rank, self.world_size = self._sync.rank, self._sync.world_size
-        channel = ControlChannel(env.control_dir) if env.control_dir else None
-        agree = self._sync.all_max if self._sync.distributed else None
-        self._trigger = SaveTrigger(schedule, channel, agree, is_local_leader=env.local_rank == 0, log=self._log)
-        self._commit = Commit(
-            self.root,
-            self.storage,
-            self._io,
-            kind=KIND,
-            generation=env.generation,
-            keep_last=keep_last,
-            log=self._log,
-            claim_as=fence.worker_world(env, self.root),
-        )
+        self._sync, self._io = parts.sync, parts.io
+        self.rank, self.world_size = parts.rank, parts.world_size
+        self._log = parts.log
+        self._trigger = parts.trigger
+        self._commit = parts.commit
         self._stager = Stager(self.registry, overlap=overlap_staging)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastrain-ckpt")
         self._inflight: Future[SaveResult] | None = None
@@ -259,10 +252,6 @@ class Checkpointer:
     ) -> None:
         """What to save: the model, its optimizer and any ``Stateful`` (scheduler, train state, sampler)."""
         self.registry.register(model=model, optimizer=optimizer, **more)
-
-    def _log(self, event: str, level: int = logging.INFO, **fields: Any) -> None:
-        if self.rank == 0 or level >= logging.WARNING:
-            lifecycle(event, level=level, rank=self.rank, **fields)
 
     # -- saving ----------------------------------------------------------------------------------
     def maybe_save(self, step: int, hold: bool = True) -> bool:

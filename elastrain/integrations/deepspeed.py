@@ -37,14 +37,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
-from elastrain.checkpoint import fence, layout
-from elastrain.checkpoint.commit import PROTOCOL_FILES, Commit, entry_of, fsync_and_checksum
+from elastrain.checkpoint import layout
+from elastrain.checkpoint.commit import PROTOCOL_FILES, entry_of, fsync_and_checksum
 from elastrain.checkpoint.group import Group, default_group_timeout
-from elastrain.checkpoint.schedule import SaveReason, SaveSchedule, SaveTrigger
-from elastrain.checkpoint.settings import resolve_root
+from elastrain.checkpoint.parts import CheckpointParts
+from elastrain.checkpoint.schedule import SaveReason, SaveSchedule
 from elastrain.checkpoint.state import Stateful
 from elastrain.checkpoint.storage import LocalStorage, fsync_dir
-from elastrain.control import ControlChannel
 from elastrain.env import WorkerEnv
 from elastrain.errors import (
     CheckpointCorruptError,
@@ -54,7 +53,7 @@ from elastrain.errors import (
 )
 from elastrain.integrations import ds_universal
 from elastrain.integrations.ds_config import DeepSpeedBatch, elastic_config, loss_multiplier
-from elastrain.log import configure, lifecycle
+from elastrain.log import configure
 
 __all__ = [
     "DeepSpeedBatch",
@@ -111,7 +110,10 @@ class DeepSpeedRestoreInfo:
 
 
 class DeepSpeedCheckpointer:
-    """Complete, verified DeepSpeed checkpoints that load at any world size. Construct on every rank."""
+    """Complete, verified DeepSpeed checkpoints that load at any world size. Construct on every rank.
+
+    ``env``: the worker's environment (default: read from the process's).
+    """
 
     def __init__(
         self,
@@ -124,42 +126,37 @@ class DeepSpeedCheckpointer:
         conversion_timeout_s: float = 1800.0,
         hold_after_request_s: float = 5.0,
         on_save_error: Literal["raise", "warn"] = "raise",
+        env: WorkerEnv | None = None,
     ) -> None:
-        env = WorkerEnv.from_environ()
-        root = resolve_root(directory, env.checkpoint_dir, "DeepSpeedCheckpointer")
-        if keep_last < 1:
-            raise CheckpointError(f"keep_last must be >= 1 (a complete checkpoint always remains), got {keep_last}")
-        if on_save_error not in ("raise", "warn"):
-            raise CheckpointError(f'on_save_error must be "raise" or "warn", got {on_save_error!r}')
-        schedule = SaveSchedule(interval_steps=interval_steps, hold_after_request_s=hold_after_request_s)
+        env = env if env is not None else WorkerEnv.from_environ()
+        parts = CheckpointParts(
+            "DeepSpeedCheckpointer",
+            directory,
+            env,
+            kind=KIND,
+            keep_last=keep_last,
+            on_save_error=on_save_error,
+            schedule=lambda: SaveSchedule(interval_steps=interval_steps, hold_after_request_s=hold_after_request_s),
+            storage=lambda _root: LocalStorage(),
+            absolute_root=True,
+        )
         self.engine = engine
-        self.root = os.path.abspath(root)
+        self.root = parts.root
         self.keep_last = keep_last
         self.verify_checksums = verify_checksums
         self.conversion_timeout_s = conversion_timeout_s
         self.on_save_error = on_save_error
-        self.storage = LocalStorage()
-        self.storage.makedirs(self.root)
+        self.storage = parts.storage
         self._collective_timeout_s = env.collective_timeout_s
         self._io_timeout_s = env.io_timeout_s
-        self._group = Group(None, env.collective_timeout_s)  # agreeing when to save
-        self._io = Group(None, env.io_timeout_s)  # the commit protocol: waits on storage
+        self._group = parts.sync  # agreeing when to save
+        self._io = parts.io  # the commit protocol: waits on storage
         # Ranks other than 0 wait in this group while rank 0 converts a checkpoint (seconds to minutes).
         self._slow = Group(None, conversion_timeout_s + 60.0)
-        self.rank, self.world_size = self._group.rank, self._group.world_size
-        channel = ControlChannel(env.control_dir) if env.control_dir else None
-        agree = self._group.all_max if self._group.distributed else None
-        self._trigger = SaveTrigger(schedule, channel, agree, is_local_leader=env.local_rank == 0, log=self._log)
-        self._commit = Commit(
-            self.root,
-            self.storage,
-            self._io,
-            kind=KIND,
-            generation=env.generation,
-            keep_last=keep_last,
-            log=self._log,
-            claim_as=fence.worker_world(env, self.root),
-        )
+        self.rank, self.world_size = parts.rank, parts.world_size
+        self._log = parts.log
+        self._trigger = parts.trigger
+        self._commit = parts.commit
         self._extras: dict[str, Stateful] = {}
         self.last_error: CheckpointSaveError | None = None
 
@@ -182,10 +179,6 @@ class DeepSpeedCheckpointer:
                     f"register({name}=...): a {type(obj).__name__} has no state_dict()/load_state_dict()"
                 )
             self._extras[name] = obj
-
-    def _log(self, event: str, level: int = logging.INFO, **fields: Any) -> None:
-        if self.rank == 0 or level >= logging.WARNING:
-            lifecycle(event, level=level, rank=self.rank, **fields)
 
     def _io_timeouts(self) -> Any:
         """DeepSpeed's own barriers (on the default group) wait on storage while it saves or loads."""
