@@ -252,6 +252,7 @@ class Session:
             interval_seconds=ckpt.save_every_seconds,
             async_save=ckpt.async_save,
             on_save_error=ckpt.on_save_error,
+            env=self.env,  # this world's (a live regroup's is the new round's)
         )
         self.checkpointer.agree_through(self._flags)  # no all-reduce of its own per step
         self.checkpointer.register(
