@@ -33,6 +33,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -43,7 +44,7 @@ from elastrain.checkpoint.group import Group, default_group_timeout
 from elastrain.checkpoint.parts import CheckpointParts
 from elastrain.checkpoint.schedule import SaveReason, SaveSchedule
 from elastrain.checkpoint.state import Stateful
-from elastrain.checkpoint.storage import LocalStorage, fsync_dir
+from elastrain.checkpoint.storage import LocalStorage, Storage, fsync_dir
 from elastrain.env import WorkerEnv
 from elastrain.errors import (
     CheckpointCorruptError,
@@ -239,31 +240,17 @@ class DeepSpeedCheckpointer:
                 self.storage.write_atomic(os.path.join(path, STATE_FILE), data)
                 report[STATE_FILE] = entry_of(data)
             # DeepSpeed's last barrier means every rank's torch.save returned; make this rank's files durable.
-            for name in self._checkpoint_files(path):
-                if name != STATE_FILE and self._wrote(name):
+            engine_rank = int(getattr(self.engine, "global_rank", self.rank))
+            for name in _checkpoint_files(self.storage, path):
+                if name != STATE_FILE and _wrote(name, self.rank, engine_rank):
                     report[name] = fsync_and_checksum(os.path.join(path, name), self.verify_checksums)
             if self.rank == 0:
                 fsync_dir(path)
         except Exception as e:  # DeepSpeed raises assorted types; every rank reports its own
             error = f"{type(e).__name__}: {e}"
-        expected = self._checkpoint_files(path) if self.rank == 0 and error is None else None
+        expected = _checkpoint_files(self.storage, path) if self.rank == 0 and error is None else None
         extra = {"zero_stage": int(self.engine.zero_optimization_stage()), "deepspeed_tag": tag}
         self._commit.commit(step, path, report, error, expected=expected, extra=extra)
-
-    def _checkpoint_files(self, path: str) -> list[str]:
-        """Every file of the DeepSpeed checkpoint in ``path`` (not the universal cache, not the marker)."""
-        return [
-            f
-            for f in self.storage.walk_files(path)
-            if f not in PROTOCOL_FILES and not f.startswith((ds_universal.UNIVERSAL + "/", ".universal-"))
-        ]
-
-    def _wrote(self, name: str) -> bool:
-        """Whether this rank wrote ``name``: its own ``zero_pp_rank_<dp>_*`` shards, and rank 0 the rest."""
-        m = _RANK_FILE.match(os.path.basename(name))
-        if m is None:
-            return self.rank == 0
-        return int(m.group(1)) == int(getattr(self.engine, "global_rank", self.rank))
 
     # -- restoring -------------------------------------------------------------------------------
     def restore(self) -> DeepSpeedRestoreInfo | None:
@@ -301,7 +288,7 @@ class DeepSpeedCheckpointer:
                 return None
             load_dir, tag = d.path, ds_universal.UNIVERSAL
         self._load(load_dir, tag, universal, d.path)
-        self._apply_extras(d.path)
+        _apply_extras(self.storage, self._extras, d.path)
         return DeepSpeedRestoreInfo(
             step=marker.step,
             path=d.path,
@@ -367,23 +354,43 @@ class DeepSpeedCheckpointer:
         if error is not None:
             raise CheckpointMismatchError(error)
 
-    def _apply_extras(self, path: str) -> None:
-        try:
-            state = json.loads(self.storage.read_bytes(os.path.join(path, STATE_FILE)))
-        except FileNotFoundError:
-            state = {"objects": {}}
-        saved = state.get("objects", {})
-        missing = [n for n in self._extras if n not in saved]
-        if missing:
-            raise CheckpointMismatchError(
-                f"{path} has no state for {', '.join(missing)} (saved: {', '.join(sorted(saved)) or 'nothing'}); "
-                "register the same objects that were saved, or start a fresh --checkpoint-dir"
-            )
-        for name, obj in self._extras.items():
-            obj.load_state_dict(saved[name])
-
     def close(self) -> None:
         """Release the checkpointer's process groups."""
         self._group.destroy()
         self._io.destroy()
         self._slow.destroy()
+
+
+def _checkpoint_files(storage: Storage, path: str) -> list[str]:
+    """Every file of the DeepSpeed checkpoint in ``path`` (not the universal cache, not the marker)."""
+    return [
+        f
+        for f in storage.walk_files(path)
+        if f not in PROTOCOL_FILES and not f.startswith((ds_universal.UNIVERSAL + "/", ".universal-"))
+    ]
+
+
+def _wrote(name: str, rank: int, engine_rank: int) -> bool:
+    """Whether this rank (``engine_rank`` in DeepSpeed's numbering) wrote ``name``: its own
+    ``zero_pp_rank_<dp>_*`` shards, and rank 0 the rest."""
+    m = _RANK_FILE.match(os.path.basename(name))
+    if m is None:
+        return rank == 0
+    return int(m.group(1)) == engine_rank
+
+
+def _apply_extras(storage: Storage, extras: Mapping[str, Stateful], path: str) -> None:
+    """Load the registered objects' state saved beside the engine's."""
+    try:
+        state = json.loads(storage.read_bytes(os.path.join(path, STATE_FILE)))
+    except FileNotFoundError:
+        state = {"objects": {}}
+    saved = state.get("objects", {})
+    missing = [n for n in extras if n not in saved]
+    if missing:
+        raise CheckpointMismatchError(
+            f"{path} has no state for {', '.join(missing)} (saved: {', '.join(sorted(saved)) or 'nothing'}); "
+            "register the same objects that were saved, or start a fresh --checkpoint-dir"
+        )
+    for name, obj in extras.items():
+        obj.load_state_dict(saved[name])
