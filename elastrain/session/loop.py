@@ -118,7 +118,7 @@ class Session:
 
     @property
     def rank(self) -> int:
-        """This worker's rank now (after a live regroup too; the RANK variable is the first round's)."""
+        """This worker's rank now (after a live regroup too)."""
         return self.runtime.rank
 
     @property
