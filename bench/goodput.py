@@ -63,7 +63,7 @@ sys.path[:0] = [str(REPO), str(T5), str(REPO / "bench")]
 
 from data import prepare  # noqa: E402
 from membership import free_port  # noqa: E402
-from report import Run, fired, load_run, redone, stalls  # noqa: E402
+from report import Run, fired, load_run  # noqa: E402
 
 from elastrain.chaos import (  # noqa: E402
     Action,
@@ -73,7 +73,7 @@ from elastrain.chaos import (  # noqa: E402
     TraceEvent,
     elastrain_node_command,
 )
-from elastrain.chaos.checks import workers_started  # noqa: E402
+from elastrain.chaos.analysis import redone, stalls, workers_started  # noqa: E402
 from elastrain.chaos.harness import new_run_id  # noqa: E402
 from elastrain.metrics import read_events  # noqa: E402
 

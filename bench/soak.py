@@ -34,6 +34,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from elastrain.chaos import ChaosHarness, MetricsProgress, elastrain_node_command  # noqa: E402
+from elastrain.chaos.analysis import (  # noqa: E402
+    fired_events,
+    kept_rows,
+    max_stall,
+    read_ledger,
+    round_times,
+    segment_order,
+    segments,
+    workers_started,
+)
 from elastrain.chaos.checks import (  # noqa: E402
     Check,
     Expectation,
@@ -44,16 +54,8 @@ from elastrain.chaos.checks import (  # noqa: E402
     check_one_world,
     check_processes,
     check_trace_ran,
-    fired_events,
     format_table,
-    kept_rows,
-    max_stall,
-    read_ledger,
     refounded,
-    round_times,
-    segment_order,
-    segments,
-    workers_started,
 )
 from elastrain.chaos.churn import ChurnConfig, churn_trace, coverage  # noqa: E402
 from elastrain.chaos.trace import trace_from_dict  # noqa: E402

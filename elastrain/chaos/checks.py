@@ -16,7 +16,7 @@ event (or its first record) to its last record of any kind. Only one world may t
 two spans may touch but never overlap: a world that starts while another still writes is a second
 job. The ledger is read like the metrics: when a later segment restored step ``R``, an earlier
 segment's rows after ``R`` were re-run and are superseded; every step must then be kept from exactly
-one segment.
+one segment. Reading the run's files into segments, ledger rows and figures is :mod:`elastrain.chaos.analysis`'s.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ import itertools
 import json
 import os
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastrain.metrics.events import read_events, read_json_lines
+from elastrain.chaos.analysis import LedgerRow, Segment, fired_events, kept_rows
+from elastrain.metrics.events import read_events
 
 MAX_LISTED = 20
 """Violations listed per check; the rest are counted."""
@@ -69,149 +70,6 @@ class Check:
         return not self.violations
 
 
-@dataclass
-class Segment:
-    token: str
-    start: float
-    end: float
-    world_size: int | None = None
-    pid: int | None = None
-    restart_count: int | None = None
-    round: int | None = None
-    restored_step: int | None = None
-    last_step: int | None = None
-    start_reason: str | None = None
-    generation: int | None = None
-    """The fencing generation the world claimed, where its ``start`` record carries one."""
-    first_record: float | None = None
-    """The time of its first own record; ``start`` may be earlier: when its agent started the workers."""
-
-    def describe(self) -> str:
-        tags = [f"ws={self.world_size}", f"pid={self.pid}", f"{self.start_reason}", f"restart={self.restart_count}"]
-        if self.round is not None:
-            tags.append(f"round={self.round}")
-        if self.generation is not None:
-            tags.append(f"generation={self.generation}")
-        tags.append(f"restored={self.restored_step}")
-        return f"{self.token} ({', '.join(tags)}, steps to {self.last_step})"
-
-
-@dataclass(frozen=True)
-class LedgerRow:
-    segment: str
-    step: int
-    epoch: int
-    ids: tuple[int, ...]
-    time: float | None = None
-
-
-# -- reading ---------------------------------------------------------------------------------------
-def read_ledger(paths: Iterable[str | os.PathLike[str]]) -> list[LedgerRow]:
-    """Ledger rows from either format: a metrics-style file of ``point`` records whose values hold
-    ``epoch`` and ``ids`` (tests/e2e/ledger_job.py), or plain rows ``{segment, step, epoch, ids}``
-    (the T5 example's ``--ledger``)."""
-    rows = []
-    for path in paths:
-        for r in read_json_lines(path):
-            v = r.get("values") if r.get("kind") == "point" else r
-            if not isinstance(v, dict) or "ids" not in v or "segment" not in r or "step" not in r:
-                continue
-            t = r.get("time")
-            rows.append(
-                LedgerRow(
-                    str(r["segment"]),
-                    int(r["step"]),
-                    int(v["epoch"]),
-                    tuple(int(i) for i in v["ids"]),
-                    None if t is None else float(t),
-                )
-            )
-    return rows
-
-
-def segment_order(metrics_file: str | os.PathLike[str]) -> tuple[list[str], dict[str, int]]:
-    """Segments in the order rank 0 opened them, and the step each restored (from the metrics file's headers)."""
-    order: list[str] = []
-    restored: dict[str, int] = {}
-    for r in read_json_lines(metrics_file):
-        if r.get("kind") != "segment":
-            continue
-        seg = str(r.get("segment", ""))
-        if seg not in restored:
-            order.append(seg)
-        restored[seg] = int(r.get("restored_step", 0))
-    return order, restored
-
-
-def workers_started(logs: Iterable[str | os.PathLike[str]]) -> dict[int, float]:
-    """Worker PID -> when it entered a world: when its agent started it (the nodes' ``event=workers_started
-    pids=A,B t=T`` lines), or, for a worker started warm (``--live``: built before its node joined a round, it
-    trains nothing until then), when it was given its first round (its own ``event=worker_warm_joined`` line)."""
-    started: dict[int, float] = {}
-    joined: dict[int, float] = {}
-    for path in logs:
-        for line in Path(path).read_text(errors="replace").splitlines():
-            warm = "event=worker_warm_joined" in line
-            if not warm and "event=workers_started" not in line:
-                continue
-            fields = dict(p.split("=", 1) for p in line[line.index("event=") :].split() if "=" in p)
-            try:
-                t = float(fields["t"])
-                if warm:
-                    joined[int(fields["pid"])] = t
-                    continue
-                for pid in fields.get("pids", "").split(","):
-                    started[int(pid)] = t
-            except (KeyError, ValueError):
-                continue
-    return {pid: max(t, joined.get(pid, t)) for pid, t in started.items()}
-
-
-def segments(
-    events_file: str | os.PathLike[str],
-    metrics_file: str | os.PathLike[str] | None = None,
-    ledger: Sequence[LedgerRow] = (),
-    started: Mapping[int, float] | None = None,
-) -> list[Segment]:
-    """Every segment with its span, from the start of its first record (or, with ``started`` from
-    :func:`workers_started`, from when its agent started its rank-0 worker: the world exists from
-    then on) to its last record, sorted by start."""
-    spans: dict[str, Segment] = {}
-
-    def touch(token: str, t: float | None, step: int | None = None) -> None:
-        if t is None:
-            return
-        seg = spans.get(token)
-        if seg is None:
-            spans[token] = seg = Segment(token, t, t)
-        seg.start, seg.end = min(seg.start, t), max(seg.end, t)
-        if step is not None:
-            seg.last_step = max(seg.last_step or 0, step)
-
-    for e in read_events(events_file):
-        if "segment" not in e or "time" not in e:
-            continue  # an agent's event, not a world's
-        token = str(e["segment"])
-        touch(token, float(e["time"]), e.get("step") if isinstance(e.get("step"), int) else None)
-        if e["event"] == "start":
-            seg = spans[token]
-            seg.world_size, seg.pid = e.get("world_size"), e.get("pid")
-            seg.restart_count, seg.round = e.get("restart_count"), e.get("round")
-            seg.restored_step, seg.start_reason = e.get("restored_step"), e.get("start_reason")
-            seg.generation = e.get("generation")
-    if metrics_file is not None:
-        for r in read_json_lines(metrics_file):
-            if "segment" in r and "time" in r:
-                touch(str(r["segment"]), float(r["time"]), r.get("step") if r.get("kind") == "point" else None)
-    for row in ledger:
-        touch(row.segment, row.time, row.step)
-    for seg in spans.values():
-        seg.first_record = seg.start
-        if started and seg.pid is not None and seg.pid in started:
-            seg.start = min(seg.start, started[seg.pid])
-    return sorted(spans.values(), key=lambda s: (s.start, s.end))
-
-
 # -- checks ----------------------------------------------------------------------------------------
 def _listed(violations: list[str]) -> list[str]:
     if len(violations) <= MAX_LISTED:
@@ -241,16 +99,6 @@ def check_final_state(events_file: str | os.PathLike[str], expect: Expectation) 
         # A whole-job restart after the end restores the final step and finishes again; two at once overlap.
         check.detail += f" ({len(finishes)} finish records)"
     return check
-
-
-def kept_rows(rows: Sequence[LedgerRow], order: Sequence[str], restored: Mapping[str, int]) -> list[LedgerRow]:
-    """The rows no later segment re-ran: those at or below every later segment's restored step."""
-    limit: dict[str, float] = {}
-    lowest = float("inf")
-    for seg in reversed(order):
-        limit[seg] = lowest
-        lowest = min(lowest, restored.get(seg, 0))
-    return [r for r in rows if r.step <= limit.get(r.segment, float("inf"))]
 
 
 def check_exactly_once(
@@ -487,54 +335,6 @@ def check_trace_ran(timeline: Mapping[str, Any], planned: int) -> Check:
             check.violations.append(f"node {e.get('node')}: {e.get('reason')} (event at t={e['t']}s skipped)")
     check.detail = f"{fired}/{planned} events fired in {result.get('elapsed_s')}s"
     return check
-
-
-# -- figures ---------------------------------------------------------------------------------------
-def fired_events(timeline: Mapping[str, Any]) -> int:
-    """Trace events the harness fired (its ``fired`` records; a kill_all or restart_all counts once)."""
-    return sum(1 for e in timeline.get("events", []) if e["action"] == "fired")
-
-
-def max_stall(
-    metrics_file: str | os.PathLike[str], until: float | None = None, more: Iterable[tuple[float, int]] = ()
-) -> tuple[float, int | None]:
-    """The longest time between two consecutive step records (metrics points of any segment, and
-    ``more`` ``(time, step)`` records such as ledger rows), and the step after it (``None``: the stall
-    lasted until ``until``, the end of a run that never finished)."""
-    points = sorted(
-        [(float(r["time"]), int(r["step"])) for r in read_json_lines(metrics_file) if r.get("kind") == "point"]
-        + list(more)
-    )
-    worst, at = 0.0, None
-    for (t0, _), (t1, step) in itertools.pairwise(points):
-        if t1 - t0 > worst:
-            worst, at = t1 - t0, step
-    if until is not None and points and until - points[-1][0] > worst:
-        worst, at = until - points[-1][0], None
-    return worst, at
-
-
-def round_times(logs: Iterable[str | os.PathLike[str]]) -> list[tuple[float, str]]:
-    """Each rendezvous round that completed, as ``(wall time, "round N at MASTER")`` sorted by time,
-    from the nodes' ``event=rendezvous_done round=N ... master=ADDR t=T`` lines: every node of a round
-    logs the same round and master (the earliest line counts), and a restarted job counts from 0 again."""
-    first: dict[tuple[str, str], float] = {}
-    for path in logs:
-        for line in Path(path).read_text(errors="replace").splitlines():
-            if "event=rendezvous_done" not in line:
-                continue
-            fields = dict(p.split("=", 1) for p in line[line.index("event=") :].split() if "=" in p)
-            key = (fields.get("round", "?"), fields.get("master", "?"))
-            try:
-                t = float(fields["t"])
-            except (KeyError, ValueError):
-                continue
-            first[key] = min(t, first.get(key, t))
-    return sorted((t, f"round {r} at {m}") for (r, m), t in first.items())
-
-
-def rendezvous_rounds(logs: Iterable[str | os.PathLike[str]]) -> int:
-    return len(round_times(logs))
 
 
 def check_bounded_rounds(timeline: Mapping[str, Any], rounds: Sequence[tuple[float, str]]) -> Check:

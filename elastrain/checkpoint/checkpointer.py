@@ -23,122 +23,50 @@ checkpointer was built with ``on_save_error="warn"``; either way a ``checkpoint_
 is logged. A :class:`StaleGenerationError` (a newer world took over the checkpoint root) is raised
 whatever ``on_save_error`` says.
 
-The background writer is elastrain's own thread, not ``dcp.async_save``. ``bench/checkpoint.py``
-measures both on the same FSDP2 state (2 ranks, 403 MB with AdamW, CPU, this 2-core machine):
-torch's process-based checkpointer (``AsyncCheckpointerType.PROCESS``) with its default stager (on a
-CPU-only host: pinned memory and non-blocking copies off) stalled training 0.36 s on its first
-save, which starts a writer process with its own gloo group (peak memory +691 MB, paid again after
-every restart), and 0.44 s on later ones, where it stages a full copy before training may go on;
-the writer thread stalled 0.006-0.03 s (it copies on the training thread only what the next step
-could change, and overlaps the rest with forward and backward; peak +65-286 MB) with no second
-process. Step times while either write ran were within this machine's noise of each other. And
-the CRC-32s that :mod:`elastrain.checkpoint.dcp_io` computes while writing stay in this process,
-where the commit needs them; from a writer process they would have to be read back. So the thread
-stays the default.
+The background writer is elastrain's own thread, not ``dcp.async_save``: it stalls training less (it
+copies on the training thread only what the next step could change), starts no second process, and
+keeps the CRC-32s it computes while writing where the commit needs them (``bench/checkpoint.py``
+measures both; the figures are in ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from elastrain import fence
-from elastrain.checkpoint import layout
-from elastrain.checkpoint.commit import Commit, entry_of, save_error
 from elastrain.checkpoint.dcp_io import (
-    METADATA,
-    check_crc,
-    check_fits,
-    is_tampering,
-    load_planner,
-    metadata_problems,
-    read_metadata,
-    reader_for,
     root_cause,
-    writer_for,
-    written_files,
 )
-from elastrain.checkpoint.group import Group
-from elastrain.checkpoint.rng import capture_rng, restore_rng
-from elastrain.checkpoint.schedule import DEFAULT_INTERVAL_SECONDS, SaveReason, SaveSchedule, SaveTrigger
-from elastrain.checkpoint.settings import resolve_root
+from elastrain.checkpoint.dcp_load import DcpLoader, RestoreInfo
+from elastrain.checkpoint.dcp_write import DcpWriter, SaveResult
+from elastrain.checkpoint.parts import CheckpointParts
+from elastrain.checkpoint.schedule import DEFAULT_INTERVAL_SECONDS, SaveReason, SaveSchedule
 from elastrain.checkpoint.staging import Stager
 from elastrain.checkpoint.state import Registry
-from elastrain.control import ControlChannel, SaveRequest
 from elastrain.env import WorkerEnv
 from elastrain.errors import (
-    CheckpointCorruptError,
     CheckpointError,
-    CheckpointMismatchError,
     CheckpointSaveError,
-    CheckpointTamperedError,
     StaleGenerationError,
 )
-from elastrain.log import lifecycle
 from elastrain.step_flags import StepFlags
 from elastrain.storage import storage_for
 
 __all__ = ["DEFAULT_INTERVAL_SECONDS", "Checkpointer", "RestoreInfo", "SaveResult"]
 
-SIDECAR = "elastrain-rank-{rank:05d}.json"
 KIND = "dcp"
 # DCP warns on every single-process save/load; a one-process checkpointer is intended here.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
 
 OnSaveError = Literal["raise", "warn"]
-
-
-@dataclass(frozen=True)
-class RestoreInfo:
-    """The checkpoint that :meth:`Checkpointer.restore` loaded."""
-
-    step: int
-    path: str
-    world_size: int  # the world size it was saved at
-
-
-@dataclass(frozen=True)
-class SaveResult:
-    step: int
-    path: str
-    stall_s: float
-    total_s: float
-    step_wait_s: float = 0.0  # optimizer.step() waiting for the overlapped staging copy
-
-
-@dataclass
-class _SaveJob:
-    """One save handed from the training thread to the writer thread."""
-
-    staged: dict[str, torch.Tensor]
-    deferred: dict[str, torch.Tensor]
-    sidecar: dict[str, Any]
-    step: int
-    path: str
-    request: SaveRequest | None
-    t0: float
-    synchronous: bool
-    captured_at: float  # wall clock: the training state the save holds
-    defer_answer: bool = False  # the request it answers is told later (SaveTrigger.answer)
-    stall_s: float = 0.0
-    waited_at_start: float = 0.0
-
-
-def _sidecar(rank: int) -> str:
-    return SIDECAR.format(rank=rank)
 
 
 class Checkpointer:
@@ -157,6 +85,8 @@ class Checkpointer:
 
     ``on_save_error="raise"`` (the default) makes a failed save raise :class:`CheckpointSaveError` from
     the next call; ``"warn"`` logs ``checkpoint_save_failed`` and lets training go on.
+
+    ``env``: the worker's environment (default: read from the process's); a live regroup passes the new world's.
     """
 
     def __init__(
@@ -174,50 +104,48 @@ class Checkpointer:
         overlap_staging: bool = True,
         hold_after_request_s: float = 5.0,
         on_save_error: OnSaveError = "raise",
+        env: WorkerEnv | None = None,
     ) -> None:
-        env = WorkerEnv.from_environ()
-        root = resolve_root(directory, env.checkpoint_dir, "Checkpointer")
-        if keep_last < 1:
-            raise CheckpointError(f"keep_last must be >= 1 (a complete checkpoint always remains), got {keep_last}")
-        if on_save_error not in ("raise", "warn"):
-            raise CheckpointError(f'on_save_error must be "raise" or "warn", got {on_save_error!r}')
-        schedule = SaveSchedule.default(
-            interval_steps,
-            interval_seconds,
-            hold_after_request_s=hold_after_request_s,
-            agree_every_steps=sync_every_steps,
+        parts = CheckpointParts(
+            "Checkpointer",
+            directory,
+            env if env is not None else WorkerEnv.from_environ(),
+            kind=KIND,
+            keep_last=keep_last,
+            on_save_error=on_save_error,
+            schedule=lambda: SaveSchedule.default(
+                interval_steps,
+                interval_seconds,
+                hold_after_request_s=hold_after_request_s,
+                agree_every_steps=sync_every_steps,
+            ),
+            storage=storage_for,
+            process_group=process_group,
         )
-        self.root = root
+        self.root = parts.root
         self.keep_last = keep_last
         self.async_save = async_save
         self.verify_checksums = verify_checksums
         self.thread_count = thread_count
         self.on_save_error: OnSaveError = on_save_error
-        self.storage = storage_for(self.root)
-        self.storage.makedirs(self.root)
+        self.storage = parts.storage
         self.registry = Registry()
         # Agreeing when to save (training thread); and every collective that waits on storage: saving
         # (writer thread), restoring and preparing a step directory (training thread, with no save in flight).
-        self._sync = Group(process_group, env.collective_timeout_s)
-        self._io = Group(process_group, env.io_timeout_s)
-        self.rank, self.world_size = self._sync.rank, self._sync.world_size
-        channel = ControlChannel(env.control_dir) if env.control_dir else None
-        agree = self._sync.all_max if self._sync.distributed else None
-        self._trigger = SaveTrigger(schedule, channel, agree, is_local_leader=env.local_rank == 0, log=self._log)
-        self._commit = Commit(
-            self.root,
-            self.storage,
-            self._io,
-            kind=KIND,
-            generation=env.generation,
-            keep_last=keep_last,
-            log=self._log,
-            claim_as=fence.worker_world(env, self.root),
-        )
+        self._sync, self._io = parts.sync, parts.io
+        self.rank, self.world_size = parts.rank, parts.world_size
+        self._log = parts.log
+        self._trigger = parts.trigger
+        self._commit = parts.commit
         self._stager = Stager(self.registry, overlap=overlap_staging)
+        self._writer = DcpWriter(
+            self._stager, self.storage, self._io, self._commit, self._trigger, lambda: self.thread_count, self._log
+        )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastrain-ckpt")
         self._inflight: Future[SaveResult] | None = None
-        self._dirty = False  # a failed load may have overwritten part of the registered state
+        self._loader = DcpLoader(
+            self.root, self.storage, self.registry, self._commit, self._io, lambda: self.verify_checksums
+        )
         self.last_result: SaveResult | None = None
         self.last_error: BaseException | None = None
         self._closed = False
@@ -260,10 +188,6 @@ class Checkpointer:
     ) -> None:
         """What to save: the model, its optimizer and any ``Stateful`` (scheduler, train state, sampler)."""
         self.registry.register(model=model, optimizer=optimizer, **more)
-
-    def _log(self, event: str, level: int = logging.INFO, **fields: Any) -> None:
-        if self.rank == 0 or level >= logging.WARNING:
-            lifecycle(event, level=level, rank=self.rank, **fields)
 
     # -- saving ----------------------------------------------------------------------------------
     def maybe_save(self, step: int, hold: bool = True) -> bool:
@@ -319,77 +243,19 @@ class Checkpointer:
             reason=reason,
             request=request.request_id if request else None,
         )
-        tensors, plain = self.registry.collect()
         sync = blocking or not self.async_save
-        # A blocking save writes the live tensors; an async one a staged copy that training cannot touch.
-        staged, deferred = (tensors, {}) if sync else self._stager.stage(tensors)
-        sidecar: dict[str, Any] = {"format": 1, "step": step, "rank": self.rank, "world_size": self.world_size}
-        sidecar.update(state=plain, rng=capture_rng())
-        job = _SaveJob(
-            staged,
-            deferred,
-            sidecar=sidecar,
-            step=step,
-            path=path,
-            request=request,
-            t0=t0,
-            synchronous=sync,
-            captured_at=time.time(),
-            defer_answer=defer_answer and request is not None,
-        )
-        job.stall_s = time.perf_counter() - t0
-        job.waited_at_start = self._stager.waited_s
+        job = self._writer.job(self.registry, step, path, request, t0, sync, defer_answer and request is not None)
         self._trigger.started(step)
         if sync:
             try:
-                result = self._write_and_commit(job)
+                result = self._writer.write_and_commit(job)
             except (Exception, CheckpointException) as e:
                 self._failed(e)
                 return False
             self.last_result = result
         else:
-            self._inflight = self._executor.submit(self._write_and_commit, job)
+            self._inflight = self._executor.submit(self._writer.write_and_commit, job)
         return True
-
-    def _write_and_commit(self, job: _SaveJob) -> SaveResult:
-        """Writer thread (or the training thread, for a blocking save): write, report, commit."""
-        step, path = job.step, job.path
-        try:
-            job.staged = self._stager.finish(job.staged, job.deferred)  # releases optimizer.step()
-            writer = writer_for(path, self.thread_count)
-            md = dcp_save(
-                job.staged,
-                storage_writer=writer,
-                process_group=self._io.pg,
-                no_dist=not self._io.distributed,
-            )
-        except (Exception, CheckpointException) as e:
-            # DCP gathers every rank's failure and raises on all of them: no rank waits in a collective.
-            raise save_error(path, step, root_cause(e)) from None
-        finally:
-            self._stager.release()
-        error: str | None = None
-        report: dict[str, layout.FileEntry] | None = None
-        try:
-            data = json.dumps(job.sidecar).encode()
-            self.storage.write_atomic(self.storage.join(path, _sidecar(self.rank)), data)
-            report = written_files(writer, md)
-            report[_sidecar(self.rank)] = entry_of(data)
-        except OSError as e:
-            error = f"{type(e).__name__}: {e}"
-        expected = {str(info.relative_path) for info in (md.storage_data or {}).values()}
-        expected |= {METADATA} | {_sidecar(r) for r in range(self.world_size)}
-        self._commit.commit(step, path, report, error, expected=expected)
-        total = time.perf_counter() - job.t0
-        # stall: the training thread inside save(); step_wait: optimizer.step() waiting for the staging copy.
-        step_wait = self._stager.waited_s - job.waited_at_start
-        self._log(
-            "checkpoint_committed", step=step, path=path, stall_s=job.stall_s, step_wait_s=step_wait, total_s=total
-        )
-        # A blocking save held training until now; an async one holds the state of when it was staged.
-        current_at = time.time() if job.synchronous else job.captured_at
-        self._trigger.committed(step, path, current_at, defer_answer=job.defer_answer)
-        return SaveResult(step=step, path=path, stall_s=job.stall_s, total_s=total, step_wait_s=step_wait)
 
     def _failed(self, e: BaseException) -> None:
         """A save failed: raise it as a CheckpointSaveError (or, with on_save_error="warn", log and go on)."""
@@ -445,14 +311,8 @@ class Checkpointer:
         """Load the newest complete checkpoint every rank agrees on, at any world size; ``None`` if there is none."""
         self.wait()
         t0 = time.perf_counter()
-        info = self._commit.restore(self._load, read_crc=self._read_crc)
+        info = self._loader.load_newest()
         if info is None:
-            if self._dirty:
-                raise CheckpointCorruptError(
-                    f"{self.root}: a checkpoint failed while loading and no older one loads, so the model holds "
-                    "part of a damaged checkpoint: move the step directories named in the checkpoint_fallback "
-                    "events away and start again"
-                )
             self._log("checkpoint_restored", step=None, path=self.root, why="no complete checkpoint; starting fresh")
             return None
         self._trigger.started(info.step)
@@ -465,76 +325,3 @@ class Checkpointer:
         )
         self._io.barrier()
         return info
-
-    def _read_crc(self, name: str, entry: layout.FileEntry) -> bool:
-        """Which files verification reads for their CRC-32: those DCP cannot check as it loads them."""
-        if not self.verify_checksums:
-            return False
-        if name == METADATA or name.startswith("elastrain-rank-"):
-            return False  # read once, and checked, by _load
-        return not entry.chunks
-
-    def _load(self, d: layout.StepDir, marker: layout.CommitMarker) -> RestoreInfo | None:
-        entries = marker.files if self.verify_checksums else None
-        problem: list[Any] | None = None  # [why, tampered]
-        try:
-            md = read_metadata(d.path, self.storage, entries.get(METADATA) if entries else None)
-            pickled = [k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
-            if pickled:  # elastrain gives DCP tensors only: bytes (unpickled by DCP) were put there by hand
-                raise CheckpointTamperedError(
-                    f"{d.path}/{METADATA} stores {', '.join(sorted(pickled)[:3])} as pickled bytes, which elastrain "
-                    "never writes"
-                )
-            if self.rank == 0:
-                issues = metadata_problems(d.path, md, self.storage)
-                if issues:
-                    problem = [f"{d.path}: " + "; ".join(issues), False]
-        except (CheckpointCorruptError, OSError) as e:
-            problem = [str(e), isinstance(e, CheckpointTamperedError)]
-        agreed = self._commit.agree(problem)
-        if agreed is not None:
-            self._commit.reject(d, str(agreed[0]), tampered=bool(agreed[1]))
-            return None
-        tensors, _ = self.registry.collect()
-        names = set(self.registry.names)
-        saved_keys = {k for k in md.state_dict_metadata if k.split("/", 1)[0] in names}
-        md.state_dict_metadata = {k: md.state_dict_metadata[k] for k in saved_keys}
-        check_fits(md, tensors, d.path)  # raises CheckpointMismatchError on every rank alike
-        error: list[Any] | None = None  # [why, tampered]
-        saved_plain: dict[str, Any] = {}
-        rng: dict[str, Any] | None = None
-        try:
-            self._dirty = True
-            dcp_load(
-                tensors,
-                storage_reader=reader_for(d.path, entries),
-                planner=load_planner(),
-                process_group=self._io.pg,
-                no_dist=not self._io.distributed,
-            )
-            saved_plain = self._read_sidecar(d, 0, entries)["state"]
-            if self.rank < marker.world_size:
-                rng = self._read_sidecar(d, self.rank, entries)["rng"]
-        except (Exception, CheckpointException) as e:
-            error = [f"{d.path}: load failed: {root_cause(e)}", is_tampering(e)]
-        agreed = self._commit.agree(error)
-        if agreed is not None:
-            self._commit.reject(d, str(agreed[0]), tampered=bool(agreed[1]))
-            return None
-        try:
-            self.registry.apply(saved_plain, tensors, d.path)
-        except CheckpointMismatchError:
-            raise
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointMismatchError(f"{d.path}: saved state does not fit the registered objects: {e}") from e
-        self._dirty = False
-        if rng is not None:
-            restore_rng(rng)
-        return RestoreInfo(step=marker.step, path=d.path, world_size=marker.world_size)
-
-    def _read_sidecar(self, d: layout.StepDir, rank: int, entries: Any) -> dict[str, Any]:
-        name = _sidecar(rank)
-        data = self.storage.read_bytes(self.storage.join(d.path, name))
-        check_crc(data, entries.get(name) if entries else None, f"{d.path}/{name}")
-        sidecar: dict[str, Any] = json.loads(data)
-        return sidecar

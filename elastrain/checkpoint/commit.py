@@ -19,8 +19,9 @@ timeout is ``--io-timeout``, because it waits on storage, not on a peer's comput
    generation, and checks the fence again: a marker that raced a newer world's claim is withdrawn.
    It broadcasts the outcome: every rank raises the same :class:`CheckpointSaveError`, naming the
    path and the cause, when the save failed. Then rank 0 applies retention.
-4. **verify** (:meth:`Commit.verify`): at restore every rank checks its share of the marker's
-   files: their lengths, and the CRC-32 of those the format cannot check while it loads them.
+4. **verify** (:meth:`Commit.verify`, :mod:`elastrain.checkpoint.verify`): at restore every rank checks
+   its share of the marker's files: their lengths, and the CRC-32 of those the format cannot check
+   while it loads them.
 5. **agree** (:meth:`Commit.restore`): newest generation first, then newest step
    (:func:`elastrain.checkpoint.layout.restore_order`), every rank's verdict on verification and
    then on the format's own load; the first step all ranks accept is restored.
@@ -40,10 +41,10 @@ from typing import Any, TypeVar
 
 from elastrain import fence
 from elastrain.checkpoint import layout
+from elastrain.checkpoint import verify as verification
 from elastrain.checkpoint.group import Group
 from elastrain.checkpoint.layout import CommitMarker, FileEntry, Naming, StepDir
 from elastrain.errors import (
-    CheckpointCorruptError,
     CheckpointSaveError,
     StaleGenerationError,
     WorldSupersededExit,
@@ -346,67 +347,18 @@ class Commit:
 
     # -- 4. verify, 5. agree ---------------------------------------------------------------------
     def candidates(self) -> tuple[list[tuple[StepDir, str | None]], list[StepDir]]:
-        """Collective: rank 0's listing: the committed step directories in restore order (:func:`layout.restore_order`),
-        each with why it is skipped (or None), and the uncommitted ones, oldest first."""
-        listing: list[Any] | None = None
-        if self.rank == 0:
-            dirs = layout.list_step_dirs(self.root, self.storage, self.naming)
-            committed = [self._candidate(d) for d in dirs if d.committed]
-            order = layout.restore_order(committed, fence.claim_times(self.root, self.storage))
-            listing = [
-                [[d.step, d.path, why] for d, why in order],
-                [[d.step, d.path] for d in dirs if not d.committed],
-            ]
-        ordered, uncommitted = self.group.broadcast(listing)
-        return (
-            [(StepDir(int(step), str(path), True), why) for step, path, why in ordered],
-            [StepDir(int(step), str(path), False) for step, path in uncommitted],
-        )
-
-    def _candidate(self, d: StepDir) -> layout.Candidate:
-        """Rank 0: a committed step directory's generation and commit time (unknown where its marker is unreadable:
-        verification then rejects it)."""
-        marker_path = self.storage.join(d.path, layout.MARKER)
-        try:
-            generation = layout.read_commit_marker(d.path, self.storage).generation
-            return layout.Candidate(d, generation, self.storage.mtime(marker_path))
-        except (CheckpointCorruptError, OSError):
-            return layout.Candidate(d, None, None)
+        """Collective: the committed step directories in restore order, and the uncommitted ones
+        (:func:`elastrain.checkpoint.verify.candidates`)."""
+        return verification.candidates(self.group, self.root, self.storage, self.naming)
 
     def verify(self, d: StepDir, read_crc: Callable[[str, FileEntry], bool]) -> CommitMarker | str:
-        """Collective: the marker of ``d`` if every rank found its share intact, else the first problem.
-
-        Every rank checks the lengths of its share of the files, and reads those for which
-        ``read_crc(name, entry)`` is true to check their CRC-32 (the format checks the rest as it loads).
-        """
-        found: dict[str, str] | None = None
-        if self.rank == 0:
-            try:
-                found = {"marker": layout.read_commit_marker(d.path, self.storage).to_json().decode()}
-            except CheckpointCorruptError as e:
-                found = {"problem": str(e)}
-            except OSError as e:
-                found = {"problem": f"{d.path}: {type(e).__name__}: {e}"}
-        answer: dict[str, str] = self.group.broadcast(found)
-        if "problem" in answer:
-            return answer["problem"]
-        marker = CommitMarker.from_json(answer["marker"].encode(), d.path)
-        problem: str | None = None
-        mine = {n: marker.files[n] for n in layout.share(list(marker.files), self.rank, self.world_size)}
-        try:
-            sized = layout.verify_files(d.path, mine, checksum=False, storage=self.storage)
-            to_read = {n: e for n, e in mine.items() if read_crc(n, e)}
-            crcs = layout.verify_files(d.path, to_read, checksum=True, storage=self.storage) if not sized else []
-            if sized or crcs:
-                problem = f"{d.path}: " + "; ".join(sized or crcs)
-        except OSError as e:
-            problem = f"{d.path}: {type(e).__name__}: {e}"
-        return self.agree(problem) or marker
+        """Collective: the marker of ``d`` if every rank found its share intact, else the first problem
+        (:func:`elastrain.checkpoint.verify.verify`)."""
+        return verification.verify(self.group, self.storage, d, read_crc)
 
     def agree(self, problem: P | None) -> P | None:
         """Collective: the first problem any rank reports (plain data: a message, or a list), or ``None``."""
-        first: P | None = next((p for p in self.group.all_gather(problem) if p is not None), None)
-        return first
+        return verification.agree(self.group, problem)
 
     def reject(self, d: StepDir, problem: str, *, tampered: bool = False) -> None:
         """Skip ``d`` at this restore (and let the next save of its step replace it). A checkpoint refused as

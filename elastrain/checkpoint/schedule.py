@@ -6,19 +6,21 @@ launcher's save requests (:mod:`elastrain.control`), makes every rank agree (a r
 request, or whose clock says the interval passed, makes all ranks save at the same step: through
 the step's gradient all-reduce when the Session provides one, :mod:`elastrain.step_flags`, else by
 a tiny all-reduce of its own), and reports commits back to the launcher. A checkpointer owns one trigger; replacing
-``trigger.schedule`` changes the schedule from the next step on.
+``trigger.schedule`` changes the schedule from the next step on. After a save the launcher asked for,
+:func:`hold_for_restart` is what a worker does while the announced membership change comes.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from elastrain.control import ControlChannel, SaveAck, SaveRequest, hold_for_restart
+from elastrain.control import ControlChannel, RegroupChannel, SaveAck, SaveRequest
 from elastrain.errors import CheckpointError
 from elastrain.step_flags import StepFlags
 
@@ -94,6 +96,7 @@ class SaveTrigger:
     """A schedule applied at step boundaries, with the launcher's requests and the ranks' agreement.
 
     ``agree(flags)`` is the element-wise max of ``flags`` over all ranks (``None``: one process).
+    ``live_round()``: with ``--live``, the round the worker is in now (``None``: restart mode).
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class SaveTrigger:
         *,
         is_local_leader: bool = True,
         log: Callable[..., None] | None = None,
+        live_round: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.schedule = schedule
         self.channel = channel
@@ -115,6 +119,7 @@ class SaveTrigger:
         self._answer: SaveAck | None = None
         self._unanswered = False  # a committed requested save the launcher was not told of yet
         self._flags: StepFlags | None = None
+        self._live_round = live_round
 
     def use_flags(self, flags: StepFlags) -> None:
         """Agree through ``flags`` (raised at each step's gradient sync) instead of a collective of our own."""
@@ -186,4 +191,48 @@ class SaveTrigger:
         requests with that save."""
         self.answer()
         answer = self._answer if self._is_local_leader else None
-        hold_for_restart(self.schedule.hold_after_request_s, step, self._log, self.channel, answer)
+        hold_for_restart(
+            self.schedule.hold_after_request_s, step, self._log, self.channel, answer, live_round=self._live_round()
+        )
+
+
+def hold_for_restart(
+    seconds: float,
+    step: int,
+    log: Callable[..., None],
+    channel: ControlChannel | None = None,
+    answer: SaveAck | None = None,
+    poll_s: float = 0.05,
+    *,
+    live_round: int | None = None,
+) -> None:
+    """Worker side, after the save that answered a request: wait (bounded) to be restarted.
+
+    The launcher asked because a membership change is coming; a step run now would be redone after
+    the restart. If no restart comes within ``seconds`` (the change was called off), training goes on
+    from the checkpoint. Meanwhile the training state *is* checkpoint ``answer``: a request that
+    arrives now (another agent saw the change later) is answered with it at once, when ``channel`` is
+    given (``answer`` on the node's local rank 0; ``None`` on the others, which only mark it answered).
+    ``log(event, level, **fields)`` is the caller's lifecycle logger. ``live_round``: with ``--live``, the
+    round the worker is in (a notice of a later one ends the hold: the change comes as a regroup in place);
+    ``None`` in restart mode.
+    """
+    if seconds <= 0:
+        return
+    log("checkpoint_hold", logging.INFO, step=step, up_to_s=seconds)
+    # --live: the change may come as a regroup in place rather than a restart; then holding is over.
+    regroup = RegroupChannel(channel.directory) if channel is not None and live_round is not None else None
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(poll_s, left))
+        if regroup is not None and regroup.newer_than(live_round or 0) is not None:
+            log("checkpoint_hold_over", logging.INFO, step=step, why="regroup in place")
+            return
+        if channel is not None and channel.pending() is not None:
+            now = time.time()
+            if answer is not None:
+                channel.ack(answer.step, answer.checkpoint, now)
+                log("checkpoint_reacked", logging.INFO, step=answer.step, current_at=now)
+            else:
+                channel.answered(now)
+    log("checkpoint_hold_over", logging.WARNING, step=step)

@@ -33,18 +33,17 @@ import logging
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
-from elastrain import fence
 from elastrain.checkpoint import layout
-from elastrain.checkpoint.commit import PROTOCOL_FILES, Commit, entry_of, fsync_and_checksum
+from elastrain.checkpoint.commit import PROTOCOL_FILES, entry_of, fsync_and_checksum
 from elastrain.checkpoint.group import Group, default_group_timeout
-from elastrain.checkpoint.schedule import SaveReason, SaveSchedule, SaveTrigger
-from elastrain.checkpoint.settings import resolve_root
+from elastrain.checkpoint.parts import CheckpointParts
+from elastrain.checkpoint.schedule import SaveReason, SaveSchedule
 from elastrain.checkpoint.state import Stateful
-from elastrain.control import ControlChannel
 from elastrain.env import WorkerEnv
 from elastrain.errors import (
     CheckpointCorruptError,
@@ -54,8 +53,8 @@ from elastrain.errors import (
 )
 from elastrain.integrations import ds_universal
 from elastrain.integrations.ds_config import DeepSpeedBatch, elastic_config, loss_multiplier
-from elastrain.log import configure, lifecycle
-from elastrain.storage import LocalStorage, fsync_dir
+from elastrain.log import configure
+from elastrain.storage import LocalStorage, Storage, fsync_dir
 
 __all__ = [
     "DeepSpeedBatch",
@@ -112,7 +111,10 @@ class DeepSpeedRestoreInfo:
 
 
 class DeepSpeedCheckpointer:
-    """Complete, verified DeepSpeed checkpoints that load at any world size. Construct on every rank."""
+    """Complete, verified DeepSpeed checkpoints that load at any world size. Construct on every rank.
+
+    ``env``: the worker's environment (default: read from the process's).
+    """
 
     def __init__(
         self,
@@ -125,42 +127,37 @@ class DeepSpeedCheckpointer:
         conversion_timeout_s: float = 1800.0,
         hold_after_request_s: float = 5.0,
         on_save_error: Literal["raise", "warn"] = "raise",
+        env: WorkerEnv | None = None,
     ) -> None:
-        env = WorkerEnv.from_environ()
-        root = resolve_root(directory, env.checkpoint_dir, "DeepSpeedCheckpointer")
-        if keep_last < 1:
-            raise CheckpointError(f"keep_last must be >= 1 (a complete checkpoint always remains), got {keep_last}")
-        if on_save_error not in ("raise", "warn"):
-            raise CheckpointError(f'on_save_error must be "raise" or "warn", got {on_save_error!r}')
-        schedule = SaveSchedule(interval_steps=interval_steps, hold_after_request_s=hold_after_request_s)
+        env = env if env is not None else WorkerEnv.from_environ()
+        parts = CheckpointParts(
+            "DeepSpeedCheckpointer",
+            directory,
+            env,
+            kind=KIND,
+            keep_last=keep_last,
+            on_save_error=on_save_error,
+            schedule=lambda: SaveSchedule(interval_steps=interval_steps, hold_after_request_s=hold_after_request_s),
+            storage=lambda _root: LocalStorage(),
+            absolute_root=True,
+        )
         self.engine = engine
-        self.root = os.path.abspath(root)
+        self.root = parts.root
         self.keep_last = keep_last
         self.verify_checksums = verify_checksums
         self.conversion_timeout_s = conversion_timeout_s
         self.on_save_error = on_save_error
-        self.storage = LocalStorage()
-        self.storage.makedirs(self.root)
+        self.storage = parts.storage
         self._collective_timeout_s = env.collective_timeout_s
         self._io_timeout_s = env.io_timeout_s
-        self._group = Group(None, env.collective_timeout_s)  # agreeing when to save
-        self._io = Group(None, env.io_timeout_s)  # the commit protocol: waits on storage
+        self._group = parts.sync  # agreeing when to save
+        self._io = parts.io  # the commit protocol: waits on storage
         # Ranks other than 0 wait in this group while rank 0 converts a checkpoint (seconds to minutes).
         self._slow = Group(None, conversion_timeout_s + 60.0)
-        self.rank, self.world_size = self._group.rank, self._group.world_size
-        channel = ControlChannel(env.control_dir) if env.control_dir else None
-        agree = self._group.all_max if self._group.distributed else None
-        self._trigger = SaveTrigger(schedule, channel, agree, is_local_leader=env.local_rank == 0, log=self._log)
-        self._commit = Commit(
-            self.root,
-            self.storage,
-            self._io,
-            kind=KIND,
-            generation=env.generation,
-            keep_last=keep_last,
-            log=self._log,
-            claim_as=fence.worker_world(env, self.root),
-        )
+        self.rank, self.world_size = parts.rank, parts.world_size
+        self._log = parts.log
+        self._trigger = parts.trigger
+        self._commit = parts.commit
         self._extras: dict[str, Stateful] = {}
         self.last_error: CheckpointSaveError | None = None
 
@@ -183,10 +180,6 @@ class DeepSpeedCheckpointer:
                     f"register({name}=...): a {type(obj).__name__} has no state_dict()/load_state_dict()"
                 )
             self._extras[name] = obj
-
-    def _log(self, event: str, level: int = logging.INFO, **fields: Any) -> None:
-        if self.rank == 0 or level >= logging.WARNING:
-            lifecycle(event, level=level, rank=self.rank, **fields)
 
     def _io_timeouts(self) -> Any:
         """DeepSpeed's own barriers (on the default group) wait on storage while it saves or loads."""
@@ -247,31 +240,17 @@ class DeepSpeedCheckpointer:
                 self.storage.write_atomic(os.path.join(path, STATE_FILE), data)
                 report[STATE_FILE] = entry_of(data)
             # DeepSpeed's last barrier means every rank's torch.save returned; make this rank's files durable.
-            for name in self._checkpoint_files(path):
-                if name != STATE_FILE and self._wrote(name):
+            engine_rank = int(getattr(self.engine, "global_rank", self.rank))
+            for name in _checkpoint_files(self.storage, path):
+                if name != STATE_FILE and _wrote(name, self.rank, engine_rank):
                     report[name] = fsync_and_checksum(os.path.join(path, name), self.verify_checksums)
             if self.rank == 0:
                 fsync_dir(path)
         except Exception as e:  # DeepSpeed raises assorted types; every rank reports its own
             error = f"{type(e).__name__}: {e}"
-        expected = self._checkpoint_files(path) if self.rank == 0 and error is None else None
+        expected = _checkpoint_files(self.storage, path) if self.rank == 0 and error is None else None
         extra = {"zero_stage": int(self.engine.zero_optimization_stage()), "deepspeed_tag": tag}
         self._commit.commit(step, path, report, error, expected=expected, extra=extra)
-
-    def _checkpoint_files(self, path: str) -> list[str]:
-        """Every file of the DeepSpeed checkpoint in ``path`` (not the universal cache, not the marker)."""
-        return [
-            f
-            for f in self.storage.walk_files(path)
-            if f not in PROTOCOL_FILES and not f.startswith((ds_universal.UNIVERSAL + "/", ".universal-"))
-        ]
-
-    def _wrote(self, name: str) -> bool:
-        """Whether this rank wrote ``name``: its own ``zero_pp_rank_<dp>_*`` shards, and rank 0 the rest."""
-        m = _RANK_FILE.match(os.path.basename(name))
-        if m is None:
-            return self.rank == 0
-        return int(m.group(1)) == int(getattr(self.engine, "global_rank", self.rank))
 
     # -- restoring -------------------------------------------------------------------------------
     def restore(self) -> DeepSpeedRestoreInfo | None:
@@ -309,7 +288,7 @@ class DeepSpeedCheckpointer:
                 return None
             load_dir, tag = d.path, ds_universal.UNIVERSAL
         self._load(load_dir, tag, universal, d.path)
-        self._apply_extras(d.path)
+        _apply_extras(self.storage, self._extras, d.path)
         return DeepSpeedRestoreInfo(
             step=marker.step,
             path=d.path,
@@ -375,23 +354,43 @@ class DeepSpeedCheckpointer:
         if error is not None:
             raise CheckpointMismatchError(error)
 
-    def _apply_extras(self, path: str) -> None:
-        try:
-            state = json.loads(self.storage.read_bytes(os.path.join(path, STATE_FILE)))
-        except FileNotFoundError:
-            state = {"objects": {}}
-        saved = state.get("objects", {})
-        missing = [n for n in self._extras if n not in saved]
-        if missing:
-            raise CheckpointMismatchError(
-                f"{path} has no state for {', '.join(missing)} (saved: {', '.join(sorted(saved)) or 'nothing'}); "
-                "register the same objects that were saved, or start a fresh --checkpoint-dir"
-            )
-        for name, obj in self._extras.items():
-            obj.load_state_dict(saved[name])
-
     def close(self) -> None:
         """Release the checkpointer's process groups."""
         self._group.destroy()
         self._io.destroy()
         self._slow.destroy()
+
+
+def _checkpoint_files(storage: Storage, path: str) -> list[str]:
+    """Every file of the DeepSpeed checkpoint in ``path`` (not the universal cache, not the marker)."""
+    return [
+        f
+        for f in storage.walk_files(path)
+        if f not in PROTOCOL_FILES and not f.startswith((ds_universal.UNIVERSAL + "/", ".universal-"))
+    ]
+
+
+def _wrote(name: str, rank: int, engine_rank: int) -> bool:
+    """Whether this rank (``engine_rank`` in DeepSpeed's numbering) wrote ``name``: its own
+    ``zero_pp_rank_<dp>_*`` shards, and rank 0 the rest."""
+    m = _RANK_FILE.match(os.path.basename(name))
+    if m is None:
+        return rank == 0
+    return int(m.group(1)) == engine_rank
+
+
+def _apply_extras(storage: Storage, extras: Mapping[str, Stateful], path: str) -> None:
+    """Load the registered objects' state saved beside the engine's."""
+    try:
+        state = json.loads(storage.read_bytes(os.path.join(path, STATE_FILE)))
+    except FileNotFoundError:
+        state = {"objects": {}}
+    saved = state.get("objects", {})
+    missing = [n for n in extras if n not in saved]
+    if missing:
+        raise CheckpointMismatchError(
+            f"{path} has no state for {', '.join(missing)} (saved: {', '.join(sorted(saved)) or 'nothing'}); "
+            "register the same objects that were saved, or start a fresh --checkpoint-dir"
+        )
+    for name, obj in extras.items():
+        obj.load_state_dict(saved[name])

@@ -2,15 +2,17 @@
 
 :class:`LiveMember` is what :class:`elastrain.session.Session` holds in live mode. It joins the
 round the worker was started into, tells the agent that this worker can regroup in place, and on a
-notice moves the process group to the next round: environment variables rewritten (so that
-``WorkerEnv.from_environ()`` and the checkpointer see the current rank, world size and fencing
-generation), the old group left, the new one joined.
+notice moves the process group to the next round: the round's :class:`~elastrain.env.WorkerEnv`
+(rank, world size, round, fencing generation) built and returned to the session, which hands it on;
+the old group left, the new one joined. The process's environment variables follow the round as well,
+for the script's own reads (torch's RANK, WORLD_SIZE, GROUP_RANK, MASTER_*).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 
 from elastrain.control import RegroupChannel, RegroupNotice
 from elastrain.env import (
@@ -41,6 +43,10 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _without(environ: Mapping[str, str], names: set[str]) -> dict[str, str]:
+    return {name: value for name, value in environ.items() if name not in names}
 
 
 class LiveMember:
@@ -129,16 +135,23 @@ class LiveMember:
             regroup_timeout_s=self.env.regroup_timeout_s,
         )
         rank = notice.ranks[self.env.local_rank]
-        os.environ.update(
-            regrouped_environ(ctx, rank, notice.world_size, notice.group_rank, notice.master_addr, notice.master_port)
+        changed = regrouped_environ(
+            ctx, rank, notice.world_size, notice.group_rank, notice.master_addr, notice.master_port
         )
-        if notice.generation is None:
-            os.environ.pop(GENERATION, None)
-        if notice.previous_world_size is None:
-            os.environ.pop(PREVIOUS_WORLD_SIZE, None)
-        os.environ.pop(WARM, None)
-        self.env = WorkerEnv.from_environ()
+        unset = {WARM} | {
+            name
+            for name, value in ((GENERATION, notice.generation), (PREVIOUS_WORLD_SIZE, notice.previous_world_size))
+            if value is None
+        }
+        # The new round's WorkerEnv is built here and handed on (the session, its checkpointer): no part of
+        # elastrain reads it back from the process environment.
+        self.env = WorkerEnv.from_environ({**_without(os.environ, unset), **changed})
         self.round = notice.round
+        # The script's own view follows the round too: torch's variables (RANK, WORLD_SIZE, GROUP_RANK, MASTER_*)
+        # and elastrain's, for scripts and libraries (accelerate) that read them after a regroup.
+        os.environ.update(changed)
+        for name in unset:
+            os.environ.pop(name, None)
 
     def close(self) -> None:
         """Before the process ends: stop the watchdog, and let gloo finish what was given up (bounded)."""

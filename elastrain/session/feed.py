@@ -7,14 +7,14 @@ change of world size the next step takes the next unseen samples, split for the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from elastrain.data import ElasticSampler, RankStep
-from elastrain.scaling import BatchPlan
+from elastrain.scaling import BatchPlan, loss_scale
 from elastrain.session.config import DataConfig
 from elastrain.session.errors import SessionError
 from elastrain.session.step import move_to
@@ -84,3 +84,17 @@ class Feed:
             non_blocking = self.config.pin_memory and self.device.type == "cuda"
             datas = [move_to(d, self.device, non_blocking) for d in datas]
         return rank_step, datas
+
+    def loss_scales(
+        self, rank_step: RankStep, datas: list[Any], world_size: int, all_reduce: Callable[[torch.Tensor], None] | None
+    ) -> list[float]:
+        """Each micro-batch's loss scale: its share of the global batch's samples, or of its tokens with
+        ``token_count`` (summed over the ranks by ``all_reduce``; ``None``: one process)."""
+        token_count = self.config.token_count
+        if token_count is None:
+            return [loss_scale(len(idx), world_size, rank_step.global_size) for idx in rank_step.micro_batches]
+        counts = [int(token_count(d)) for d in datas]
+        total = torch.tensor([sum(counts)], dtype=torch.int64, device=self.device)
+        if all_reduce is not None:
+            all_reduce(total)
+        return [loss_scale(c, world_size, int(total.item())) for c in counts]

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -15,9 +15,7 @@ from elastrain.data import RankStep
 from elastrain.live.group import GroupBrokenError
 from elastrain.log import lifecycle
 from elastrain.session.errors import SessionError
-
-if TYPE_CHECKING:
-    from elastrain.session.loop import Session
+from elastrain.train_state import TrainState
 
 LOSS_TOTAL = "loss"  # the step flags' total that carries the step's loss (StepFlags.add_total)
 
@@ -53,10 +51,50 @@ class MicroBatch:
         return len(self.indices)
 
 
+class StepHost(Protocol):
+    """What a :class:`Step` needs from the loop that runs it (:class:`elastrain.session.Session` is one)."""
+
+    @property
+    def state(self) -> TrainState:
+        """The train state; ``state.step`` is the last committed step."""
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model the loop calls (DDP-wrapped when distributed), looked up anew at each micro-batch."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def distributed(self) -> bool: ...
+
+    @property
+    def segment(self) -> str:
+        """The current world's segment: a step's world is gone when it changed."""
+
+    def agreed_total(self, name: str) -> float | None:
+        """The sum over all ranks of a total this step's gradient sync carried; ``None`` when none did."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """A sum over the current group; ``GroupBrokenError`` when the group broke (live mode)."""
+
+    def collective_broke(self, exc: BaseException, step: Step | None, group_error: bool) -> None:
+        """A collective failed: regroup (giving ``step`` up) or raise ``exc``."""
+
+    def finish_step(self, step: Step) -> None:
+        """Apply the optimizer and commit ``step``."""
+
+    def log(self, step: int, **values: Any) -> None:
+        """Record metrics at global step ``step``."""
+
+
 class Step:
     """One optimizer step: iterate it for the micro-batches, then call :meth:`optimizer_step`."""
 
-    def __init__(self, session: Session, rank_step: RankStep, micro: list[MicroBatch], lr: float | None) -> None:
+    def __init__(self, session: StepHost, rank_step: RankStep, micro: list[MicroBatch], lr: float | None) -> None:
         self._session = session
         self.rank_step = rank_step
         self.micro_batches = micro
@@ -85,6 +123,11 @@ class Step:
             with self._sync_context(sync=i == last):
                 yield mb
 
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`optimizer_step` was called."""
+        return self._done
+
     def _sync_context(self, sync: bool) -> contextlib.AbstractContextManager[Any]:
         model = self._session.model
         if sync or not isinstance(model, DistributedDataParallel):
@@ -100,7 +143,7 @@ class Step:
         try:
             scaled.backward()  # type: ignore[no-untyped-call]
         except RuntimeError as exc:
-            self._session._collective_broke(exc, self, group_error=True)
+            self._session.collective_broke(exc, self, group_error=True)
 
     def mean_loss(self) -> float:
         """The step's loss averaged over all its samples on all ranks (call it on every rank).
@@ -111,7 +154,7 @@ class Step:
         if self.abandoned or self._loss_lost:
             return math.nan
         session = self._session
-        agreed = session._flags.total(LOSS_TOTAL) if session.distributed else None
+        agreed = session.agreed_total(LOSS_TOTAL)
         if agreed is not None:
             return agreed / self._world_size
         if session.segment != self._segment:  # a regroup after the step: its ranks' shares are in no group now
@@ -120,10 +163,10 @@ class Step:
         total = torch.as_tensor(self.loss_sum, dtype=torch.float64, device=session.device).reshape(1)
         if session.distributed:
             try:
-                session.runtime.all_reduce(total)
+                session.all_reduce(total)
             except GroupBrokenError as exc:
                 # Before optimizer_step() the step is given up; after it, the vote decides whether it stands.
-                session._collective_broke(exc, None if self._done else self, group_error=True)
+                session.collective_broke(exc, None if self._done else self, group_error=True)
                 self._rolled_back()
                 return self._loss_is_lost()
         return float(total.item()) / session.world_size
@@ -146,7 +189,7 @@ class Step:
             raise SessionError(f"optimizer_step() called twice for step {self.number}")
         self._done = True
         if not self.abandoned:
-            self._session._finish(self)
+            self._session.finish_step(self)
             self._rolled_back()
 
     def _rolled_back(self) -> None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import html
-import itertools
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastrain.chaos import analysis
+from elastrain.chaos.analysis import redone, stalls
 from elastrain.metrics import read_metrics
 
 DEDICATED_PER_NODE_HOUR = 13.46  # USD, the AzureML elastic preview's dedicated nodes
@@ -83,39 +83,8 @@ def load_run(name: str, directory: Path) -> Run:
 
 
 def fired(run: Run) -> list[dict[str, Any]]:
-    """The trace events the harness fired, in order: ``index``, ``what`` (kill, term, start...), ``node``,
-    ``t`` (seconds since the start) and ``wall`` (epoch seconds)."""
-    return sorted((e for e in run.timeline.get("events", []) if e["action"] == "fired"), key=lambda e: int(e["index"]))
-
-
-def stalls(times: Sequence[float], events: Sequence[float]) -> list[float | None]:
-    """Per event: the longest gap between consecutive step times that belongs to it. A gap belongs
-    to the first event fired inside it, or else to the last event fired before it began (a stall
-    that starts later, such as a joiner's regroup); ``None``: no step after the event."""
-    out: list[float | None] = [None] * len(events)
-    for a, b in itertools.pairwise(sorted(times)):
-        inside = [i for i, at in enumerate(events) if a < at < b]
-        before = [i for i, at in enumerate(events) if at <= a]
-        owner = inside[0] if inside else (before[-1] if before else None)
-        if owner is not None:
-            out[owner] = max(out[owner] or 0.0, b - a)
-    return out
-
-
-def redone(points: Sequence[tuple[float, int]], events: Sequence[float]) -> list[int]:
-    """Completed steps logged again: ``[total, for event 1, for event 2, ...]``. A repeat counts for
-    the first event after the step's first computation: the change that threw it away."""
-    counts = [0] * (1 + len(events))
-    first: dict[int, float] = {}
-    for t, step in sorted(points):
-        if step not in first:
-            first[step] = t
-            continue
-        counts[0] += 1
-        cause = next((i for i, at in enumerate(events) if at > first[step]), None)
-        if cause is not None:
-            counts[1 + cause] += 1
-    return counts
+    """The trace events the harness fired in ``run``, in order (:func:`elastrain.chaos.analysis.fired`)."""
+    return analysis.fired(run.timeline)
 
 
 def event_costs(run: Run) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from elastrain import WorkerEnv, storage
-from elastrain.checkpoint import Checkpointer, checkpointer, layout
+from elastrain.checkpoint import Checkpointer, dcp_write, layout
 from elastrain.log import configure
 
 KILL_INSTANTS = ("before_write", "mid_write", "before_marker", "marker_tmp")
@@ -37,20 +37,20 @@ def arm(instant: str, step: int, rank: int) -> None:
     if WorkerEnv.from_environ().rank != rank:
         return
     if instant == "before_write":
-        orig_save = checkpointer.dcp_save
+        orig_save = dcp_write.dcp_save
 
         def save(*a: Any, **k: Any) -> Any:
             if str(k["storage_writer"].path).endswith(layout.step_dir_name(step)):
                 die()
             return orig_save(*a, **k)
 
-        checkpointer.dcp_save = save
+        dcp_write.dcp_save = save
     elif instant == "mid_write":
         from torch.distributed.checkpoint import filesystem
 
         orig_item = filesystem._write_item
         calls = {"n": 0, "armed": False}
-        orig_save2 = checkpointer.dcp_save
+        orig_save2 = dcp_write.dcp_save
 
         def save2(*a: Any, **k: Any) -> Any:
             calls["armed"] = str(k["storage_writer"].path).endswith(layout.step_dir_name(step))
@@ -66,7 +66,7 @@ def arm(instant: str, step: int, rank: int) -> None:
             return out
 
         filesystem._write_item = item
-        checkpointer.dcp_save = save2
+        dcp_write.dcp_save = save2
     elif instant == "before_marker":
         orig_marker = layout.write_commit_marker
 

@@ -21,7 +21,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastrain.control import ControlChannel, SaveAck, hold_for_restart
+from elastrain.checkpoint.schedule import hold_for_restart
+from elastrain.control import ControlChannel, SaveAck
+from elastrain.env import WorkerEnv
 from elastrain.log import format_event
 
 HOLD_S = 5.0  # the checkpointer's default hold_after_request_s
@@ -39,6 +41,7 @@ def main() -> None:
     print(f"PW_START t={time.time():.3f} {tag}", flush=True)
     stop_file = os.environ.get("PW_STOP_FILE")
     channel = ControlChannel(os.environ["ELASTRAIN_CONTROL_DIR"]) if os.environ.get("ELASTRAIN_CONTROL_DIR") else None
+    env = WorkerEnv.from_environ()
 
     def log(event: str, level: int, **fields: object) -> None:
         print(format_event(event, **fields, t=round(time.time(), 3)), flush=True)
@@ -54,7 +57,7 @@ def main() -> None:
         if flags[1] > 0 and channel is not None:
             ack = SaveAck(step=step, checkpoint=f"mem://step-{step}", current_at=time.time())
             channel.ack(ack.step, ack.checkpoint, ack.current_at)
-            hold_for_restart(HOLD_S, step, log, channel, ack)
+            hold_for_restart(HOLD_S, step, log, channel, ack, live_round=env.round if env.live else None)
         if flags[0] > 0:
             break
         time.sleep(0.1)

@@ -10,11 +10,20 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.metadata import Metadata
 
+from elastrain.chaos.analysis import (
+    LedgerRow,
+    Segment,
+    max_stall,
+    read_ledger,
+    rendezvous_rounds,
+    round_times,
+    segment_order,
+    segments,
+    workers_started,
+)
 from elastrain.chaos.checks import (
     Check,
     Expectation,
-    LedgerRow,
-    Segment,
     check_bounded_rounds,
     check_checkpoints,
     check_exactly_once,
@@ -23,14 +32,7 @@ from elastrain.chaos.checks import (
     check_processes,
     check_trace_ran,
     format_table,
-    max_stall,
-    read_ledger,
     refounded,
-    rendezvous_rounds,
-    round_times,
-    segment_order,
-    segments,
-    workers_started,
 )
 from elastrain.checkpoint import layout
 from elastrain.metrics.events import append_json_line

@@ -345,7 +345,7 @@ def test_an_unwritable_root_fails_the_save_naming_path_and_cause(tmp_path: Path)
 def test_a_failed_background_save_surfaces_at_the_next_call(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, events: Events, on_save_error: str
 ) -> None:
-    from elastrain.checkpoint import checkpointer
+    from elastrain.checkpoint import dcp_write
     from elastrain.errors import CheckpointSaveError
 
     def full_disk(*args: Any, **kwargs: Any) -> Any:
@@ -353,7 +353,7 @@ def test_a_failed_background_save_surfaces_at_the_next_call(
 
     job = Job()
     ckpt = job.checkpointer(tmp_path, interval_steps=1, on_save_error=on_save_error)
-    monkeypatch.setattr(checkpointer, "dcp_save", full_disk)  # the writer thread's write fails
+    monkeypatch.setattr(dcp_write, "dcp_save", full_disk)  # the writer thread's write fails
     job.step(1)
     assert ckpt.save(1)  # asynchronous: returns before the write
     job.step(2)

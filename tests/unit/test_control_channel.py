@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from elastrain.control import ControlChannel, RegroupChannel, RegroupNotice, SaveCause
-from elastrain.control_codec import Fields, MessageReader
+from elastrain.control.files import Fields, MessageReader
 from elastrain.errors import ControlMessageError
 
 # Each file a reader decodes: a valid message, the kind of each field it reads, and what "no message" reads as.

@@ -1,14 +1,10 @@
-"""The demo report's per-event measures (examples/t5/report.py; bench/goodput.py uses the same functions)."""
+"""The per-event measures of a run (elastrain.chaos.analysis; the T5 report and bench/goodput.py use them)."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from support import REPO
 
-sys.path.insert(0, str(REPO / "examples" / "t5"))
-from report import redone, stalls
+from elastrain.chaos.analysis import redone, stalls
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@
 The step's loss sum rides on its gradient sync (StepFlags totals); a regroup may come later in the same
 step (its save's collective broke, its flags' own all-reduce broke). The step then reports the loss of the
 world that computed it, never a sum over another world's group, and a step the new world rolled back is
-given up (its re-run logs it). A stand-in session: only what ``Step`` reads of it.
+given up (its re-run logs it). A stand-in session: only what ``Step`` reads of it (its ``StepHost``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from elastrain.step_flags import StepFlags
 
 
 class _Session:
-    """What Step uses of a Session, with ``_finish`` optionally moving it to a new world (a regroup)."""
+    """What Step uses of a Session, with ``finish_step`` optionally moving it to a new world (a regroup)."""
 
     def __init__(self, world_size: int, total: float | None, regroup_to: tuple[int, int] | None = None) -> None:
         self.state = SimpleNamespace(step=9)
@@ -36,12 +36,20 @@ class _Session:
             packed = self._flags.pack(torch.zeros(0))
             packed[-1] = total
             self._flags.unpack(packed, torch.zeros(0))
-        self.regroup_to = regroup_to  # (new world size, agreed step) when _finish regroups
+        self.regroup_to = regroup_to  # (new world size, agreed step) when finish_step regroups
         self.reduced: list[torch.Tensor] = []
         self.logged: list[tuple[int, dict[str, Any]]] = []
-        self.runtime = SimpleNamespace(all_reduce=self.reduced.append)
 
-    def _finish(self, step: Step) -> None:
+    def agreed_total(self, name: str) -> float | None:
+        return self._flags.total(name) if self.distributed else None
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        self.reduced.append(tensor)
+
+    def collective_broke(self, exc: BaseException, step: Step | None, group_error: bool) -> None:
+        raise exc
+
+    def finish_step(self, step: Step) -> None:
         self.state.step = step.number
         if self.regroup_to is not None:  # the save's collective broke; the vote decided the agreed step
             self.world_size, self.state.step = self.regroup_to

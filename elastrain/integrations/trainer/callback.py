@@ -40,8 +40,14 @@ class ElasticTrainerCallback(TrainerCallback):
 
     def trigger(self) -> SaveTrigger:
         if self._trigger is None:
+            driver = self.driver
             self._trigger = SaveTrigger(
-                SCHEDULE, self._channel, None, is_local_leader=self.driver.env.local_rank == 0, log=self.driver.log
+                SCHEDULE,
+                self._channel,
+                None,
+                is_local_leader=driver.env.local_rank == 0,
+                log=driver.log,
+                live_round=lambda: driver.env.round if driver.env.live else None,  # a regroup changes driver.env
             )
             self._trigger.use_flags(self.driver.flags)
         return self._trigger

@@ -1,17 +1,23 @@
-"""Reading the control channel's files: one checked path from a file's bytes to a typed message.
+"""One file of a node's control directory: written whole or not at all, read back through one checked path.
 
 Each file in a node's control directory (``ELASTRAIN_CONTROL_DIR``) holds one JSON object, written by the
-agent or a worker of the same launcher. Anything else there (not JSON, another shape, a directory, an
-older or newer launcher's file) decodes to :class:`~elastrain.errors.ControlMessageError`, naming the file
-and the field; a :class:`MessageReader` logs it once per content of the file and reads it as no message,
-so a stray file never crashes an agent or a worker.
+agent or a worker of the same launcher (:func:`write_atomic`: a temporary file and a rename). Reading
+one (:class:`MessageReader`) decodes it into a typed message through :class:`Fields`; anything else
+there (not JSON, another shape, a directory, an older or newer launcher's file) decodes to
+:class:`~elastrain.errors.ControlMessageError`, naming the file and the field, which the reader logs
+once per content of the file and reads as no message, so a stray file never crashes an agent or a
+worker. :func:`poll` is the bounded wait both channels use.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
+import os
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -20,6 +26,30 @@ from elastrain.errors import ControlMessageError
 from elastrain.log import lifecycle
 
 _T = TypeVar("_T")
+# Temporary names unique per process, thread and call: two writers of one file never share one.
+_TMP_SEQUENCE = itertools.count()
+
+
+def write_atomic(path: Path, payload: dict[str, object]) -> None:
+    """Write ``path`` whole or not at all; safe from any number of threads and processes at once."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_TMP_SEQUENCE)}.tmp")
+    try:
+        with open(tmp, "x") as f:  # exclusive: a name that is somehow taken fails here, not at the rename
+            f.write(json.dumps(payload))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def poll(get: Callable[[], _T], done: Callable[[_T], bool], timeout_s: float, poll_s: float) -> _T:
+    """``get()`` every ``poll_s`` until ``done`` says its value will do or ``timeout_s`` passed; the last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = get()
+        if done(value) or time.monotonic() >= deadline:
+            return value
+        time.sleep(poll_s)
 
 
 class Fields:

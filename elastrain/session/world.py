@@ -1,0 +1,291 @@
+"""Entering and leaving a world: what a session's worker does when it joins a world's group, and before it goes.
+
+A world is one process group and its members: the first one at a start, the next round's after a live
+regroup (``elastrain-run --live true``). :class:`World` holds what is bound to it (the checkpointer,
+rank 0's view of the launcher's save requests, the batch plan in force, the checkpoint restored, the
+segment of the records) and is the one place that builds and drops them, in the same order on every member.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastrain import wire
+from elastrain.checkpoint import Checkpointer, RestoreInfo
+from elastrain.control import ControlChannel, SaveCause
+from elastrain.data import ElasticSampler
+from elastrain.env import WorkerEnv
+from elastrain.errors import CheckpointSaveError, ElastrainError, StaleGenerationError
+from elastrain.live.agreement import Ballot, vote
+from elastrain.live.transfer import broadcast_state
+from elastrain.log import lifecycle
+from elastrain.scaling import BatchPlan, plan
+from elastrain.session.config import SessionConfig
+from elastrain.session.errors import SessionError
+from elastrain.session.feed import Feed
+from elastrain.session.lr import LearningRate
+from elastrain.session.records import Records
+from elastrain.session.runtime import Runtime
+from elastrain.step_flags import StepFlags
+from elastrain.train_state import TrainState
+
+
+class World:
+    """The world-bound parts of one session, built by :meth:`enter` and dropped by :meth:`leave`."""
+
+    def __init__(
+        self,
+        config: SessionConfig,
+        optimizer: torch.optim.Optimizer,
+        runtime: Runtime,
+        feed: Feed,
+        records: Records,
+        state: TrainState,
+        flags: StepFlags,
+        lr: LearningRate,
+        extra_state: Mapping[str, Any],
+        checkpoint_dir: str | None,
+    ) -> None:
+        self.config = config
+        self.optimizer = optimizer
+        self.runtime = runtime
+        self.feed = feed
+        self.records = records
+        self.state = state
+        self.flags = flags
+        self.lr = lr
+        self.extra_state = extra_state
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpointer: Checkpointer | None = None
+        self.control: ControlChannel | None = None
+        """Rank 0 watches the launcher's save requests only to record them as events; the checkpointer acts on them."""
+        self.plan: BatchPlan | None = None
+        self.restored: RestoreInfo | None = None
+        self.segment = ""
+
+    def enter(self, env: WorkerEnv, has_state: bool, started: float, regroup: bool) -> None:
+        """Everything a worker does once it is in a world's group (a start, or a live ``regroup``): checkpointer,
+        agreed state (``has_state``: this worker's counts), DDP, batch plan, records. Collective, in this order,
+        on every member."""
+        runtime = self.runtime
+        runtime.refresh()
+        rank, world_size = runtime.rank, runtime.world_size
+        self.control = ControlChannel(env.control_dir) if env.control_dir and rank == 0 else None
+        # Batch sizes do not depend on the LR reference, so the sampler is planned before the state arrives.
+        first_plan = plan(self.config.scaling, world_size)
+        if self.feed.sampler is None:
+            sampler = self.feed.build(first_plan, rank)
+        else:
+            sampler = self.feed.require_sampler()
+            self.feed.replan(first_plan, rank)
+        sharded = runtime.sharded is not None
+        runtime.shard(self.optimizer)  # a sharded model: this world's, before the checkpointer registers it
+        self._build_checkpointer(env, sampler)
+        held = self.state.step
+        self.restored = None
+        source: int | None = None
+        agreed_step: int | None = None
+        sent = 0
+        ahead: tuple[int, ...] = ()
+        stale: tuple[int, ...] = ()
+        receivers = 0
+        if runtime.live is None:
+            self.restored = self._restore()
+        else:
+            # Sharded state never travels by broadcast: a member's shards die with it (the checkpoint holds all).
+            agreement = vote(Ballot(has_state and not sharded, held), runtime.device)
+            source, agreed_step, ahead, stale = agreement.source, agreement.step, agreement.ahead, agreement.stale
+            receivers = len(agreement.receivers)
+            if agreement.from_checkpoint:
+                self.restored = self._restore()
+                if sharded and has_state and self.restored is None:
+                    # The module was rebuilt for this world: without a checkpoint its state is gone.
+                    raise SessionError(
+                        f"the sharded model's state at step {held} is lost: a member holding shards of it left "
+                        "before any checkpoint was committed (save_every_steps= keeps what a departure costs small)"
+                    )
+            elif source is not None:
+                statefuls = _statefuls(self.state, self.feed, self.extra_state)
+                sent = broadcast_state(source, runtime.module, self.optimizer, statefuls, runtime.device)
+        runtime.wrap(agree_saves=self.checkpointer is not None)
+        self.plan = plan(self.config.scaling, world_size, self.state.reference_world_size or world_size)
+        self.feed.replan(self.plan)  # the next step starts at the agreed position
+        previous = self.state.world_size
+        changed = self.state.start(world_size, lr_scale=self.plan.lr_scale)
+        self.segment = _agree_on_segment(runtime)
+        restored_step = agreed_step if agreed_step is not None else (self.restored.step if self.restored else 0)
+        self.records.reopen(rank, env, self.segment, restored_step)
+        if rank != 0:
+            return
+        if regroup:
+            fields: dict[str, Any] = {
+                "round": env.round,
+                "world_size": f"{previous if previous is not None else 'none'}->{world_size}",
+                "step": self.state.step,
+                "source": source,
+                "rolled_back": held - self.state.step if has_state and rank not in stale else 0,
+                "ranks_ahead": ",".join(map(str, ahead)) or None,
+                "ranks_stale": ",".join(map(str, stale)) or None,  # held a superseded world's state: dropped
+                "receivers": receivers,
+                "bytes": sent,
+                "checkpoint": self.restored.path if self.restored else None,  # no member held state (sharded)
+                "took_s": round(time.monotonic() - started, 3),
+            }
+            lifecycle("regrouped", **fields)
+            self.records.events.record("regroup", **fields)
+        else:
+            extra = {} if runtime.live is None else {"state_from": None if source is None else f"rank {source}"}
+            self.records.record_start(env, world_size, self.restored, self.state, sampler, **extra)
+        self._log_plan(previous, changed)
+
+    def _restore(self) -> RestoreInfo | None:
+        """The newest checkpoint that loads, into the registered state (``None``: none, or no checkpointer)."""
+        if self.checkpointer is None:
+            lifecycle("checkpoints_disabled", level=logging.WARNING, why="no checkpoint_dir and no --checkpoint-dir")
+            return None
+        return self.checkpointer.restore()
+
+    def _build_checkpointer(self, env: WorkerEnv, sampler: ElasticSampler) -> None:
+        """The checkpointer of this world (with a checkpoint directory), over the session's state."""
+        if not self.checkpoint_dir:
+            return
+        ckpt = self.config.checkpoint
+        self.checkpointer = Checkpointer(
+            directory=self.checkpoint_dir,
+            keep_last=ckpt.keep_last,
+            interval_steps=ckpt.save_every_steps,
+            interval_seconds=ckpt.save_every_seconds,
+            async_save=ckpt.async_save,
+            on_save_error=ckpt.on_save_error,
+            env=env,  # this world's (a live regroup's is the new round's)
+        )
+        self.checkpointer.agree_through(self.flags)  # no all-reduce of its own per step
+        self.checkpointer.register(
+            model=self.runtime.module,
+            optimizer=self.optimizer,
+            train_state=self.state,
+            sampler=sampler,
+            **self.extra_state,
+        )
+
+    def _log_plan(self, previous: int | None, changed: int | None) -> None:
+        """Rank 0: the batch plan in force, and the world-size change and rescale events."""
+        if self.plan is None:
+            return
+        lr = self.lr.for_next_step(self.plan, self.state)
+        world_size = self.runtime.world_size
+        self.records.plan_in_force(
+            self.plan,
+            world_size=f"{previous if previous is not None else 'none'}->{world_size}",
+            # With no LR policy or schedule the script's own LR (or scheduler) stands.
+            lr=lr if lr is not None else float(self.optimizer.param_groups[0]["lr"]),
+            step=self.state.step,
+            changed=changed,
+            new_size=world_size,
+        )
+
+    def save_step(
+        self, superseded: Callable[[StaleGenerationError], bool], broke: Callable[[BaseException], None]
+    ) -> None:
+        """After a step's commit: save when due or asked (the hold of a requested save waits for the next step
+        boundary, after the script's step.log()), and record it. A save refused as stale stops this world unless
+        ``superseded`` says this node's own next round claimed the root; a collective that broke goes to ``broke``."""
+        step = self.state.step
+        request = self.control.pending() if self.control is not None else None
+        try:
+            saved = self.checkpointer is not None and self.checkpointer.maybe_save(step, hold=False)
+        except StaleGenerationError as exc:
+            if not superseded(exc):
+                raise  # another world took the checkpoint root over: this one stops
+            return  # the regroup moves this world on (every rank got the same verdict at this save)
+        except (RuntimeError, dist.DistError, CheckpointSaveError) as exc:
+            broke(exc)
+            return
+        if self.checkpointer is not None and saved:
+            self.records.checkpointed(step)
+            # A save the launcher asked for announces a membership change: a preemption notice, a node leaving.
+            self.records.events.record("checkpoint", step=step, requested=request.reason if request else None)
+            if request is not None and self.control is not None:
+                self.control.mark_handled(request.request_id)
+                # The agent asks with "leave: <why>" when its node goes (SIGTERM, a preemption notice).
+                kind = "preemption" if request.cause is SaveCause.LEAVE else "membership_change"
+                self.records.events.record(kind, step=step, reason=request.reason)
+
+    def save_shards(self, generation: int | None) -> None:
+        """A sharded model before an announced move (nodes joined, every member at this agreed boundary): commit
+        the step, since the next world builds its model from the checkpoint. The new round's leader has claimed
+        ``generation`` already; every member of this world is in it, so the save is that generation's."""
+        if self.runtime.sharded is None or self.checkpointer is None or self.state.step == 0:
+            return
+        try:
+            self.checkpointer.wait()  # an interval save in flight whose commit may come after the new claim
+        except StaleGenerationError as exc:
+            lifecycle(
+                "checkpoint_superseded",
+                level=logging.WARNING,
+                step=self.state.step,
+                why="this world's save came after its next round's claim; it is saved again as that round's",
+                error=str(exc)[:200],
+            )
+        if generation is not None:
+            self.checkpointer.continue_as(generation)
+        if self.checkpointer.save(self.state.step, blocking=True, reason="regroup"):
+            self.records.checkpointed(self.state.step)
+            self.records.events.record("checkpoint", step=self.state.step, reason="regroup")
+
+    def leave(self) -> None:
+        """Drop everything bound to the current group: checkpointer (its save in flight is given up), DDP."""
+        started = time.monotonic()
+        if self.checkpointer is not None:
+            checkpointer, self.checkpointer = self.checkpointer, None
+            try:
+                checkpointer.close()
+            except (ElastrainError, RuntimeError, dist.DistError) as exc:
+                lifecycle("checkpoint_abandoned", level=logging.WARNING, error=repr(exc)[:200])
+        checkpointer_s = time.monotonic() - started
+        self.runtime.unwrap()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.runtime.live is not None:
+            self.runtime.live.group.leave()
+        lifecycle(
+            "world_left",
+            checkpointer_s=round(checkpointer_s, 3),
+            took_s=round(time.monotonic() - started, 3),
+        )
+
+    def close(self, save: bool) -> None:
+        """At the session's close: save the final step (unless ``save`` is false), then close the checkpointer
+        (raises :class:`~elastrain.errors.CheckpointSaveError` if the last save failed)."""
+        if self.checkpointer is None:
+            return
+        checkpointer, self.checkpointer = self.checkpointer, None
+        try:
+            final = save and self.state.step > 0
+            if final and checkpointer.save(self.state.step, blocking=True, reason="final"):
+                self.records.events.record("checkpoint", step=self.state.step, reason="final")
+        finally:
+            checkpointer.close()
+
+
+def _statefuls(state: TrainState, feed: Feed, extra_state: Mapping[str, Any]) -> dict[str, Any]:
+    """The small state that travels with the model and optimizer in live mode: train state, data position,
+    and the script's own ``Stateful`` extras."""
+    out: dict[str, Any] = {"train_state": state, "sampler": feed.require_sampler()}
+    for name, obj in extra_state.items():
+        if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+            out[name] = obj
+    return out
+
+
+def _agree_on_segment(runtime: Runtime) -> str:
+    token = uuid.uuid4().hex[:12]
+    if runtime.distributed:  # plain data (elastrain.wire): a peer's message is parsed, never unpickled
+        token = wire.broadcast(token, src=0, device=runtime.device)
+    return str(token)
