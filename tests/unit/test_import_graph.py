@@ -176,10 +176,23 @@ def edges(module: str, *, uses: bool, with_parents: bool, type_checking: bool = 
         if (module, target) in ALLOWED_EDGES:
             continue
         yield Edge(module, target, imp.line)
+        if imp.name != target:  # `from package import Name`: a lazy __getattr__ may import what holds Name
+            yield from (Edge(module, lazy, imp.line) for lazy in lazy_submodules(target) if lazy != module)
         if with_parents:
             for parent in parents(target):
                 if parent in modules() and parent != module and not module.startswith(parent + "."):
                     yield Edge(module, parent, imp.line)
+
+
+@functools.cache
+def lazy_submodules(package: str) -> tuple[str, ...]:
+    """Submodules a package's module-level ``__getattr__`` may import: those its ``__init__`` names in a string."""
+    if not is_package(package) or not any(
+        isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree(package).body
+    ):
+        return ()
+    named = {n.value for n in ast.walk(tree(package)) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    return tuple(sorted(f"{package}.{s}" for s in named if f"{package}.{s}" in modules()))
 
 
 def reach(start: str, *, with_parents: bool) -> dict[str, list[Edge]]:
