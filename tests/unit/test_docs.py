@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = ("python", "elastrain-run", "./dev")
 SHELL_BREAKS = {"&&", "||", "|", ";", ">", ">>", "<", "2>&1"}
 NON_SHELL_BLOCKS = {"python", "py", "yaml", "yml", "json", "toml", "text", "console-output", "ini"}
+README_WORDS = 1500
 FLAG = re.compile(r"^--?[A-Za-z][\w-]*(=.*)?$")
 
 
@@ -355,6 +356,12 @@ def problems_in(path: Path) -> list[str]:
 def test_the_docs_are_found() -> None:
     names = {rel(p) for p in doc_files()}
     assert {"README.md", "launch/README.md", "docs/architecture.md"} <= names, names
+
+
+def test_the_readme_stays_short() -> None:
+    """README.md says what elastrain is, how to run it and where to read on; the details live in docs/."""
+    words = len((ROOT / "README.md").read_text(encoding="utf-8").split())  # as `wc -w` counts
+    assert words <= README_WORDS, f"README.md: {words} words, over {README_WORDS}: move the detail to a docs/ page"
 
 
 def test_every_link_and_quoted_command_resolves() -> None:
