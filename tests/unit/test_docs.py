@@ -13,7 +13,7 @@ Read from README.md, docs/*.md, launch/README.md and examples/**/README.md, outs
 
 Placeholders are left alone: a path or module with ``<...>`` in it (``elastrain.platforms.<platform>``), and the
 reader's own training script after ``elastrain-run`` when it is a bare file name (``train.py``). Each problem is
-one line: ``FILE:LINE: what does not resolve``.
+one line: ``FILE:LINE: what does not resolve``. And README.md stays under 1,500 words: the details live in docs/.
 """
 
 from __future__ import annotations
