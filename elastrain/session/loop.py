@@ -200,8 +200,11 @@ class Session:
                         "before any checkpoint was committed (save_every_steps= keeps what a departure costs small)"
                     )
             elif source is not None:
-                sent = broadcast_state(source, runtime.module, self.optimizer, self._statefuls(), runtime.device)
-        runtime.wrap(agree_saves=self.checkpointer is not None)
+                needy = agreement.ahead + agreement.receivers  # the others hold the agreed state already
+                sent = broadcast_state(
+                    source, runtime.module, self.optimizer, self._statefuls(), runtime.device, receivers=needy
+                )
+        runtime.wrap(agree_saves=self.checkpointer is not None, in_sync=source is not None)
         self.plan = plan(self.config.scaling, world_size, self.state.reference_world_size or world_size)
         self.feed.replan(self.plan)  # the next step starts at the agreed position
         self._current = None
