@@ -38,9 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-WORKER = str(REPO / "bench" / "workers" / "transfer_worker.py")
+WORKERS = {
+    "session": str(REPO / "bench" / "workers" / "transfer_worker.py"),
+    "trainer": str(REPO / "bench" / "workers" / "trainer_size_worker.py"),
+}
 WIRE = str(REPO / "bench" / "workers" / "wire_rate.py")
-PARAMS_PER_LAYER = 2048 * 2048 + 2048
+PARAMS_PER_LAYER = {"session": 2048 * 2048 + 2048, "trainer": 12 * 1024 * 1024 + 13 * 1024}
+FIXED_PARAMS = {"session": 0, "trainer": 1024 * 1024 + 64 * 1024 + 2 * 1024}  # GPT-2's embeddings, final norm
 STEPS_BEFORE = 6
 STEPS_AFTER = 5
 EVENT = re.compile(r"elastrain event=(\w+)(.*)")
@@ -77,7 +81,7 @@ class Node:
 
 @dataclass
 class Job:
-    layers: int
+    script: list[str]
     out: Path
     nnodes: str
     env: dict[str, str]
@@ -89,7 +93,7 @@ class Job:
         cmd = [
             sys.executable, "-m", "elastrain", "--nnodes", self.nnodes, "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "xfer-bench",
-            "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "0", "--live", "true", WORKER,
+            "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "0", "--live", "true", *self.script,
         ]  # fmt: skip
         log = self.out / f"node{i}.log"
         with open(log, "wb") as f:
@@ -123,20 +127,22 @@ class Job:
                 n.proc.wait(timeout=30)
 
 
-def run(scenario: str, size_m: int, timeout_s: float) -> dict[str, object]:
-    layers = max(1, round(size_m * 1e6 / PARAMS_PER_LAYER))
-    out = Path(tempfile.mkdtemp(prefix=f"elastrain-xfer-{scenario}-{size_m}m-"))
+def run(workload: str, scenario: str, size_m: int, timeout_s: float) -> dict[str, object]:
+    layers = max(1, round((size_m * 1e6 - FIXED_PARAMS[workload]) / PARAMS_PER_LAYER[workload]))
+    out = Path(tempfile.mkdtemp(prefix=f"elastrain-xfer-{workload}-{scenario}-{size_m}m-"))
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "XW_LAYERS": str(layers),
+        "XT_LAYERS": str(layers),
         "XW_STOP_FILE": str(out / "stop"),
     }
-    if scenario == "kill":
+    if scenario == "kill" and workload == "session":  # the Trainer's node is killed from outside
         env |= {"XW_DIE_AT_STEP": str(STEPS_BEFORE + 2), "XW_DIE_NODE": "2", "XW_DIE_LAYER": "0"}
-    job = Job(layers, out, "2:2" if scenario == "spare" else "2:3", env)
+    script = [WORKERS[workload]] + ([str(out / "trainer")] if workload == "trainer" else [])
+    job = Job(script, out, "2:2" if scenario == "spare" else "2:3", env)
     first = 3 if scenario == "kill" else 2
     try:
         for _ in range(first):
@@ -152,6 +158,8 @@ def run(scenario: str, size_m: int, timeout_s: float) -> dict[str, object]:
             job.start()
         elif scenario == "spare":
             os.killpg(job.nodes[1].proc.pid, signal.SIGKILL)
+        elif workload == "trainer":  # kill: node 2, agent and workers, at once
+            os.killpg(job.nodes[2].proc.pid, signal.SIGKILL)
         before = len(job.rank0_steps())
         target_ws = 3 if scenario == "join" else 2
         job.wait(
@@ -170,10 +178,12 @@ def run(scenario: str, size_m: int, timeout_s: float) -> dict[str, object]:
     after = sorted(across)[:-1] or across  # the new world's steps, the one across the change left out
     median_after = statistics.median(after) if after else float("nan")
     regrouped = [e for n in job.nodes for e in n.events("regrouped")]
+    agreed = [e for n in job.nodes for e in n.events("trainer_state_agreed") if e.get("rank") == "0"]
     sent = [e for n in job.nodes for e in n.events("state_sent")]
     return {
+        "workload": workload,
         "scenario": scenario,
-        "params_m": round(layers * PARAMS_PER_LAYER / 1e6, 1),
+        "params_m": round((layers * PARAMS_PER_LAYER[workload] + FIXED_PARAMS[workload]) / 1e6, 1),
         "median_step_before_s": round(statistics.median(before), 3) if before else float("nan"),
         "median_step_after_s": round(median_after, 3),
         "longest_gap_s": round(longest, 3),
@@ -181,8 +191,11 @@ def run(scenario: str, size_m: int, timeout_s: float) -> dict[str, object]:
         "bytes": int(sent[-1]["bytes"]) if sent else 0,
         "transfer_s": float(sent[-1]["took_s"]) if sent else 0.0,
         "gb_per_s": float(sent[-1]["gb_per_s"]) if sent else 0.0,
-        "rolled_back": ",".join(e.get("ranks_ahead", "-") for e in regrouped) or "-",
-        "regroups": len(regrouped),
+        "rolled_back": ",".join(
+            [e.get("ranks_ahead", "-") for e in regrouped] + [e.get("rolled_back", "-") for e in agreed]
+        )
+        or "-",
+        "regroups": len(regrouped) + len(agreed),
         "logs": str(out),
     }
 
@@ -206,6 +219,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="25,100,250", help="model sizes in millions of parameters")
     p.add_argument("--scenarios", default="join,kill,spare")
+    p.add_argument("--workloads", default="session,trainer", help="the Session script, the Trainer script, or both")
     p.add_argument("--timeout-s", type=float, default=600.0, help="bound on each phase of each run")
     a = p.parse_args()
     rates = wire_rates()
@@ -216,23 +230,24 @@ def main() -> None:
         flush=True,
     )
     header = (
-        "scenario  params  step before  step after  longest gap  stall  state moved  transfer   rate  vs gloo  "
+        "workload  scenario  params  step before  step after  longest gap  stall  state moved  transfer   "
+        "rate  vs gloo  "
         "rolled back"
     )
     print(header, flush=True)
     results = []
-    for size in [int(s) for s in a.sizes.split(",")]:
-        for scenario in a.scenarios.split(","):
-            r = run(scenario, size, a.timeout_s)
-            results.append(r)
-            print(
-                f"{scenario:8}  {r['params_m']:>5}M  {r['median_step_before_s']:>10.2f}s  "
-                f"{r['median_step_after_s']:>9.2f}s  "
-                f"{r['longest_gap_s']:>10.2f}s  {r['stall_s']:>4.2f}s  {int(r['bytes']) / 1e9:>8.2f} GB  "
-                f"{r['transfer_s']:>7.2f}s  {r['gb_per_s']:>5.2f}  {float(r['gb_per_s']) / best:>6.0%}  "
-                f"{r['rolled_back']}",
-                flush=True,
-            )
+    runs = [(w, int(s), c) for w in a.workloads.split(",") for s in a.sizes.split(",") for c in a.scenarios.split(",")]
+    for workload, size, scenario in runs:
+        r = run(workload, scenario, size, a.timeout_s)
+        results.append(r)
+        print(
+            f"{workload:8}  {scenario:8}  {r['params_m']:>5}M  {r['median_step_before_s']:>10.2f}s  "
+            f"{r['median_step_after_s']:>9.2f}s  "
+            f"{r['longest_gap_s']:>10.2f}s  {r['stall_s']:>4.2f}s  {int(r['bytes']) / 1e9:>8.2f} GB  "
+            f"{r['transfer_s']:>7.2f}s  {r['gb_per_s']:>5.2f}  {float(r['gb_per_s']) / best:>6.0%}  "
+            f"{r['rolled_back']}",
+            flush=True,
+        )
     print(json.dumps({"box": rates, "runs": results}), flush=True)
 
 
