@@ -5,8 +5,9 @@ the state a new member receives is about 12 bytes per parameter. Lines (rank-tag
   XW_STEP rank= ws= step= t=
   XW_DONE rank= step=
 With XW_STOP_FILE=path: once the file exists, it holds a step number at which every rank stops.
-With XW_DIE_AT_STEP=N and XW_DIE_NODE=<group rank>: that node's worker SIGKILLs its agent and itself in step N's
-backward pass, from the gradient hook of layer XW_DIE_LAYER (the first layer's hook runs last in backward).
+With XW_DIE_AT_STEP=N and XW_DIE_NODE=<group rank>: that node's worker SIGKILLs its agent, the agent's zygote
+(its parent) and itself, the whole node, in step N's backward pass, from the gradient hook of layer
+XW_DIE_LAYER (the first layer's hook runs last in backward).
 """
 
 from __future__ import annotations
@@ -21,6 +22,17 @@ from torch.utils.data import TensorDataset
 from elastrain.session import Session
 
 WIDTH = 2048
+
+
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _is_elastrain(pid: int) -> bool:
+    """Whether ``pid`` is an elastrain process (the agent, ``python -m elastrain``, or its zygote)."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return b"elastrain" in f.read()
 
 
 def main() -> None:
@@ -38,9 +50,10 @@ def main() -> None:
     armed = {"now": False}
 
     def die(grad: torch.Tensor) -> torch.Tensor:
-        if armed["now"]:
-            os.kill(os.getppid(), signal.SIGKILL)
-            os.kill(os.getpid(), signal.SIGKILL)
+        if armed["now"]:  # the whole node: the agent, its zygote (this worker's parent), this worker
+            parents = [os.getppid(), _parent_of(os.getppid())]
+            for pid in [p for p in parents if _is_elastrain(p)] + [os.getpid()]:
+                os.kill(pid, signal.SIGKILL)
         return grad
 
     model[min(die_layer, layers - 1)].weight.register_hook(die)
