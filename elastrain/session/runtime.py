@@ -94,8 +94,11 @@ class Runtime:
         self.module = self.model = self.sharded.build(self.module, mesh, self.device)
         repoint_optimizer(optimizer, names, self.module)
 
-    def wrap(self, agree_saves: bool) -> None:
+    def wrap(self, agree_saves: bool, in_sync: bool = False) -> None:
         """``model``: the module in DDP over the current group (when distributed and DDP is on).
+
+        ``in_sync``: every rank's module already holds the same state (the members agreed on it and it was
+        sent): DDP skips its own broadcast of the module from rank 0 (unless the script's ``ddp_kwargs`` say).
 
         The step flags ride on the last gradient bucket through the live group's hook, or, in restart mode,
         through :func:`~elastrain.step_flags.flagged_allreduce` when there are saves to agree on
@@ -103,7 +106,10 @@ class Runtime:
         if not (self.distributed and self.config.ddp) or self.sharded is not None:
             return
         ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = DistributedDataParallel(self.module, device_ids=ids, **dict(self.config.ddp_kwargs))
+        kwargs = dict(self.config.ddp_kwargs)
+        if in_sync:
+            kwargs.setdefault("init_sync", False)
+        ddp = DistributedDataParallel(self.module, device_ids=ids, **kwargs)
         flags = self.flags
         # Lambdas: DDP rejects a hook whose annotations are strings (from __future__ import annotations).
         if self.live is not None:

@@ -113,8 +113,11 @@ class World:
                     )
             elif source is not None:
                 statefuls = _statefuls(self.state, self.feed, self.extra_state)
-                sent = broadcast_state(source, runtime.module, self.optimizer, statefuls, runtime.device)
-        runtime.wrap(agree_saves=self.checkpointer is not None)
+                needy = agreement.ahead + agreement.receivers  # the others hold the agreed state already
+                sent = broadcast_state(
+                    source, runtime.module, self.optimizer, statefuls, runtime.device, receivers=needy
+                )
+        runtime.wrap(agree_saves=self.checkpointer is not None, in_sync=source is not None)
         self.plan = plan(self.config.scaling, world_size, self.state.reference_world_size or world_size)
         self.feed.replan(self.plan)  # the next step starts at the agreed position
         previous = self.state.world_size

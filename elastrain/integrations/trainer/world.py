@@ -83,6 +83,7 @@ class TrainerWorld:
             unwrapped(t.optimizer),
             {"progress": held.progress, "scheduler": held.scheduler, "data": held.position},
             device,
+            receivers=agreement.ahead + agreement.receivers,
         )
         if self.rank == source:
             held.progress.snapshot()

@@ -1,0 +1,255 @@
+"""What a membership change costs the running workers as the model grows: join, SIGKILL, spare promotion.
+
+    python bench/state_transfer.py                          # 25M, 100M and 250M parameters, every scenario
+    python bench/state_transfer.py --sizes 100 --scenarios join
+
+Per model size (a Session script, bench/workers/transfer_worker.py: 2048x2048 linear layers with AdamW, about
+12 bytes of state per parameter) and per scenario, local "nodes" (elastrain-run agents with one gloo worker each,
+``--live true``, the default) train until rank 0 has a steady step time, then:
+
+- ``join``: two nodes train (``--nnodes 2:3``); a third node starts, warms up, and receives the state;
+- ``kill``: three nodes train; one SIGKILLs its agent and worker in the middle of a backward pass; the survivors
+  regroup (a survivor that completed one step more than another rolls back: it receives the agreed state);
+- ``spare``: two nodes train (``--nnodes 2:2``) and a third waits as a spare; one training node is SIGKILLed and
+  the spare is promoted: it receives the state.
+
+It prints, per run: the running workers' longest gap between two completed steps around the change (rank 0's
+step times), the median step time before it, the bytes the state transfer moved and its rate (the source's
+``event=state_sent`` line), and, measured in the same run between two processes on this box, the rate of a warm
+1 GiB gloo broadcast (one piece, and 16 MiB pieces) and of a raw loopback socket, with the transfer's ratio to
+the best gloo rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKERS = {
+    "session": str(REPO / "bench" / "workers" / "transfer_worker.py"),
+    "trainer": str(REPO / "bench" / "workers" / "trainer_size_worker.py"),
+}
+WIRE = str(REPO / "bench" / "workers" / "wire_rate.py")
+PARAMS_PER_LAYER = {"session": 2048 * 2048 + 2048, "trainer": 12 * 1024 * 1024 + 13 * 1024}
+FIXED_PARAMS = {"session": 0, "trainer": 1024 * 1024 + 64 * 1024 + 2 * 1024}  # GPT-2's embeddings, final norm
+STEPS_BEFORE = 6
+STEPS_AFTER = 5
+EVENT = re.compile(r"elastrain event=(\w+)(.*)")
+FIELD = re.compile(r"(\w+)=(\S+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Node:
+    index: int
+    log: Path
+    proc: subprocess.Popen[bytes]
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def events(self, name: str) -> list[dict[str, str]]:
+        found = []
+        for m in EVENT.finditer(self.text()):
+            if m.group(1) == name:
+                found.append(dict(FIELD.findall(m.group(2))))
+        return found
+
+    def steps(self) -> list[tuple[int, int, float]]:
+        """rank 0's completed steps: (step, world size, time)."""
+        rows = re.findall(r"XW_STEP rank=0 ws=(\d+) step=(\d+) t=([\d.]+)", self.text())
+        return [(int(s), int(w), float(t)) for w, s, t in rows]
+
+
+@dataclass
+class Job:
+    script: list[str]
+    out: Path
+    nnodes: str
+    env: dict[str, str]
+    port: int = field(default_factory=free_port)
+    nodes: list[Node] = field(default_factory=list)
+
+    def start(self) -> Node:
+        i = len(self.nodes)
+        cmd = [
+            sys.executable, "-m", "elastrain", "--nnodes", self.nnodes, "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "xfer-bench",
+            "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "0", "--live", "true", *self.script,
+        ]  # fmt: skip
+        log = self.out / f"node{i}.log"
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        node = Node(i, log, proc)
+        self.nodes.append(node)
+        return node
+
+    def rank0_steps(self) -> list[tuple[int, int, float]]:
+        return max((n.steps() for n in self.nodes), key=len)
+
+    def wait(self, what: str, ok: object, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if ok() if callable(ok) else ok:
+                return
+            if all(n.proc.poll() is not None for n in self.nodes):
+                break
+            time.sleep(0.2)
+        raise TimeoutError(f"{what}: not within {timeout_s:.0f} s; logs in {self.out}")
+
+    def stop(self) -> None:
+        steps = self.rank0_steps()
+        (self.out / "stop").write_text(str((steps[-1][0] if steps else 0) + 2))
+        deadline = time.monotonic() + 120
+        for n in self.nodes:
+            try:
+                n.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(n.proc.pid, signal.SIGKILL)
+                n.proc.wait(timeout=30)
+
+
+def run(workload: str, scenario: str, size_m: int, timeout_s: float) -> dict[str, object]:
+    layers = max(1, round((size_m * 1e6 - FIXED_PARAMS[workload]) / PARAMS_PER_LAYER[workload]))
+    out = Path(tempfile.mkdtemp(prefix=f"elastrain-xfer-{workload}-{scenario}-{size_m}m-"))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "XW_LAYERS": str(layers),
+        "XT_LAYERS": str(layers),
+        "XW_STOP_FILE": str(out / "stop"),
+    }
+    if scenario == "kill" and workload == "session":  # the Trainer's node is killed from outside
+        env |= {"XW_DIE_AT_STEP": str(STEPS_BEFORE + 2), "XW_DIE_NODE": "2", "XW_DIE_LAYER": "0"}
+    script = [WORKERS[workload]] + ([str(out / "trainer")] if workload == "trainer" else [])
+    job = Job(script, out, "2:2" if scenario == "spare" else "2:3", env)
+    first = 3 if scenario == "kill" else 2
+    try:
+        for _ in range(first):
+            job.start()
+            time.sleep(0.3)
+        job.wait("training", lambda: len(job.rank0_steps()) >= STEPS_BEFORE, timeout_s)
+        if scenario == "spare":
+            spare = job.start()
+            job.wait("the spare to wait", lambda: bool(spare.events("standby")), timeout_s)
+            time.sleep(2.0)
+        changed_at = time.time()
+        if scenario == "join":
+            job.start()
+        elif scenario == "spare":
+            os.killpg(job.nodes[1].proc.pid, signal.SIGKILL)
+        elif workload == "trainer":  # kill: node 2, agent and workers, at once
+            os.killpg(job.nodes[2].proc.pid, signal.SIGKILL)
+        before = len(job.rank0_steps())
+        target_ws = 3 if scenario == "join" else 2
+        job.wait(
+            "training after the change",
+            lambda: sum(1 for s in job.rank0_steps()[before:] if s[1] == target_ws) >= STEPS_AFTER,
+            timeout_s,
+        )
+    finally:
+        job.stop()
+    steps = job.rank0_steps()
+    gaps = [(b - a, b) for (_, _, a), (_, _, b) in itertools.pairwise(steps)]
+    settled = [g for g, end in gaps if end < changed_at]
+    before = settled[2:] or settled  # the first steps warm up
+    across = [g for g, end in gaps if end >= changed_at]
+    longest = max(across) if across else float("nan")
+    after = sorted(across)[:-1] or across  # the new world's steps, the one across the change left out
+    median_after = statistics.median(after) if after else float("nan")
+    regrouped = [e for n in job.nodes for e in n.events("regrouped")]
+    agreed = [e for n in job.nodes for e in n.events("trainer_state_agreed") if e.get("rank") == "0"]
+    sent = [e for n in job.nodes for e in n.events("state_sent")]
+    return {
+        "workload": workload,
+        "scenario": scenario,
+        "params_m": round((layers * PARAMS_PER_LAYER[workload] + FIXED_PARAMS[workload]) / 1e6, 1),
+        "median_step_before_s": round(statistics.median(before), 3) if before else float("nan"),
+        "median_step_after_s": round(median_after, 3),
+        "longest_gap_s": round(longest, 3),
+        "stall_s": round(longest - median_after, 3),
+        "bytes": int(sent[-1]["bytes"]) if sent else 0,
+        "transfer_s": float(sent[-1]["took_s"]) if sent else 0.0,
+        "gb_per_s": float(sent[-1]["gb_per_s"]) if sent else 0.0,
+        "rolled_back": ",".join(
+            [e.get("ranks_ahead", "-") for e in regrouped] + [e.get("rolled_back", "-") for e in agreed]
+        )
+        or "-",
+        "regroups": len(regrouped) + len(agreed),
+        "logs": str(out),
+    }
+
+
+def wire_rates() -> dict[str, float]:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    peer = subprocess.Popen([sys.executable, WIRE, "--rank", "1", "--port", str(port)], env=env)
+    try:
+        out = subprocess.run(
+            [sys.executable, WIRE, "--rank", "0", "--port", str(port)],
+            env=env, capture_output=True, text=True, timeout=300, check=True,
+        )  # fmt: skip
+    finally:
+        peer.wait(timeout=60)
+    rates: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return rates
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="25,100,250", help="model sizes in millions of parameters")
+    p.add_argument("--scenarios", default="join,kill,spare")
+    p.add_argument("--workloads", default="session,trainer", help="the Session script, the Trainer script, or both")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="bound on each phase of each run")
+    a = p.parse_args()
+    rates = wire_rates()
+    best = max(rates["gloo_one_piece"], rates["gloo_16mib_pieces"])
+    print(
+        f"box: gloo broadcast 1 GiB {rates['gloo_one_piece']:.2f} GB/s in one piece, "
+        f"{rates['gloo_16mib_pieces']:.2f} GB/s in 16 MiB pieces; raw loopback socket {rates['raw_socket']:.2f} GB/s",
+        flush=True,
+    )
+    header = (
+        "workload  scenario  params  step before  step after  longest gap  stall  state moved  transfer   "
+        "rate  vs gloo  "
+        "rolled back"
+    )
+    print(header, flush=True)
+    results = []
+    runs = [(w, int(s), c) for w in a.workloads.split(",") for s in a.sizes.split(",") for c in a.scenarios.split(",")]
+    for workload, size, scenario in runs:
+        r = run(workload, scenario, size, a.timeout_s)
+        results.append(r)
+        print(
+            f"{workload:8}  {scenario:8}  {r['params_m']:>5}M  {r['median_step_before_s']:>10.2f}s  "
+            f"{r['median_step_after_s']:>9.2f}s  "
+            f"{r['longest_gap_s']:>10.2f}s  {r['stall_s']:>4.2f}s  {int(r['bytes']) / 1e9:>8.2f} GB  "
+            f"{r['transfer_s']:>7.2f}s  {r['gb_per_s']:>5.2f}  {float(r['gb_per_s']) / best:>6.0%}  "
+            f"{r['rolled_back']}",
+            flush=True,
+        )
+    print(json.dumps({"box": rates, "runs": results}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

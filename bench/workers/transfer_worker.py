@@ -1,0 +1,82 @@
+"""A Session job with a model of a chosen size, for ``bench/state_transfer.py``: prints a line per completed step.
+
+The model is a stack of ``XW_LAYERS`` 2048x2048 linear layers (4.2M parameters each) trained with AdamW, so
+the state a new member receives is about 12 bytes per parameter. Lines (rank-tagged):
+  XW_STEP rank= ws= step= t=
+  XW_DONE rank= step=
+With XW_STOP_FILE=path: once the file exists, it holds a step number at which every rank stops.
+With XW_DIE_AT_STEP=N and XW_DIE_NODE=<group rank>: that node's worker SIGKILLs its agent, the agent's zygote
+(its parent) and itself, the whole node, in step N's backward pass, from the gradient hook of layer
+XW_DIE_LAYER (the first layer's hook runs last in backward).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+from torch.utils.data import TensorDataset
+
+from elastrain.session import Session
+
+WIDTH = 2048
+
+
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _is_elastrain(pid: int) -> bool:
+    """Whether ``pid`` is an elastrain process (the agent, ``python -m elastrain``, or its zygote)."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return b"elastrain" in f.read()
+
+
+def main() -> None:
+    layers = int(os.environ.get("XW_LAYERS", "6"))
+    stop_file = os.environ.get("XW_STOP_FILE", "")
+    die_at = int(os.environ.get("XW_DIE_AT_STEP", "0"))
+    die_node = int(os.environ.get("XW_DIE_NODE", "-1"))
+    die_layer = int(os.environ.get("XW_DIE_LAYER", "0"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(2048, WIDTH, generator=g), torch.randn(2048, WIDTH, generator=g))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    session = Session(model, optimizer, data, global_batch=12, micro_batch=2, max_steps=100_000)
+    armed = {"now": False}
+
+    def die(grad: torch.Tensor) -> torch.Tensor:
+        if armed["now"]:  # the whole node: the agent, its zygote (this worker's parent), this worker
+            parents = [os.getppid(), _parent_of(os.getppid())]
+            for pid in [p for p in parents if _is_elastrain(p)] + [os.getpid()]:
+                os.kill(pid, signal.SIGKILL)
+        return grad
+
+    model[min(die_layer, layers - 1)].weight.register_hook(die)
+    stop_at: int | None = None
+    with session:
+        for step in session:
+            if stop_at is None and stop_file and os.path.exists(stop_file):
+                stop_at = int(open(stop_file).read() or "0")  # noqa: SIM115 - a tiny file the bench writes
+            if stop_at is not None and session.state.step >= stop_at:
+                break
+            armed["now"] = step.number == die_at and session.env.group_rank == die_node
+            for mb in step:
+                x, y = mb.data
+                step.backward(torch.nn.functional.mse_loss(session.model(x), y), mb)
+            step.optimizer_step()
+            if not step.abandoned:
+                print(
+                    f"XW_STEP rank={session.rank} ws={session.world_size} step={session.state.step} "
+                    f"t={time.time():.3f}",
+                    flush=True,
+                )
+        print(f"XW_DONE rank={session.rank} step={session.state.step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""One process of test_state_transfer.py: a model of mixed dtypes and sizes with AdamW, moved between ranks.
+
+3 ranks. Every rank builds the same model from a different seed (different states); rank 0 trains two steps.
+``receivers``: rank 0 sends its state to rank 2 only (point to point); rank 1 keeps its own. ``all``: rank 0's
+state to every rank. Each rank prints the hash of its state, whether its parameters stayed in their own memory,
+and the bytes the call returned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+
+import torch
+import torch.distributed as dist
+
+from elastrain.live import transfer
+
+
+class Mixed(torch.nn.Module):
+    """Large parameters (several pieces each), small ones (packed), buffers of other dtypes, an empty one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = torch.nn.Linear(1024, 700)  # 2.8 MB of weight: pieces of its own
+        self.small = torch.nn.Linear(7, 3)
+        self.register_buffer("bf16", torch.randn(33, dtype=torch.bfloat16))
+        self.register_buffer("count", torch.randint(0, 1 << 40, (5,), dtype=torch.int64))
+        self.register_buffer("mask", torch.rand(9) > 0.5)
+        self.register_buffer("empty", torch.zeros(0, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.small(self.big(x)[:, :7])
+
+
+def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, int]) -> str:
+    h = hashlib.sha256(repr(sorted(extra.items())).encode())
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode() + str(t.dtype).encode() + t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    for idx, st in sorted(optimizer.state_dict()["state"].items()):
+        for key, v in sorted(st.items()):
+            h.update(f"{idx}.{key}".encode() + v.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Counter:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, int]:
+        return {"value": self.value}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.value = int(sd["value"])
+
+
+def main() -> None:
+    mode, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    transfer.PIECE_BYTES, transfer.OWN_PIECES_BYTES = 1 << 20, 256 << 10  # many pieces, several in flight
+    torch.manual_seed(rank)
+    model = Mixed()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    counter = Counter(rank * 10)
+    if rank == 0:
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            model(torch.randn(4, 1024, generator=g)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    own = {name: p.data_ptr() for name, p in model.named_parameters()}
+    print(f"BEFORE rank={rank} hash={state_hash(model, optimizer, counter.state_dict())}", flush=True)
+    receivers = (2,) if mode == "receivers" else None
+    sent = transfer.broadcast_state(0, model, optimizer, {"counter": counter}, torch.device("cpu"), receivers)
+    in_place = all(p.data_ptr() == own[name] for name, p in model.named_parameters())
+    print(
+        f"AFTER rank={rank} hash={state_hash(model, optimizer, counter.state_dict())} sent={sent} "
+        f"in_place={in_place} counter={counter.value}",
+        flush=True,
+    )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

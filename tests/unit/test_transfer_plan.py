@@ -1,0 +1,82 @@
+"""The pieces a state transfer is cut into (pure), and the placeholders a peer sends (parsed, checked)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from elastrain.errors import WireFormatError
+from elastrain.live.transfer import Piece, _TensorSlot, pieces_of, plan_pieces
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("sizes", "expected"),
+    [
+        ([], []),
+        ([0, 0], []),
+        ([10, 20, 30], [Piece(None, packed=(0, 1, 2))]),
+        ([3 * MIB], [Piece(0, 0, 2 * MIB), Piece(0, 2 * MIB, 3 * MIB)]),
+        ([100, 3 * MIB, 100], [Piece(1, 0, 2 * MIB), Piece(1, 2 * MIB, 3 * MIB), Piece(None, packed=(0, 2))]),
+        ([600 << 10, 600 << 10, 900 << 10], [Piece(None, packed=(0, 1)), Piece(None, packed=(2,))]),
+        ([MIB], [Piece(0, 0, MIB)]),
+    ],
+)
+def test_pieces_by_table(sizes: list[int], expected: list[Piece]) -> None:
+    assert plan_pieces(sizes, piece_bytes=2 * MIB, own_bytes=MIB) == expected
+
+
+@given(
+    st.lists(st.integers(min_value=0, max_value=5 * MIB), max_size=40),
+    st.integers(min_value=64 << 10, max_value=4 * MIB),
+)
+def test_every_byte_travels_once_in_pieces_no_larger_than_the_limit(sizes: list[int], piece: int) -> None:
+    own = min(MIB, piece)
+    pieces = plan_pieces(sizes, piece_bytes=piece, own_bytes=own)
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for p in pieces:
+        if p.own is not None:
+            assert 0 < p.stop - p.start <= piece
+            covered.setdefault(p.own, []).append((p.start, p.stop))
+        else:
+            assert p.packed and sum(sizes[i] for i in p.packed) <= piece
+            for i in p.packed:
+                assert sizes[i] < own
+                covered.setdefault(i, []).append((0, sizes[i]))
+    for i, size in enumerate(sizes):
+        spans = covered.get(i, [])
+        if size == 0:
+            assert not spans
+            continue
+        assert spans[0][0] == 0 and spans[-1][1] == size
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))  # contiguous, in order
+    # Small tensors keep their order (the receiver unpacks them in the order sent).
+    packed = [i for i in pieces_of(pieces) if sizes[i] < own]
+    assert packed == sorted(packed)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        "x",
+        [0, [1], "float32"],
+        ["0", [1], "float32", "a"],
+        [0, [-1], "float32", "a"],
+        [0, "12", "float32", "a"],
+        [0, [1], "float32", 7],
+        [0, [1], "torch.nn.Module", "a"],
+        [0, [1], "os.system", "a"],
+    ],
+)
+def test_a_malformed_placeholder_from_a_peer_is_refused(payload: object) -> None:
+    with pytest.raises(WireFormatError):
+        _TensorSlot.parse(payload)
+
+
+def test_a_placeholder_is_parsed() -> None:
+    slot = _TensorSlot.parse([3, [2, 5], "bfloat16", "model/w"])
+    assert (slot.index, slot.shape, slot.path, slot.nbytes) == (3, (2, 5), "model/w", 20)
