@@ -101,6 +101,14 @@ class Ledger:
         """``(time, step)`` of each computation of a step (its last rank's row), by time: the job's training clock."""
         return sorted((max(r["t"] for r in g), s) for s, worlds in self._worlds().items() for g in worlds)
 
+    def worlds_lost(self) -> int:
+        """How many times a world took over with none of the previous world's processes: everything in memory was
+        lost (every member killed, a whole-job kill), and the job went on from its newest committed checkpoint."""
+        pids = [{r["pid"] for r in g} for worlds in self._worlds().values() for g in worlds]
+        ends = [max(r["t"] for r in g) for worlds in self._worlds().values() for g in worlds]
+        ordered = [p for _, p in sorted(zip(ends, pids, strict=True), key=lambda x: x[0])]
+        return sum(1 for a, b in itertools.pairwise(ordered) if not a & b)
+
     def step_times(self) -> list[float]:
         return [t for t, _ in self.step_ends()]
 

@@ -51,6 +51,7 @@ def test_a_step_computed_again_counts_once_and_the_last_computation_is_kept(tmp_
     _write(tmp_path, rows)
     ledger = Ledger.read(tmp_path)
     assert ledger.redone() == [3, 4]
+    assert ledger.worlds_lost() == 1  # pid 200's world kept none of pid 100's
     assert check_every_sample_once(ledger, 4, 4, 10).ok
 
 
