@@ -395,10 +395,13 @@ def trainer_main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     modes = [by_name[n] for n in names]
     if a.report is not None:
         out = a.report.resolve()
+        if a.steps is None and (out / "settings.json").exists():
+            steps = int(json.loads((out / "settings.json").read_text())["steps"])
         results = [goodput_trainer.collect(m, out / m.name, steps) for m in modes if (out / m.name).exists()]
     else:
         out = (a.out or REPO / "runs" / "goodput-trainer" / time.strftime("%Y%m%d-%H%M%S")).resolve()
         out.mkdir(parents=True, exist_ok=False)
+        (out / "settings.json").write_text(json.dumps({"steps": steps, "step_sleep": a.step_sleep}))
         assets = (a.assets or out / "assets").resolve()
         print(f"[goodput] building the tiny GPT-2, tokenizer and text in {assets}", flush=True)
         make_assets(assets)
