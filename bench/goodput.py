@@ -1,7 +1,13 @@
-"""Goodput under the issue-14 trace: the T5 example as 2 local nodes, five ways, one table.
+"""Goodput under the issue-14 trace: the T5 example (or a Trainer script) as 2 local nodes, one table.
 
     python bench/goodput.py                          # 700 steps, all five modes (≈ 12-15 min on 2 cores)
     python bench/goodput.py --steps 600 --modes uninterrupted,live
+    python bench/goodput.py --workload trainer       # examples/hf/run_clm.py, 2,000 steps, four modes
+
+``--workload trainer`` runs the Hugging Face Trainer causal-LM script, unchanged, on tiny local assets, in the
+modes uninterrupted, default (no launcher flag but the torchrun-style ones and --checkpoint-dir), restart
+(``--live false``) and torchrun, under the same trace: bench/goodput_trainer.py says what it measures.
+The rest of this text is the T5 workload's.
 
 The modes, run one after the other with the same script, data and seed:
 
@@ -61,10 +67,12 @@ REPO = Path(__file__).resolve().parents[1]
 T5 = REPO / "examples" / "t5"
 sys.path[:0] = [str(REPO), str(T5), str(REPO / "bench")]
 
+import goodput_trainer  # noqa: E402
 from data import prepare  # noqa: E402
 from membership import free_port  # noqa: E402
 from report import Run, fired, load_run  # noqa: E402
 
+from bench.support.trainer_workload import make_assets  # noqa: E402
 from elastrain.chaos import (  # noqa: E402
     Action,
     ChaosHarness,
@@ -330,8 +338,11 @@ def _folder(mode: Mode) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=700, help="optimizer steps of every run (default 700)")
-    p.add_argument("--modes", default=",".join(m.name for m in MODES), help="comma-separated subset, in order")
+    p.add_argument("--workload", choices=("t5", "trainer"), default="t5", help="the T5 example or run_clm.py (t5)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps of every run (700; trainer: 2000)")
+    p.add_argument("--modes", default=None, help="comma-separated subset, in order (default: all the workload's)")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="trainer: seconds of sleep per step (0)")
+    p.add_argument("--assets", type=Path, default=None, help="trainer: make_assets.py's folder (built in --out)")
     p.add_argument("--out", type=Path, default=None, help="default runs/goodput/<time>")
     p.add_argument("--back", type=float, default=8.0, help="seconds until a node comes back (default 8)")
     p.add_argument("--notice", type=float, default=15.0, help="seconds of notice of the SIGTERM (default 15)")
@@ -339,6 +350,10 @@ def main() -> int:
     p.add_argument("--report", type=Path, default=None, help="only print the table of an earlier run's --out")
     p.add_argument("--timeout", type=float, default=900.0, help="give up on a mode after this many seconds")
     a = p.parse_args()
+    if a.workload == "trainer":
+        return trainer_main(p, a)
+    a.steps = a.steps or 700
+    a.modes = a.modes or ",".join(m.name for m in MODES)
     by_name = {m.name: m for m in MODES}
     unknown = [n for n in a.modes.split(",") if n not in by_name]
     if unknown:
@@ -367,6 +382,38 @@ def main() -> int:
     if live is not None:
         print(f"\nlive: {live.rolled_back} step(s) rolled back by regroup agreement (events.jsonl)")
         print("\n".join(live_targets(live, base, a.steps)))
+    return 0 if all(r.ok for r in results) else 1
+
+
+def trainer_main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    """``--workload trainer``: examples/hf/run_clm.py in bench/goodput_trainer.py's modes."""
+    steps = a.steps or 2000
+    by_name = {m.name: m for m in goodput_trainer.MODES}
+    names = (a.modes or ",".join(by_name)).split(",")
+    if unknown := [n for n in names if n not in by_name]:
+        p.error(f"unknown modes {unknown} for --workload trainer; choose from {', '.join(by_name)}")
+    modes = [by_name[n] for n in names]
+    if a.report is not None:
+        out = a.report.resolve()
+        if a.steps is None and (out / "settings.json").exists():
+            steps = int(json.loads((out / "settings.json").read_text())["steps"])
+        results = [goodput_trainer.collect(m, out / m.name, steps) for m in modes if (out / m.name).exists()]
+    else:
+        out = (a.out or REPO / "runs" / "goodput-trainer" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+        out.mkdir(parents=True, exist_ok=False)
+        (out / "settings.json").write_text(json.dumps({"steps": steps, "step_sleep": a.step_sleep}))
+        assets = (a.assets or out / "assets").resolve()
+        print(f"[goodput] building the tiny GPT-2, tokenizer and text in {assets}", flush=True)
+        make_assets(assets)
+        trace = issue_trace(steps, a.back, a.notice, a.settle)
+        results = [
+            goodput_trainer.run_mode(m, out / m.name, steps, assets, trace, a.timeout, a.step_sleep, free_port())
+            for m in modes
+        ]
+    print(f"\nrun_clm.py, {steps} steps × {goodput_trainer.GLOBAL_BATCH} samples, 2 nodes"
+          f"{f', {a.step_sleep:g} s sleep per step' if a.step_sleep else ''}; trace: kill at step {steps // 4}, "
+          f"back {a.back:.0f} s later; term at step {steps * 6 // 10}, back {a.back:.0f} s later\n")  # fmt: skip
+    goodput_trainer.report(results, out, len(EVENT_LABELS))
     return 0 if all(r.ok for r in results) else 1
 
 

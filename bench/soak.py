@@ -2,6 +2,7 @@
 
     python bench/soak.py --seed 1 --events 50                  # the T5 example (tiny preset)
     python bench/soak.py --seed 20 --events 10 --job ledger    # the short CI version (tests/e2e/test_soak.py)
+    python bench/soak.py --seed 3 --events 50 --job trainer    # examples/hf/run_clm.py, unchanged
 
 Every node runs the same command (``elastrain-run --nnodes 1:MAX`` on 127.0.0.1:PORT, one worker),
 so a node that comes back, a spare beyond MAX and a whole-job restart all use the original
@@ -14,12 +15,23 @@ it exits 1 on any violation. Everything stays in ``--output-dir`` (``soak.json``
 ``--check DIR`` checks a finished soak's directory again.
 
 The jobs: the T5 example with ``--ledger`` (each rank records the sample ids of every step), or
-tests/e2e/ledger_job.py, a tiny linear regression that records the same and starts in ~2 s.
+tests/e2e/ledger_job.py, a tiny linear regression that records the same and starts in ~2 s, or ``trainer``:
+the Hugging Face Trainer causal-LM script examples/hf/run_clm.py, unchanged, on a tiny local GPT-2 (built once
+by examples/hf/make_assets.py into ``--data-dir``), in the default mode with ``--checkpoint-dir``. Its ranks
+write the sample ledger of bench/support/hf/ledger.py (the script imports it when ``LEDGER_DIR`` is set) and
+each step sleeps 0.3 s (its pace file), like the T5 job's ``--step-sleep``: an idle machine would end the job
+before the trace. Its judge checks what applies to a script that is not written against ``Session`` (no
+``finish`` or ``start`` records): the trace ran and the job finished, the last step is ``max_steps`` (ledger and
+the Trainer's ``trainer_state.json``), every sample once per epoch (the committed steps' ledger rows make the
+stream), steps computed twice at most one per SIGKILL (and ``--save-every`` + 1 per world lost whole: a
+whole-job kill, or every member of a world killed, after which the job resumes from its newest committed
+``checkpoint-N``), no orphan processes, bounded rendezvous rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -29,10 +41,19 @@ import sys
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.support.trainer_ledger import Ledger, LedgerProgress, check_every_sample_once  # noqa: E402
+from bench.support.trainer_workload import (  # noqa: E402
+    clm_script,
+    make_assets,
+    train_samples,
+    trainer_env,
+    trainer_state,
+)
 from elastrain.chaos import ChaosHarness, MetricsProgress, elastrain_node_command  # noqa: E402
 from elastrain.chaos.analysis import (  # noqa: E402
     fired_events,
@@ -58,7 +79,7 @@ from elastrain.chaos.checks import (  # noqa: E402
     refounded,
 )
 from elastrain.chaos.churn import ChurnConfig, churn_trace, coverage  # noqa: E402
-from elastrain.chaos.trace import trace_from_dict  # noqa: E402
+from elastrain.chaos.trace import Trace, trace_from_dict  # noqa: E402
 
 SETTINGS = "soak-settings.json"
 
@@ -78,6 +99,8 @@ class Job:
             return [str(REPO / "tests" / "e2e" / "ledger_job.py"), "--out", str(out / "job"),
                     "--samples", str(self.samples), "--global-batch", str(self.global_batch), "--micro-batch", "2",
                     "--max-steps", str(max_steps), "--save-every", str(self.save_every), "--sleep", "0.3"]  # fmt: skip
+        if self.name == "trainer":
+            return clm_script(data_dir, out / "job", max_steps, save_steps=self.save_every)
         # Paced (like the ledger job's --sleep): an idle machine trains faster than the trace's gaps fire its
         # events, and the job would end before the trace does.
         return [str(REPO / "examples" / "t5" / "train.py"), "--preset", "tiny", "--max-steps", str(max_steps),
@@ -91,7 +114,7 @@ class Job:
 
     def metrics_dir(self, out: Path) -> Path:
         """Where the session writes metrics.jsonl and events.jsonl."""
-        return self.checkpoint_dir(out) if self.name == "ledger" else out / "job"
+        return out / "job" if self.name == "t5" else self.checkpoint_dir(out)
 
     def ledgers(self, out: Path) -> list[Path]:
         if self.name == "ledger":
@@ -103,7 +126,12 @@ class Job:
 JOBS = {
     "ledger": Job("ledger", samples=100, global_batch=8, steps_per_event=6, save_every=5),
     "t5": Job("t5", samples=480, global_batch=16, steps_per_event=8, save_every=10),
+    # The dataset's size and the global batch (4 per rank at the first world's size) are read from the run.
+    "trainer": Job("trainer", samples=0, global_batch=0, steps_per_event=8, save_every=10),
 }
+TRAINER_STEP_SLEEP = 0.3
+KILLS = ("kill", "notice_expired", "drain_timeout")
+"""The harness's records of a SIGKILL (elastrain/chaos/checks.py's ``_SIGKILLS``)."""
 
 
 def free_port() -> int:
@@ -133,9 +161,11 @@ def run_soak(args: argparse.Namespace) -> int:
         events=args.events, max_nodes=args.max_nodes, spares=args.spares, first_step=first_step, last_step=last_step
     )
     trace = churn_trace(args.seed, cfg)
-    data_dir = Path(args.data_dir or REPO / "runs" / "soak-t5-data").resolve()
+    data_dir = Path(args.data_dir or REPO / "runs" / f"soak-{job.name}-data").resolve()
     if job.name == "t5":
         prepare_t5_data(data_dir)
+    elif job.name == "trainer":
+        make_assets(data_dir)
     script = job.script(out, max_steps, data_dir)
     port = args.port or free_port()
     run_id = f"soak-{args.seed}-{uuid.uuid4().hex[:6]}"
@@ -147,6 +177,8 @@ def run_soak(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
+    if job.name == "trainer":
+        env = {**env, **trainer_env(out / "ledger", out / "hf-cache", TRAINER_STEP_SLEEP)}
     timeout = args.timeout or 120.0 + 45.0 * args.events
     print(
         f"soak: job {job.name}, seed {args.seed}, {args.events} events, nodes 1:{trace.launcher_max} + "
@@ -157,6 +189,8 @@ def run_soak(args: argparse.Namespace) -> int:
     (out / SETTINGS).write_text(json.dumps(settings, indent=1))
     metrics_dir = job.metrics_dir(out)
     readers = [MetricsProgress(metrics_dir / "metrics.jsonl"), MetricsProgress(metrics_dir / "events.jsonl")]
+    if job.name == "trainer":
+        readers = [LedgerProgress(out / "ledger")]
     harness = ChaosHarness(
         trace, node_command, out / "chaos", env=env, progress=lambda: max(r() for r in readers), host_port=port
     )
@@ -169,6 +203,8 @@ def judge(out: Path) -> int:
     settings = json.loads((out / SETTINGS).read_text())
     job, max_steps = JOBS[settings["job"]], int(settings["max_steps"])
     trace = trace_from_dict(settings["trace"])
+    if job.name == "trainer":
+        return judge_trainer(out, settings, job, trace)
     expect = Expectation(max_steps=max_steps, samples=job.samples, global_batch=job.global_batch)
     timeline = json.loads((out / "chaos" / "timeline.json").read_text())
     metrics_file, events_file = job.metrics_dir(out) / "metrics.jsonl", job.metrics_dir(out) / "events.jsonl"
@@ -213,6 +249,12 @@ def judge(out: Path) -> int:
         "max_stall_before_step": stall_step,
         "refounded": refounded(spans, timeline),
     }
+    return verdict(out, checks, figures)
+
+
+def verdict(out: Path, checks: list[Check], figures: dict[str, Any]) -> int:
+    """Print the table and the figures, write ``soak.json``; 1 on any violation."""
+    stall_step = figures["max_stall_before_step"]
     ok = all(c.ok for c in checks)
     print()
     print(format_table(checks))
@@ -221,7 +263,7 @@ def judge(out: Path) -> int:
         f"events {figures['events_fired']}/{figures['events_planned']} fired "
         f"({', '.join(f'{k} {v}' for k, v in figures['trace'].items())}); "
         f"{figures['rendezvous_rounds']} rendezvous rounds, {figures['worlds']} worlds; "
-        f"{figures['steps_trained']} steps trained for {max_steps} ({figures['steps_rerun']} re-run); "
+        f"{figures['steps_trained']} steps trained for {figures['max_steps']} ({figures['steps_rerun']} re-run); "
         f"wall {figures['wall_s']}s, max stall {figures['max_stall_s']}s "
         f"({f'before step {stall_step}' if stall_step is not None else 'until the end'})"
     )
@@ -233,13 +275,70 @@ def judge(out: Path) -> int:
     return 0 if ok else 1
 
 
+def judge_trainer(out: Path, settings: dict[str, Any], job: Job, trace: Trace) -> int:
+    """The trainer job's checks (see the module's docstring) and figures."""
+    max_steps = int(settings["max_steps"])
+    timeline = json.loads((out / "chaos" / "timeline.json").read_text())
+    ledger = Ledger.read(out / "ledger")
+    logs = sorted((out / "chaos").glob("node-*.log"))
+    rounds = round_times(logs)
+    steps = ledger.steps()
+    global_batch = len(steps.get(1, []))
+    final = Check("final step")
+    state_step = trainer_state(out / "job").get("global_step")
+    if ledger.last_step() != max_steps or state_step != max_steps:
+        final.violations.append(
+            f"the ledger ends at step {ledger.last_step()}, trainer_state.json at {state_step}; want {max_steps}"
+        )
+    final.detail = f"step {ledger.last_step()}/{max_steps}, global batch {global_batch}"
+    records = [e["action"] for e in timeline["events"]]
+    kills, lost = sum(records.count(a) for a in KILLS), ledger.worlds_lost()
+    allowed = kills + lost * (job.save_every + 1)
+    redone = ledger.redone()
+    twice = Check("steps computed twice")
+    if len(redone) > allowed:
+        twice.violations.append(
+            f"{len(redone)} steps computed twice ({redone[:20]}) for {kills} SIGKILLs and {lost} worlds lost whole "
+            f"(allowed {allowed}: 1 per SIGKILL, {job.save_every + 1} per world lost whole)"
+        )
+    twice.detail = f"{len(redone)} for {kills} SIGKILLs, {lost} worlds lost whole"
+    checks: list[Check] = [
+        check_trace_ran(timeline, len(trace.events)),
+        final,
+        check_every_sample_once(ledger, max_steps, global_batch, train_samples(out / "job")),
+        twice,
+        check_processes(timeline),
+        check_bounded_rounds(timeline, rounds),
+    ]
+    events = timeline["events"]
+    gaps = [(b[0] - a[0], b[1]) for a, b in itertools.pairwise(ledger.step_ends())]
+    stall, at = max(gaps, default=(0.0, None))
+    figures = {
+        "job": job.name,
+        "seed": settings["seed"],
+        "events_planned": len(trace.events),
+        "events_fired": fired_events(timeline),
+        "trace": dict(sorted(coverage(trace).items())),
+        "rendezvous_rounds": len(rounds),
+        "worlds": len(ledger.world_change_steps()) + 1 if steps else 0,
+        "max_steps": max_steps,
+        "steps_trained": len(steps),
+        "steps_rerun": len(redone),
+        "wall_s": round(float((timeline.get("result") or {}).get("elapsed_s") or events[-1]["t"]), 1),
+        "max_stall_s": round(stall, 1),
+        "max_stall_before_step": at,
+        "refounded": [],
+    }
+    return verdict(out, checks, figures)
+
+
 def main(argv: list[str] | None = None) -> int:
     # SIGTERM ends the run like Ctrl-C: the harness kills every node, and the checks still run.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=1, help="trace seed (1)")
     p.add_argument("--events", type=int, default=50, help="trace events (50)")
-    p.add_argument("--job", choices=sorted(JOBS), default="t5", help="the T5 example or the tiny ledger job (t5)")
+    p.add_argument("--job", choices=sorted(JOBS), default="t5", help="t5 (the T5 example), ledger or trainer (t5)")
     p.add_argument("--max-nodes", type=int, default=3, help="the launcher's MAX: --nnodes 1:MAX (3)")
     p.add_argument("--spares", type=int, default=2, help="node slots beyond MAX (2)")
     p.add_argument("--max-steps", type=int, default=None, help="job steps (default: past the trace's last milestone)")
@@ -248,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=None, help="rendezvous port on 127.0.0.1 (a free one)")
     p.add_argument("--launcher-args", default="", help="extra elastrain-run options, one quoted string")
     p.add_argument("--output-dir", default=None, help="default: runs/soak-JOB-seedN-XXXXXX")
-    p.add_argument("--data-dir", default=None, help="T5 pairs and tokenizer, built once (runs/soak-t5-data)")
+    p.add_argument("--data-dir", default=None, help="the job's data, built once (runs/soak-JOB-data)")
     p.add_argument("--check", metavar="DIR", default=None, help="only check a finished soak's output directory")
     args = p.parse_args(argv)
     return judge(Path(args.check).resolve()) if args.check else run_soak(args)

@@ -6,6 +6,7 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # bench.support: helpers bench and tests share
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -86,7 +86,7 @@ def main():
 
     train_dataset = lm_datasets["train"]
     callbacks = []
-    if os.environ.get("LEDGER_DIR"):  # elastrain's tests' sample ledger (tests/scripts/hf), not part of the recipe
+    if os.environ.get("LEDGER_DIR"):  # elastrain's sample ledger (bench/support/hf), not part of the recipe
         import ledger
 
         train_dataset, callbacks = ledger.wrap(train_dataset), [ledger.Callback()]

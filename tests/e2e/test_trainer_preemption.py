@@ -1,4 +1,4 @@
-"""Hugging Face Trainer scripts that import nothing from elastrain (tests/scripts/hf), run unchanged under
+"""Hugging Face Trainer scripts that import nothing from elastrain (bench/support/hf), run unchanged under
 elastrain-run with its defaults (live mode) as local nodes, through SIGKILLs, SIGTERMs and returns at random
 steps (seeded; the seed is in every failure message): each job ends at max_steps, every step trains exactly
 the samples of the uninterrupted run's step (every sample once per epoch), the losses end where the

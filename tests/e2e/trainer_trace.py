@@ -3,8 +3,9 @@
 :func:`assets` builds tiny models and data once per session (local files only). :func:`reference` runs a
 script uninterrupted on one node; :func:`trace` runs it as local nodes (separate ``elastrain-run`` agents on
 127.0.0.1, elastrain-run's defaults but for ``--checkpoint-dir``) and plays :class:`Event` s, each when the
-job has reached a step (read from the tests' ledger, ``tests/scripts/hf/ledger.py``) with the world size it
-names. :class:`Ledger` reads what every step trained on, in which world, and how many steps ran twice.
+job has reached a step (read from the sample ledger, ``bench/support/hf/ledger.py``) with the world size it
+names. ``bench.support.trainer_ledger.Ledger`` reads what every step trained on, in which world, and how many
+steps ran twice.
 """
 
 from __future__ import annotations
@@ -14,15 +15,16 @@ import random
 import signal
 import subprocess
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from support import PYTHON, REPO, elastrain_cmd, free_port, kill_tree, reaped, run, spawn, wait_logged
 
+from bench.support.trainer_ledger import WRITER_DIR, Ledger
+
 SCRIPTS = REPO / "examples" / "hf"
-LEDGER = REPO / "tests" / "scripts" / "hf"  # the tests' own ledger module, imported by the scripts under LEDGER_DIR
+LEDGER = WRITER_DIR  # the sample ledger module, imported by the scripts when LEDGER_DIR is set
 COMMON = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--seed", "0", "--do_train"]
 
 
@@ -80,60 +82,6 @@ def classification(assets: Path, max_steps: int = 160) -> Workload:
         ),
         max_steps,
     )  # fmt: skip
-
-
-@dataclass
-class Ledger:
-    """Every rank's row per step (tests/scripts/hf/ledger.py): which samples, in which world."""
-
-    rows: list[dict[str, Any]]
-
-    @classmethod
-    def read(cls, folder: Path) -> Ledger:
-        rows = []
-        for path in sorted(folder.glob("ledger-*.jsonl")):
-            text = path.read_text()
-            complete = text[: text.rfind("\n") + 1]  # a line being written now is read next time
-            rows.extend(json.loads(line) for line in complete.splitlines() if line.strip())
-        return cls(rows)
-
-    def _worlds(self) -> dict[int, list[list[dict[str, Any]]]]:
-        """Per step, the rows grouped by the world that computed it (round, world size), oldest first."""
-        by_step: dict[int, dict[tuple[int, int], list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
-        for row in self.rows:
-            by_step[row["step"]][(row["round"], row["world"])].append(row)
-        return {s: sorted(groups.values(), key=lambda g: max(r["t"] for r in g)) for s, groups in by_step.items()}
-
-    def last_step(self) -> int:
-        return max((r["step"] for r in self.rows), default=0)
-
-    def world_now(self) -> int:
-        return max(self.rows, key=lambda r: r["t"])["world"] if self.rows else 0
-
-    def steps(self) -> dict[int, list[int]]:
-        """Each step's samples, as trained by the last world that computed it (all its ranks)."""
-        out = {}
-        for step, worlds in self._worlds().items():
-            last = worlds[-1]
-            out[step] = sorted(i for r in last for i in r["ids"])
-        return out
-
-    def complete(self) -> dict[int, bool]:
-        """Whether every rank of the step's last world wrote its row."""
-        return {s: len({r["rank"] for r in w[-1]}) == w[-1][0]["world"] for s, w in self._worlds().items()}
-
-    def redone(self) -> list[int]:
-        """Steps that more than one world completed (computed again after a rollback or a restart)."""
-        return sorted(s for s, worlds in self._worlds().items() if len(worlds) > 1)
-
-    def world_change_steps(self) -> list[int]:
-        """The first step of every world after the first (where the world, its round or size, changed)."""
-        last = [(w[-1][0]["round"], w[-1][0]["world"]) for _, w in sorted(self._worlds().items())]
-        return [i + 1 for i in range(1, len(last)) if last[i] != last[i - 1]]
-
-    def world_sizes(self) -> list[int]:
-        """The world size of each step's last world, in step order."""
-        return [w[-1][0]["world"] for _, w in sorted(self._worlds().items())]
 
 
 @dataclass(frozen=True)

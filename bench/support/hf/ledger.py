@@ -1,12 +1,13 @@
-"""The tests' sample ledger for Trainer scripts: which samples each optimizer step used, in which world.
+"""The sample ledger for Trainer scripts: which samples each optimizer step used, in which world.
 
-Not elastrain's: the test's own instrument, which the scripts import only when ``LEDGER_DIR`` is set.
+Not elastrain's: the tests' and benches' own instrument, which the scripts import only when ``LEDGER_DIR`` is set
+(bench/support/trainer_ledger.py reads it).
 :func:`wrap` wraps the training set so every micro-batch read is noted, in order; :class:`Callback` writes, at
 each step's end, one line per rank to ``LEDGER_DIR/ledger-<pid>.jsonl``: the step, the ids of the step's
 ``gradient_accumulation_steps`` micro-batches (the DataLoader reads one micro-batch ahead: it stays for the
 next step), the rank, the world size and the round (``ELASTRAIN_ROUND``, the world it ran in). Reads of a
-step that never ended (given up when a peer died) are dropped at the next ``train()`` entry. While the test's
-trace plays, each step also waits the seconds written in ``LEDGER_DIR/pace`` (long while a node warms up to
+step that never ended (given up when a peer died) are dropped at the next ``train()`` entry. While a test's or
+bench's trace plays, each step also waits the seconds written in ``LEDGER_DIR/pace`` (long while a node warms up to
 join), so the job outlasts the trace on a slow machine without burning CPU.
 """
 
