@@ -3,7 +3,7 @@
 Lines (parsed by tests/integration/test_sharded_live.py):
   SW_STEP rank= ws= step= pid= loss=
   SW_DONE rank= step= samples= pid= norm= total=   (norm/total: of the full, unsharded parameters)
-With SW_SLOW_UNTIL=<file>: 0.4 s per step until the file exists, then SW_SLEEP.
+With SW_SLOW_UNTIL=<file>: 1 s per step until the file exists, then SW_SLEEP.
 With SW_DIE_NODE=<group rank> and SW_DIE_AFTER=k: that node's worker SIGKILLs its agent and itself inside the
 backward pass of its k-th step (a node vanishing with its shards between two checkpoints, its peers inside
 the step's reduce-scatters).
@@ -76,7 +76,7 @@ def main() -> None:
             )
             done[0] += 1
             slow = os.environ.get("SW_SLOW_UNTIL", "")  # a file: paced slowly until it exists (a joiner builds)
-            time.sleep(0.4 if slow and not os.path.exists(slow) else float(os.environ.get("SW_SLEEP", "0.05")))
+            time.sleep(1.0 if slow and not os.path.exists(slow) else float(os.environ.get("SW_SLEEP", "0.05")))
         full = get_model_state_dict(session.model, options=StateDictOptions(full_state_dict=True))
         flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for _, t in sorted(full.items())])
         print(
