@@ -16,6 +16,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
+from elastrain import binding
 from elastrain.env import TRAINER_INTEGRATION
 from elastrain.errors import NodeLeftError, RendezvousStoreLostError
 from elastrain.launcher import orphans
@@ -24,7 +25,6 @@ from elastrain.launcher.options import ElastrainOptions
 from elastrain.launcher.script_kind import ScriptKind, classify
 from elastrain.log import lifecycle
 from elastrain.preemption import start_monitor
-from elastrain.rendezvous import binding
 from elastrain.rendezvous.api import membership_of
 from elastrain.rendezvous.registry import ETCD_V3
 from elastrain.rendezvous.state import Departure

@@ -227,7 +227,7 @@ def _become_worker(req: dict[str, Any]) -> list[str]:
             os.close(f)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from elastrain.rendezvous.binding import host_worker_store
+    from elastrain.binding import host_worker_store
 
     host_worker_store(os.environ)  # rank 0: the round's store, on MASTER_ADDR's interface only
     argv: list[str] = req["argv"]

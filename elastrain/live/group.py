@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket, PrefixStore, TCPStore
 
+from elastrain.binding import tcp_store_server
 from elastrain.errors import ElastrainError
 from elastrain.live.sever import Connection, sever, tcp_sockets
 from elastrain.log import lifecycle
-from elastrain.rendezvous.binding import tcp_store_server
 from elastrain.step_flags import StepFlags, carries_flags
 
 
@@ -119,7 +119,7 @@ class TrainingGroup:
             # finds no server backs off randomly (measured 0.7 s here); wait for the port instead.
             _wait_listening(master_addr, master_port, join.total_seconds())
         before = tcp_sockets()
-        if rank == 0:  # listening on MASTER_ADDR's interface only (see elastrain.rendezvous.binding)
+        if rank == 0:  # listening on MASTER_ADDR's interface only (see elastrain.binding)
             store = tcp_store_server(master_addr, master_port, join, world_size=world_size)
         else:
             store = TCPStore(master_addr, master_port, world_size, is_master=False, timeout=join)

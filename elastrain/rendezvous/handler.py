@@ -16,7 +16,7 @@ fencing generation), :mod:`~elastrain.rendezvous.heartbeat` (the beat, the judge
 probes live in :mod:`elastrain.rendezvous.liveness`; moving the c10d store to a successor with the c10d backend
 (:mod:`elastrain.rendezvous.backends.c10d`); the job's secret, which signs every value written, in
 :mod:`elastrain.rendezvous.auth`; what a node accepts from the store (forged or corrupt values, redirects) in
-:mod:`elastrain.rendezvous.trust`; where it listens in :mod:`elastrain.rendezvous.binding`.
+:mod:`elastrain.rendezvous.trust`; where it listens in :mod:`elastrain.binding`.
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
+from elastrain import binding
 from elastrain.errors import RendezvousError
 from elastrain.log import lifecycle
-from elastrain.rendezvous import binding, liveness, trust
+from elastrain.rendezvous import liveness, trust
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import RendezvousAuth, SignedStore
 from elastrain.rendezvous.claim import Fencing

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from elastrain import binding
 from elastrain.errors import UsageError
-from elastrain.rendezvous import binding
 
 
 @dataclass(frozen=True)

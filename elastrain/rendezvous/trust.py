@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from elastrain.binding import endpoint_hosts
 from elastrain.errors import (
     RendezvousError,
     RendezvousForgeryError,
@@ -28,7 +29,6 @@ from elastrain.errors import (
 )
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import SECRET_SETTING
-from elastrain.rendezvous.binding import endpoint_hosts
 
 _T = TypeVar("_T")
 

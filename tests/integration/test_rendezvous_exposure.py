@@ -25,7 +25,8 @@ import psutil
 import pytest
 from support import REPO, elastrain_cmd, free_port, reaped, run, spawn, wait_for
 
-from elastrain.rendezvous import auth, binding
+from elastrain import binding
+from elastrain.rendezvous import auth
 
 pytestmark = pytest.mark.slow
 

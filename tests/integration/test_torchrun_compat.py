@@ -24,7 +24,7 @@ LAUNCHERS = {"torchrun": torchrun_cmd, "elastrain": elastrain_cmd}
 # Values that legitimately differ between two runs (ports, ids, paths) or between the two launchers'
 # rendezvous handlers (elastrain never shares the agent store with workers: pytorch#135712; a node of a
 # loopback rendezvous, --standalone's, advertises 127.0.0.1 where torchrun advertises the FQDN, and its
-# workers' gloo/NCCL listen on loopback: see elastrain.rendezvous.binding).
+# workers' gloo/NCCL listen on loopback: see elastrain.binding).
 VOLATILE = {
     "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE",
     "MASTER_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",

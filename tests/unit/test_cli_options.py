@@ -188,8 +188,8 @@ def test_fencing_off_advice_fits_the_backend() -> None:
 
 
 def test_a_loopback_run_makes_the_workers_gloo_and_nccl_listen_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastrain.binding import loopback_interface
     from elastrain.launcher.launch import listen_on_loopback
-    from elastrain.rendezvous.binding import loopback_interface
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "=eth9")  # the user's choice wins

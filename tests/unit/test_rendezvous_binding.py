@@ -8,7 +8,8 @@ from datetime import timedelta
 import psutil
 import pytest
 
-from elastrain.rendezvous import binding, liveness
+from elastrain import binding
+from elastrain.rendezvous import liveness
 
 
 def listening() -> set[tuple[str, int]]:

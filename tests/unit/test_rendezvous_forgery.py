@@ -232,8 +232,8 @@ def test_without_a_secret_a_redirect_to_a_host_of_no_member_is_refused(tmp_path:
     """The state is anyone's to write without a secret: a redirect is followed only to a node of the job."""
     from torch.distributed import TCPStore
 
+    from elastrain.binding import free_port
     from elastrain.rendezvous.backends.c10d import create_c10d_handler
-    from elastrain.rendezvous.binding import free_port
 
     port = free_port("127.0.0.1")
     params = RendezvousParameters(

@@ -386,7 +386,7 @@ def test_a_second_store_founded_for_the_same_job_joins_the_running_one(tmp_path:
         assert isinstance(h, ElastrainRendezvousHandler)
         return h
 
-    from elastrain.rendezvous.binding import free_port
+    from elastrain.binding import free_port
 
     a = node(free_port("127.0.0.1"))
     b = None

@@ -25,7 +25,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
-from elastrain import fence
+from elastrain import binding, fence
 from elastrain.errors import (
     RendezvousStateCorruptError,
     RendezvousStoreLostError,
@@ -33,7 +33,7 @@ from elastrain.errors import (
     UsageError,
 )
 from elastrain.log import lifecycle
-from elastrain.rendezvous import binding, liveness
+from elastrain.rendezvous import liveness
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import RendezvousAuth
 from elastrain.rendezvous.connection import STORE_ERRORS

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from elastrain.binding import is_loopback
 from elastrain.errors import UsageError
-from elastrain.rendezvous.binding import is_loopback
 
 DEFAULT_PORT = 2379
 DEFAULT_KEY_PREFIX = "/elastrain"
