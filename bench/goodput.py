@@ -395,8 +395,9 @@ def trainer_main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     modes = [by_name[n] for n in names]
     if a.report is not None:
         out = a.report.resolve()
-        if a.steps is None and (out / "settings.json").exists():
-            steps = int(json.loads((out / "settings.json").read_text())["steps"])
+        if (out / "settings.json").exists():  # what the run used
+            settings = json.loads((out / "settings.json").read_text())
+            steps, a.step_sleep = a.steps or int(settings["steps"]), float(settings["step_sleep"])
         results = [goodput_trainer.collect(m, out / m.name, steps) for m in modes if (out / m.name).exists()]
     else:
         out = (a.out or REPO / "runs" / "goodput-trainer" / time.strftime("%Y%m%d-%H%M%S")).resolve()
