@@ -18,10 +18,9 @@ sample once per epoch (a global batch of 8 each).
 
 Unpaced by default, as in the issue's run (2,000 steps): the trace needs ~100 s of training after its first
 event (a return's cold start, the 30 s ``--settle``, the notice, the second return), and whether 2,000 unpaced
-steps last that long depends on the machine.
-When the job ends before the trace does, the bench says so under the table. ``--step-sleep S`` then paces
-every step of every mode by S seconds (the ledger's pace file) so that the whole trace lands; the times
-then measure the pace as much as the launcher.
+steps last that long depends on the machine. When the job ends before the trace does, the bench says so under
+the table; ``--step-sleep S`` then paces every step of every mode by S seconds (the ledger's pace file) so that
+the whole trace lands, and the times then measure the pace as much as the launcher.
 """
 
 from __future__ import annotations
