@@ -34,7 +34,7 @@ from pathlib import Path
 from bench.support.trainer_ledger import Ledger, LedgerProgress, check_every_sample_once, longest_stalls
 from bench.support.trainer_workload import PER_DEVICE_BATCH, clm_script, final_loss, train_samples, trainer_env
 from elastrain.chaos import ChaosHarness, Trace, elastrain_node_command
-from elastrain.chaos.checks import workers_started
+from elastrain.log import parse_event_line
 
 NODES = 2
 GLOBAL_BATCH = NODES * PER_DEVICE_BATCH
@@ -122,8 +122,19 @@ def collect(mode: TrainerMode, out: Path, steps: int) -> TrainerResult:
         check = check_every_sample_once(ledger, steps, GLOBAL_BATCH, train_samples(out / "model"))
         r.exact, r.exact_detail = check.ok, "; ".join(check.violations[:3]) or check.detail
     logs = sorted((out / "chaos").glob("node-*.log"))
-    r.worker_starts = len(workers_started(logs)) if logs and not mode.torchrun else None
+    r.worker_starts = worker_starts(logs) if logs and not mode.torchrun else None
     return r
+
+
+def worker_starts(logs: Sequence[Path]) -> int:
+    """Worker processes the elastrain agents started (the pids of their ``workers_started`` lines)."""
+    pids: set[str] = set()
+    for path in logs:
+        for line in path.read_text(errors="replace").splitlines():
+            event = parse_event_line(line)
+            if event is not None and event.get("event") == "workers_started":
+                pids.update(p for p in event.get("pids", "").split(",") if p)
+    return len(pids)
 
 
 def _f(v: float | None, fmt: str = "{:.1f}") -> str:
