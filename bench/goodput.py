@@ -341,7 +341,7 @@ def main() -> int:
     p.add_argument("--workload", choices=("t5", "trainer"), default="t5", help="the T5 example or run_clm.py (t5)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps of every run (700; trainer: 2000)")
     p.add_argument("--modes", default=None, help="comma-separated subset, in order (default: all the workload's)")
-    p.add_argument("--step-sleep", type=float, default=0.0, help="trainer: seconds of sleep per step (0)")
+    p.add_argument("--step-sleep", type=float, default=None, help="trainer: seconds of sleep per step (0.05)")
     p.add_argument("--assets", type=Path, default=None, help="trainer: make_assets.py's folder (built in --out)")
     p.add_argument("--out", type=Path, default=None, help="default runs/goodput/<time>")
     p.add_argument("--back", type=float, default=8.0, help="seconds until a node comes back (default 8)")
@@ -388,6 +388,7 @@ def main() -> int:
 def trainer_main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     """``--workload trainer``: examples/hf/run_clm.py in bench/goodput_trainer.py's modes."""
     steps = a.steps or 2000
+    a.step_sleep = goodput_trainer.STEP_SLEEP if a.step_sleep is None else a.step_sleep
     by_name = {m.name: m for m in goodput_trainer.MODES}
     names = (a.modes or ",".join(by_name)).split(",")
     if unknown := [n for n in names if n not in by_name]:
