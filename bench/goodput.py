@@ -341,7 +341,7 @@ def main() -> int:
     p.add_argument("--workload", choices=("t5", "trainer"), default="t5", help="the T5 example or run_clm.py (t5)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps of every run (700; trainer: 2000)")
     p.add_argument("--modes", default=None, help="comma-separated subset, in order (default: all the workload's)")
-    p.add_argument("--step-sleep", type=float, default=0.0, help="trainer: seconds of sleep per step (0)")
+    p.add_argument("--step-sleep", type=float, default=None, help="trainer: seconds of sleep per step (0.05)")
     p.add_argument("--assets", type=Path, default=None, help="trainer: make_assets.py's folder (built in --out)")
     p.add_argument("--out", type=Path, default=None, help="default runs/goodput/<time>")
     p.add_argument("--back", type=float, default=8.0, help="seconds until a node comes back (default 8)")
@@ -388,6 +388,7 @@ def main() -> int:
 def trainer_main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     """``--workload trainer``: examples/hf/run_clm.py in bench/goodput_trainer.py's modes."""
     steps = a.steps or 2000
+    a.step_sleep = goodput_trainer.STEP_SLEEP if a.step_sleep is None else a.step_sleep
     by_name = {m.name: m for m in goodput_trainer.MODES}
     names = (a.modes or ",".join(by_name)).split(",")
     if unknown := [n for n in names if n not in by_name]:
@@ -395,8 +396,9 @@ def trainer_main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     modes = [by_name[n] for n in names]
     if a.report is not None:
         out = a.report.resolve()
-        if a.steps is None and (out / "settings.json").exists():
-            steps = int(json.loads((out / "settings.json").read_text())["steps"])
+        if (out / "settings.json").exists():  # what the run used
+            settings = json.loads((out / "settings.json").read_text())
+            steps, a.step_sleep = a.steps or int(settings["steps"]), float(settings["step_sleep"])
         results = [goodput_trainer.collect(m, out / m.name, steps) for m in modes if (out / m.name).exists()]
     else:
         out = (a.out or REPO / "runs" / "goodput-trainer" / time.strftime("%Y%m%d-%H%M%S")).resolve()
