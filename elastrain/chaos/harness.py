@@ -53,6 +53,9 @@ def elastrain_node_command(
 
 
 class ChaosHarness:
+    """Follows a trace over the run's :class:`Nodes`: fires each event when it is due, and records on the
+    run's :class:`Timeline`."""
+
     def __init__(
         self,
         trace: Trace,
