@@ -5,20 +5,23 @@ timeout is ``--io-timeout``, because it waits on storage, not on a peer's comput
 
 0. **claim** (once, before the first restore or save; only where the workers fence the root
    themselves, :func:`elastrain.fence.worker_world`): rank 0 claims this world's
-   generation in the root; a world that lost the root to a newer one exits (``WorldSupersededExit``).
+   generation in the root; a world that lost the root to a newer one exits (``WorldSupersededExit``)
+   (:mod:`elastrain.checkpoint.world_fence`).
 1. **prepare** (:meth:`Commit.prepare`): rank 0 checks the fence and decides whether N is to be
    written. A committed step is never overwritten. A leftover of an interrupted save is removed,
    unless a newer generation wrote it (then this world is stale: :class:`StaleGenerationError`). The
-   new step directory records the generation that writes it (``elastrain-owner.json``).
+   new step directory records the generation that writes it (``elastrain-owner.json``,
+   :mod:`elastrain.checkpoint.step_owner`).
 2. **write**: the format writes its files, and each rank reports the files *it* wrote, fsynced, with
    their lengths and CRC-32s (DCP computes them while writing, :mod:`elastrain.checkpoint.dcp_io`;
    DeepSpeed and the Trainer's ``torch.save`` files are checksummed by their writer right after).
 3. **commit** (:meth:`Commit.commit`): rank 0 gathers the reports (or the ranks' errors), checks
    that every expected file was reported, checks the fence (:func:`elastrain.fence.check`:
    a newer world claimed the root), fsyncs the step directory, writes the commit marker with the
-   generation, and checks the fence again: a marker that raced a newer world's claim is withdrawn.
-   It broadcasts the outcome: every rank raises the same :class:`CheckpointSaveError`, naming the
-   path and the cause, when the save failed. Then rank 0 applies retention.
+   generation, and checks the fence again: a marker that raced a newer world's claim is withdrawn
+   (:mod:`elastrain.checkpoint.marker_write`). It broadcasts the outcome: every rank raises the same
+   :class:`CheckpointSaveError`, naming the path and the cause, when the save failed. Then rank 0
+   applies retention.
 4. **verify** (:meth:`Commit.verify`, :mod:`elastrain.checkpoint.verify`): at restore every rank checks
    its share of the marker's files: their lengths, and the CRC-32 of those the format cannot check
    while it loads them.
@@ -31,63 +34,40 @@ Everything the ranks exchange is plain data (:mod:`elastrain.wire`), never a pic
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
-from elastrain import fence
 from elastrain.checkpoint import layout
 from elastrain.checkpoint import verify as verification
 from elastrain.checkpoint.group import Group
 from elastrain.checkpoint.layout import CommitMarker, FileEntry, Naming, StepDir
-from elastrain.errors import (
-    CheckpointSaveError,
-    StaleGenerationError,
-    WorldSupersededExit,
-)
+from elastrain.checkpoint.marker_write import merge_reports, write_marker
+from elastrain.checkpoint.step_owner import OWNER, may_remove_leftover, read_owner, write_owner
+from elastrain.checkpoint.world_fence import WorldFence, check_fence
+from elastrain.errors import CheckpointSaveError, StaleGenerationError
 from elastrain.fence import World
 from elastrain.storage import Storage, check_shared
 
-OWNER = "elastrain-owner.json"
+__all__ = [
+    "OWNER",
+    "PROTOCOL_FILES",
+    "Commit",
+    "check_fence",
+    "entry_of",
+    "fsync_and_checksum",
+    "may_remove_leftover",
+    "merge_reports",
+    "save_error",
+]
+
 # Files of the protocol itself: never part of a format's file list.
 PROTOCOL_FILES = frozenset({layout.MARKER, OWNER})
 
 T = TypeVar("T")
 P = TypeVar("P")
-
-
-def may_remove_leftover(owner_generation: int | None, generation: int | None) -> bool:
-    """Whether a world of ``generation`` may delete an uncommitted step directory ``owner_generation`` wrote.
-
-    Pure. Only leftovers of older generations, or of its own, are removed; an unfenced world (or an
-    unowned leftover, written before generations existed) removes any.
-    """
-    if generation is None or owner_generation is None:
-        return True
-    return owner_generation <= generation
-
-
-def merge_reports(
-    reports: Iterable[Mapping[str, FileEntry]], expected: Iterable[str] | None = None
-) -> tuple[dict[str, FileEntry], list[str]]:
-    """Pure: every rank's files in one map, and the problems (a file reported twice differently, one missing)."""
-    entries: dict[str, FileEntry] = {}
-    problems: list[str] = []
-    for report in reports:
-        for name, entry in report.items():
-            if name in entries and entries[name] != entry:
-                problems.append(f"{name} was reported by two ranks with different contents")
-            entries[name] = entry
-    if expected is not None:
-        missing = sorted(set(expected) - set(entries))
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" ... ({len(missing)} in all)" if len(missing) > 5 else "")
-            problems.append(f"no rank reported writing {shown}")
-    return entries, problems
 
 
 def entry_of(data: bytes) -> FileEntry:
@@ -139,13 +119,13 @@ class Commit:
         self.storage = storage
         self.group = group
         self.kind = kind
-        self.claim_as = claim_as
-        self.generation = generation if claim_as is None else None
         self.naming = naming
         self.keep_last = keep_last
         self._log = log or (lambda *a, **k: None)
         self.bad_steps: set[int] = set()
-        self._fence = fence or check_fence
+        self.world_fence = WorldFence(
+            root, storage, group, generation=generation, log=self._log, check=fence, claim_as=claim_as
+        )
         # One location every rank sees, or a clear error now rather than at the first save (collective).
         if group.distributed:
             check_shared(root, group, storage)
@@ -158,54 +138,28 @@ class Commit:
     def world_size(self) -> int:
         return self.group.world_size
 
+    @property
+    def generation(self) -> int | None:
+        """This world's generation in the root (``None``: unfenced, or not claimed yet)."""
+        return self.world_fence.generation
+
+    @generation.setter
+    def generation(self, generation: int | None) -> None:
+        self.world_fence.generation = generation
+
     def path(self, step: int) -> str:
         return self.storage.join(self.root, self.naming.name(step))
 
-    # -- 0. claim --------------------------------------------------------------------------------
+    # -- 0. claim (:mod:`elastrain.checkpoint.world_fence`) -------------------------------------
     def claim(self) -> int | None:
         """Collective, once: this world's generation in the root, claimed where the workers fence it themselves
-        (:class:`elastrain.fence.WorkerClaim`); a world that lost the root raises :meth:`_stale`'s."""
-        if self.claim_as is None or self.generation is not None:
-            return self.generation
-        try:
-            self.generation = fence.WorkerClaim(self.root, self.claim_as, self.storage).claim(self.group)
-        except StaleGenerationError as e:
-            raise self._stale(str(e)) from None
-        self._log("generation_claimed", generation=self.generation, root=self.root, by="workers")
-        return self.generation
-
-    def _stale(self, message: str) -> BaseException:
-        """What a world that lost the root raises: the launcher's fence stops its workers itself; with the workers'
-        own fence, the workers exit with EX_CONFIG (one line says why), so that no restart claims the root back."""
-        if self.claim_as is None:
-            return StaleGenerationError(message)
-        if self.rank == 0:
-            self._log(
-                "world_superseded",
-                logging.ERROR,
-                root=self.root,
-                generation=self.generation,
-                why=message,
-                action="this world stops: its workers exit with EX_CONFIG (78) and elastrain-run ends its nodes",
-            )
-        return WorldSupersededExit(message)
+        (:meth:`WorldFence.claim`)."""
+        return self.world_fence.claim()
 
     def ensure_current(self) -> None:
         """Collective: raise (as :meth:`prepare` would) if a newer world claimed the root. For a format whose files
         are written before the commit without :meth:`prepare` (the Trainer's): a stale world writes nothing."""
-        self.claim()
-        verdict: str | None = None
-        if self.rank == 0:
-            try:
-                self._fence(self.root, self.generation, self.storage)
-                verdict = ""
-            except StaleGenerationError as e:
-                verdict = str(e)
-            except OSError:
-                verdict = ""  # storage trouble: the commit reports it, naming the step
-        stale: str = self.group.broadcast(verdict)
-        if stale:
-            raise self._stale(stale)
+        self.world_fence.ensure_current()
 
     # -- 1. prepare ------------------------------------------------------------------------------
     def prepare(self, step: int) -> str | None:
@@ -222,7 +176,7 @@ class Commit:
                 decision = ("error", f"cannot create the step directory: {type(e).__name__}: {e}")
         verdict, message = self.group.broadcast(decision)
         if verdict == "stale":
-            raise self._stale(message)
+            raise self.world_fence.stale(message)
         if verdict == "error":
             raise save_error(path, step, message)
         return path if verdict == "go" else None
@@ -230,7 +184,7 @@ class Commit:
     def _prepare_on_leader(self, step: int, path: str) -> bool:
         st = self.storage
         # A stale world writes nothing: its files could land in a directory the newer world is writing.
-        self._fence(self.root, self.generation, st)
+        self.world_fence.check()
         if st.exists(path):
             if step not in self.bad_steps and st.exists(st.join(path, layout.MARKER)):
                 self._log("checkpoint_save_skipped", step_dir=path, why="already committed; never overwritten")
@@ -246,18 +200,12 @@ class Commit:
             layout.remove_step_dir(path, st)
             self.bad_steps.discard(step)
         st.makedirs(path)
-        owner_data = {"generation": self.generation, "created_at": time.time(), "kind": self.kind}
-        st.write_atomic(st.join(path, OWNER), json.dumps(owner_data).encode())
+        write_owner(path, self.generation, self.kind, st)
         return True
 
     def owner(self, path: str) -> int | None:
         """The generation that created step directory ``path`` (``None``: unknown or unfenced)."""
-        try:
-            raw = json.loads(self.storage.read_bytes(self.storage.join(path, OWNER)))
-            value = raw.get("generation")
-            return None if value is None else int(value)
-        except (OSError, ValueError, TypeError, AttributeError):
-            return None
+        return read_owner(path, self.storage)
 
     # -- 3. commit -------------------------------------------------------------------------------
     def commit(
@@ -285,65 +233,15 @@ class Commit:
                 (None if rep is None else {n: layout.entry_from_json(e) for n, e in rep.items()}, err)
                 for rep, err in parts
             ]
-            outcome = self._commit_on_leader(step, path, reports, expected, extra)
+            outcome = write_marker(self.world_fence, step, path, reports, expected, extra, kind=self.kind)
         verdict, value = self.group.broadcast(outcome)
         if verdict == "stale":
-            raise self._stale(value)
+            raise self.world_fence.stale(value)
         if verdict == "error":
             raise save_error(path, step, value)
         if self.rank == 0:
             self.purge()
         return CommitMarker.from_json(str(value).encode(), path)
-
-    def _commit_on_leader(
-        self,
-        step: int,
-        path: str,
-        parts: list[tuple[dict[str, FileEntry] | None, str | None]],
-        expected: Iterable[str] | None,
-        extra: Mapping[str, Any] | None,
-    ) -> tuple[str, Any]:
-        errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(parts) if err is not None]
-        if errors:
-            return "error", "; ".join(errors)
-        entries, problems = merge_reports((rep or {} for rep, _ in parts), expected)
-        if problems:
-            return "error", "; ".join(problems)
-        marker = CommitMarker(
-            step=step,
-            world_size=self.world_size,
-            files=entries,
-            kind=self.kind,
-            extra=dict(extra or {}),
-            generation=self.generation,
-        )
-        try:
-            self._fence(self.root, self.generation, self.storage)
-            self.storage.sync_tree(path)  # every file's directory entry durable before the marker says "complete"
-            layout.write_commit_marker(path, marker, self.storage)
-        except StaleGenerationError as e:
-            return "stale", str(e)
-        except OSError as e:
-            return "error", f"cannot write the commit marker: {type(e).__name__}: {e}"
-        try:
-            # A newer world may have claimed the root between the check above and the marker's rename.
-            self._fence(self.root, self.generation, self.storage)
-        except StaleGenerationError as e:
-            return "stale", f"{e} (its commit of step {step} raced the claim: {self._withdraw(path)})"
-        except OSError as e:  # the marker stands; restore skips it if it raced a claim
-            self._log(
-                "fence_check_failed", logging.WARNING, root=self.root, step=step, error=f"{type(e).__name__}: {e}"
-            )
-        return "ok", marker.to_json().decode()
-
-    def _withdraw(self, path: str) -> str:
-        """Remove the marker this (stale) world just wrote; what became of it, for the error message."""
-        try:
-            self.storage.remove(self.storage.join(path, layout.MARKER))
-            self.storage.sync_tree(path)
-        except OSError as e:
-            return f"its marker could not be withdrawn ({type(e).__name__}: {e}); restore skips it"
-        return "its marker was withdrawn"
 
     # -- 4. verify, 5. agree ---------------------------------------------------------------------
     def candidates(self) -> tuple[list[tuple[StepDir, str | None]], list[StepDir]]:
@@ -427,8 +325,3 @@ class Commit:
                 self._log("checkpoint_purged", removed=d.path, why="retention" if d.committed else "incomplete")
         except OSError as e:
             self._log("checkpoint_purge_failed", logging.WARNING, error=f"{type(e).__name__}: {e}")
-
-
-def check_fence(root: str, generation: int | None, storage: Storage) -> None:
-    """:func:`elastrain.fence.check`: :class:`StaleGenerationError` if a newer world claimed ``root``."""
-    fence.check(root, generation, storage)
