@@ -1,7 +1,7 @@
 """The Trainer callback of the zero-code integration: step boundaries, saves, epoch, metrics.
 
 Public extension points only: the callback sees each step's boundaries and saves. Before a step's first
-forward it lets a live regroup happen (:meth:`ElasticTrainer.boundary`), after each optimizer step it
+forward it lets a live regroup happen (:meth:`StepBoundaries.boundary`), after each optimizer step it
 decides saves with the one save schedule (:class:`~elastrain.checkpoint.schedule.SaveTrigger`: the
 launcher's requests, agreed by every rank through the step's gradient sync), and after every save the
 Trainer made it commits the folder.
@@ -77,12 +77,12 @@ class ElasticTrainerCallback(TrainerCallback):
         step, self._hold_after = self._hold_after, None
         if step is not None:
             self.trigger().hold(step)  # after a requested save: the change it announced comes now
-        d.boundary()
+        d.boundaries.boundary()
         d.flags.begin_step()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         d = self.driver
-        d.agree_flags()
+        d.boundaries.agree_flags()
         view = d.num_samples
         if view:
             state.epoch = d.held.position.cursor_at(state.global_step) / view
