@@ -1,10 +1,11 @@
 """The Trainer callback of the zero-code integration: step boundaries, saves, epoch, metrics.
 
 Public extension points only: the callback sees each step's boundaries and saves. Before a step's first
-forward it lets a live regroup happen (:meth:`ElasticTrainer.boundary`), after each optimizer step it
-decides saves with the one save schedule (:class:`~elastrain.checkpoint.schedule.SaveTrigger`: the
-launcher's requests, agreed by every rank through the step's gradient sync), and after every save the
-Trainer made it commits the folder.
+forward it lets a live regroup happen (:mod:`~elastrain.integrations.trainer.boundaries`), after each
+optimizer step it decides saves with the one save schedule
+(:class:`~elastrain.checkpoint.schedule.SaveTrigger`: the launcher's requests, agreed by every rank through
+the step's gradient sync), and after every save the Trainer made it commits the folder. What it needs of
+the driver is :class:`TrainerDriver`.
 """
 
 from __future__ import annotations
@@ -13,23 +14,58 @@ import math
 import os
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from transformers import TrainerCallback
 
 from elastrain.checkpoint.schedule import SaveReason, SaveSchedule, SaveTrigger
 from elastrain.control import ControlChannel
+from elastrain.env import WorkerEnv
+from elastrain.integrations.trainer.boundaries import StepBoundaries
+from elastrain.integrations.trainer.checkpoints import Resume, TrainerCheckpoints
+from elastrain.integrations.trainer.membership import TrainerMembership
+from elastrain.integrations.trainer.memory import Held
 from elastrain.metrics import METRICS_FILENAME, EventsFile, MetricsWriter
-
-if TYPE_CHECKING:
-    from elastrain.integrations.trainer.driver import ElasticTrainer
+from elastrain.step_flags import StepFlags
 
 # The launcher's save requests only: the Trainer's own save_steps decide the interval saves.
 SCHEDULE = SaveSchedule(interval_seconds=math.inf, hold_after_request_s=5.0)
 
 
+class TrainerDriver(Protocol):
+    """What the callback needs of elastrain's side of its Trainer (the driver, which changes ``env`` at a regroup)."""
+
+    @property
+    def env(self) -> WorkerEnv: ...
+    @property
+    def membership(self) -> TrainerMembership | None: ...
+    @property
+    def live_ok(self) -> bool: ...
+    @property
+    def regroups(self) -> int: ...
+    @property
+    def resumed(self) -> Resume | None: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def num_samples(self) -> int: ...
+    @property
+    def held(self) -> Held: ...
+    @property
+    def flags(self) -> StepFlags: ...
+    @property
+    def checkpoints(self) -> TrainerCheckpoints: ...
+    @property
+    def boundaries(self) -> StepBoundaries: ...
+    @property
+    def log(self) -> Callable[..., None]: ...
+
+
 class ElasticTrainerCallback(TrainerCallback):
-    def __init__(self, driver: ElasticTrainer) -> None:
+    def __init__(self, driver: TrainerDriver) -> None:
         self.driver = driver
         env = driver.env
         self._channel = ControlChannel(env.control_dir) if env.control_dir else None
@@ -77,12 +113,12 @@ class ElasticTrainerCallback(TrainerCallback):
         step, self._hold_after = self._hold_after, None
         if step is not None:
             self.trigger().hold(step)  # after a requested save: the change it announced comes now
-        d.boundary()
+        d.boundaries.boundary()
         d.flags.begin_step()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         d = self.driver
-        d.agree_flags()
+        d.boundaries.agree_flags()
         view = d.num_samples
         if view:
             state.epoch = d.held.position.cursor_at(state.global_step) / view

@@ -95,9 +95,9 @@ def patch_trainer(module: Any) -> None:
         @functools.wraps(original)
         def get_train_dataloader(self: Any) -> Any:
             driver = driver_of(self)
-            if driver is None or not driver.stream_ok():
+            if driver is None or not driver.loader.stream_ok():
                 return original(self)
-            return driver.train_dataloader()
+            return driver.loader.train_dataloader()
 
         return get_train_dataloader
 

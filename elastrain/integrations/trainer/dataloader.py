@@ -1,0 +1,96 @@
+"""The Trainer's training DataLoader, read as elastrain's stream from the data position it resumes at.
+
+A map-style training set (one with a length) is read as :class:`~elastrain.integrations.trainer.stream.
+StreamBatches`: this rank's micro-batches of each step's global batch, from the agreed position, for the
+steps left in the run; accelerate is told not to shard them again. An iterable training set keeps the
+Trainer's own DataLoader (its position is not kept across world sizes).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from elastrain.integrations.trainer.memory import Held
+from elastrain.integrations.trainer.rescale import TrainerBatch
+from elastrain.integrations.trainer.stream import StreamBatches
+from elastrain.log import lifecycle
+
+
+class StreamLoader:
+    """Builds the DataLoader the Trainer trains on, for the batch plan and data position of this world."""
+
+    def __init__(self, trainer: Any, batch: TrainerBatch, held: Held) -> None:
+        self.trainer = trainer
+        self.batch = batch
+        self.held = held
+        self.num_samples = 0
+        """The training set's size (known once the Trainer asks for its dataloader)."""
+        self._warned_stream = False
+
+    def stream_ok(self) -> bool:
+        """Whether the training set can be read as the stream (a map-style dataset with a length)."""
+        from collections.abc import Sized
+
+        from torch.utils.data import IterableDataset
+
+        dataset = self.trainer.train_dataset
+        ok = isinstance(dataset, Sized) and not isinstance(dataset, IterableDataset)
+        if not ok and not self._warned_stream:
+            self._warned_stream = True
+            lifecycle(
+                "trainer_data_unordered",
+                level=logging.WARNING,
+                why="the training set is iterable (no length): its position is not kept across world sizes",
+            )
+        return ok
+
+    def train_dataloader(self) -> Any:
+        """The DataLoader of this rank's micro-batches of the stream, for the steps left in the run."""
+        from torch.utils.data import DataLoader
+
+        t = self.trainer
+        dataset = t.train_dataset
+        collator = t.data_collator
+        try:
+            import datasets
+
+            is_hf_dataset = isinstance(dataset, datasets.Dataset)
+        except ImportError:
+            is_hf_dataset = False
+        if is_hf_dataset:
+            dataset = t._remove_unused_columns(dataset, description="training")
+        else:
+            collator = t._get_collator_with_removed_columns(collator, description="training")
+        batch = self.batch
+        if batch.plan is None:
+            raise RuntimeError("internal: the train dataloader is built before the batch plan")
+        args = t.args
+        num_samples = self.num_samples = len(dataset)
+        total = batch.total_steps(num_samples)
+        args.max_steps = total  # epochs asked: their steps at the global batch, the same at every world size
+        remaining = total - int(self.held.position.step)
+        start = self.held.position.cursor
+        if batch.settings is not None:
+            seed, shuffle = batch.settings.seed, batch.settings.shuffle
+        else:
+            seed = args.data_seed if args.data_seed is not None else args.seed
+            shuffle = args.train_sampling_strategy != "sequential"
+        sampler = StreamBatches(num_samples, batch.plan, batch.rank, start, remaining, seed=seed, shuffle=shuffle)
+        loader = DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=collator,
+            num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory,
+            persistent_workers=args.dataloader_persistent_workers and args.dataloader_num_workers > 0,
+            prefetch_factor=args.dataloader_prefetch_factor if args.dataloader_num_workers > 0 else None,
+        )
+        prepared = t.accelerator.prepare(loader)
+        from accelerate.data_loader import BatchSamplerShard
+
+        shard = prepared.batch_sampler
+        if isinstance(shard, BatchSamplerShard) and shard.batch_sampler is sampler:
+            shard.num_processes = 1  # already this rank's batches: accelerate must not shard them again
+            shard.process_index = 0
+        return prepared
