@@ -50,6 +50,7 @@ from elastrain.integrations.trainer.checkpoints import (
 )
 from elastrain.integrations.trainer.dataloader import StreamLoader
 from elastrain.integrations.trainer.errors import TrainerIntegrationError
+from elastrain.integrations.trainer.lost_log import LostLog
 from elastrain.integrations.trainer.membership import TrainerMembership
 from elastrain.integrations.trainer.memory import DataPosition, Held
 from elastrain.integrations.trainer.rescale import TrainerBatch
@@ -95,6 +96,7 @@ class ElasticTrainer:
         """Live mode: this Trainer's side of the round it trains in (None: restart mode)."""
         self.boundaries = StepBoundaries(trainer, membership, self.flags, self.live_ok)
         self.regroups = 0
+        self.lost_log = LostLog()
         from elastrain.integrations.trainer.callback import ElasticTrainerCallback
 
         self.callback = ElasticTrainerCallback(self)
@@ -187,7 +189,12 @@ class ElasticTrainer:
         self.checkpoints.leave_world()
         self.checkpoints.env = self.env
         self.flags.begin_step()  # what the last world agreed (a regroup, say) is not this world's
-        if world is None or not world.agree_state():
+        if world is None:
+            return self._restore(asked, first)
+        own_step = int(self.trainer.state.global_step) if self.held.holds_state else -1
+        agreed = world.agree_state()
+        self.lost_log.relog(self.trainer, self.trainer.args.device, own_step, kept_state=agreed)
+        if not agreed:
             return self._restore(asked, first)
         self.batch.replan(self.held.position.global_batch)
         return None
@@ -268,6 +275,7 @@ class ElasticTrainer:
         if held.memory_resume:
             held.progress.apply(state)
             result = (int(state.global_step) // max(per_epoch, 1), 0)
+            self.lost_log.emit(self.trainer)
         if held.position.step != state.global_step:
             raise TrainerIntegrationError(
                 f"the Trainer resumed at step {state.global_step} but elastrain's data position is at step "

@@ -11,6 +11,8 @@ trainer.hook.TESTED` only:
 * ``Trainer.get_train_dataloader``: the stream's batches for this rank;
 * ``Trainer._init_training_state``: the state in memory after a regroup;
 * ``Trainer._prepare_for_training``: the step flags on DDP's gradient sync, the scheduler's kept state;
+* ``Trainer.training_step`` and ``Trainer._maybe_log_save_evaluate``: the logging window's loss kept, so that a log
+  the last world lost is written in the next (:mod:`~elastrain.integrations.trainer.lost_log`);
 * ``trainer_utils.get_last_checkpoint``: the newest *committed* checkpoint.
 """
 
@@ -91,6 +93,30 @@ def patch_trainer(module: Any) -> None:
 
         return train
 
+    def make_log(original: Any) -> Any:
+        @functools.wraps(original)
+        def _maybe_log_save_evaluate(self: Any, *args: Any, **kwargs: Any) -> Any:
+            driver = driver_of(self)
+            if driver is None or driver.world is None:
+                return original(self, *args, **kwargs)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                driver.lost_log.logged(self)
+
+        return _maybe_log_save_evaluate
+
+    def make_training_step(original: Any) -> Any:
+        @functools.wraps(original)
+        def training_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            loss = original(self, *args, **kwargs)
+            driver = driver_of(self)
+            if driver is not None and driver.world is not None:
+                driver.lost_log.add(loss)
+            return loss
+
+        return training_step
+
     def make_dataloader(original: Any) -> Any:
         @functools.wraps(original)
         def get_train_dataloader(self: Any) -> Any:
@@ -126,6 +152,8 @@ def patch_trainer(module: Any) -> None:
     _wrap(cls, "get_train_dataloader", make_dataloader)
     _wrap(cls, "_init_training_state", make_init_state)
     _wrap(cls, "_prepare_for_training", make_prepare)
+    _wrap(cls, "_maybe_log_save_evaluate", make_log)
+    _wrap(cls, "training_step", make_training_step)
 
 
 def patch_trainer_utils(module: Any) -> None:

@@ -1,0 +1,78 @@
+"""A logging step whose loss was lost with its world, logged again in the next one.
+
+The Trainer logs the mean loss of a logging window (``logging_steps``) with an all-gather after the window's last
+step. A peer that dies after that step's gradient sync and before the log (in the step-end callbacks' collectives,
+or in the gather itself) leaves the step complete on every survivor but its log line unwritten, and
+``Trainer.train``, entered again for the next world, starts a new window: the log history would lack that step,
+unlike an uninterrupted run's.
+
+So each rank keeps its own sum of the window's losses (what ``training_step`` returned, as the Trainer's
+``tr_loss`` sums them), cleared whenever the Trainer logs. Every member enters a new world through the driver,
+collectively: there the members that completed the agreed step sum their windows, and if that step was a logging
+step the history lacks, its loss is logged at that step the way the Trainer would have, once ``Trainer.train`` has
+set up its state from memory again (a window in which the
+world changed logs the members that were left, as the Trainer logs the steps since a change).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastrain.log import lifecycle
+
+
+class LostLog:
+    """This rank's loss since the Trainer last logged, and the step it last logged."""
+
+    def __init__(self) -> None:
+        self.window: torch.Tensor | None = None
+        self.logged_at = 0
+        self.recovered: tuple[int, dict[str, float]] | None = None
+        """The lost window's log, written once ``Trainer.train`` has set up its state again (:meth:`emit`)."""
+
+    def add(self, loss: Any) -> None:
+        """One ``training_step``'s loss (a detached scalar tensor; no device sync)."""
+        if isinstance(loss, torch.Tensor):
+            step_loss = loss.detach().float().sum()
+            self.window = step_loss if self.window is None else self.window + step_loss
+
+    def logged(self, trainer: Any) -> None:
+        """After the Trainer's log call (it may have logged, or not): a new window once it did."""
+        last = int(trainer._globalstep_last_logged)
+        if last > self.logged_at:
+            self.logged_at, self.window = last, None
+
+    def relog(self, trainer: Any, device: torch.device, own_step: int, kept_state: bool) -> None:
+        """Collective, on every member entering a world: log a window the last world lost at the agreed step.
+
+        ``own_step``: the step this member had completed before the members agreed (its window covers the steps
+        after ``logged_at`` up to it); ``kept_state``: the world goes on from memory, not from a checkpoint."""
+        step = int(trainer.state.global_step)
+        mine = kept_state and self.window is not None and own_step == step and step > self.logged_at
+        noted = torch.tensor(
+            [float(self.window.item()) if mine and self.window is not None else 0.0, 1.0 if mine else 0.0,
+             float(self.logged_at) if mine else 0.0],
+            dtype=torch.float64,
+            device=device,
+        )  # fmt: skip
+        dist.all_reduce(noted)
+        self.window, self.logged_at = None, step  # Trainer.train, entered again, starts its window here
+        total, members, since_sum = noted.tolist()
+        args, history = trainer.args, trainer.state.log_history
+        due = args.logging_strategy == "steps" and step > 0 and step % int(trainer.state.logging_steps) == 0
+        if not due or members == 0 or any(h.get("step") == step and "loss" in h for h in history):
+            return
+        since = round(since_sum / members)
+        loss = total / members / max(step - since, 1)
+        self.recovered = (step, {"loss": loss})
+        if dist.get_rank() == 0:
+            lifecycle("trainer_log_recovered", step=step, members=int(members), loss=round(loss, 6))
+
+    def emit(self, trainer: Any) -> None:
+        """In the state ``Trainer.train`` set up again (from memory): the recovered log, as the Trainer logs."""
+        recovered, self.recovered = self.recovered, None
+        if recovered is not None and recovered[0] == int(trainer.state.global_step):
+            trainer.log(recovered[1])
