@@ -141,6 +141,32 @@ def reaped(*procs: subprocess.Popen[bytes]) -> Iterator[None]:
                 p.wait(timeout=10)
 
 
+def run_ranks(worker: str, mode: str, world: int, *extra: str, timeout: float = 60.0) -> list[str]:
+    """``python worker mode RANK WORLD *extra`` for every rank at once (a gloo group of plain processes); their
+    outputs by rank, once every one exited 0."""
+    procs = [
+        subprocess.Popen(
+            [PYTHON, worker, mode, str(rank), str(world), *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=worker_env(),
+            start_new_session=True,
+        )
+        for rank in range(world)
+    ]
+    outs: list[str] = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    return outs
+
+
 def printed_fields(line: str) -> dict[str, str]:
     """The ``key=value`` words of a line a test worker printed, after its tag (``LW_STEP step=3 ws=2``)."""
     return dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)

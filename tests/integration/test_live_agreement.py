@@ -2,37 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
-from support import PYTHON, free_port, kill_tree, printed_fields, worker_env
+from support import free_port, printed_fields, run_ranks
 
 WORKER = str(Path(__file__).resolve().parent / "live_agreement_worker.py")
-
-
-def _run_ranks(*args: str, world: int, timeout: float = 60.0) -> list[str]:
-    procs = [
-        subprocess.Popen(
-            [PYTHON, WORKER, args[0], str(rank), str(world), *args[1:]],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=worker_env(),
-            start_new_session=True,
-        )
-        for rank in range(world)
-    ]
-    outs: list[str] = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_tree(p.pid)
-    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
-    return outs
 
 
 def _lines(outs: list[str], prefix: str) -> list[dict[str, str]]:
@@ -40,7 +14,7 @@ def _lines(outs: list[str], prefix: str) -> list[dict[str, str]]:
 
 
 def test_a_rank_ahead_rolls_back_and_a_rank_without_state_receives_it() -> None:
-    outs = _run_ranks("agree", str(free_port()), world=3)
+    outs = run_ranks(WORKER, "agree", 3, str(free_port()))
     at_k = {x["rank"]: x["hash"] for x in _lines(outs, "AT_K")}
     agreed = _lines(outs, "AGREED")
     assert len(agreed) == 3, outs
@@ -52,7 +26,7 @@ def test_a_rank_ahead_rolls_back_and_a_rank_without_state_receives_it() -> None:
 
 
 def test_a_collective_a_departed_peer_never_joins_is_given_up_and_the_process_exits_cleanly() -> None:
-    outs = _run_ranks("abort", str(free_port()), str(free_port()), world=2)
+    outs = run_ranks(WORKER, "abort", 2, str(free_port()), str(free_port()))
     given_up = _lines(outs, "ABORT")
     assert [g["result"] for g in given_up] == ["given_up"], outs
     assert {r["sum"] for r in _lines(outs, "ROUND1")} == {"3"}, outs  # the next round's group works

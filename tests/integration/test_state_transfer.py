@@ -2,38 +2,17 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
-from support import PYTHON, free_port, kill_tree, printed_fields, worker_env
+from support import free_port, printed_fields, run_ranks
 
 WORKER = str(Path(__file__).resolve().parent / "transfer_worker.py")
 WORLD = 3
 
 
 def _run(mode: str) -> dict[str, dict[int, dict[str, str]]]:
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [PYTHON, WORKER, mode, str(rank), str(WORLD), str(port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=worker_env(),
-            start_new_session=True,
-        )
-        for rank in range(WORLD)
-    ]
-    outs: list[str] = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=120)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_tree(p.pid)
-    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    outs = run_ranks(WORKER, mode, WORLD, str(free_port()), timeout=120)
     lines: dict[str, dict[int, dict[str, str]]] = {"BEFORE": {}, "AFTER": {}}
     for out in outs:
         for line in out.splitlines():
