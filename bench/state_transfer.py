@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,10 +106,10 @@ class Job:
     def rank0_steps(self) -> list[tuple[int, int, float]]:
         return max((n.steps() for n in self.nodes), key=len)
 
-    def wait(self, what: str, ok: object, timeout_s: float) -> None:
+    def wait(self, what: str, ok: Callable[[], bool], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if ok() if callable(ok) else ok:
+            if ok():
                 return
             if all(n.proc.poll() is not None for n in self.nodes):
                 break
