@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 
+from elastrain.bucket_allreduce import all_reduce_pieces, completion
+
 
 class StepFlags:
     """Named boolean flags, raised by this rank at the step's last gradient sync, agreed by all ranks."""
@@ -127,13 +129,13 @@ def flagged_allreduce(
     def hook(state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         grads = bucket.buffer()
         grads.div_(dist.get_world_size(group))
-        if not carries_flags(flags, bucket):
-            fut = dist.all_reduce(grads, group=group, async_op=True).get_future()
-            out: torch.futures.Future[torch.Tensor] = fut.then(lambda f: f.value()[0])
-            return out
-        packed = flags.pack(grads)
-        fut = dist.all_reduce(packed, group=group, async_op=True).get_future()
-        flagged: torch.futures.Future[torch.Tensor] = fut.then(lambda f: flags.unpack(f.value()[0], grads))
-        return flagged
+        sent = flags.pack(grads) if carries_flags(flags, bucket) else grads
+
+        def reduced(done: torch.futures.Future[None]) -> torch.Tensor:
+            done.value()  # raises the all-reduce's error
+            return grads if sent is grads else flags.unpack(sent, grads)
+
+        out: torch.futures.Future[torch.Tensor] = completion(all_reduce_pieces(sent, group)).then(reduced)
+        return out
 
     return hook

@@ -37,6 +37,7 @@ from elastrain.log import configure
 
 __all__ = ["ElasticTrainerRun", "SettingsCallback", "TrainerSettings"]
 
+
 class ElasticTrainerRun:
     """Explicit elastic settings for one Trainer; build it before the ``TrainingArguments``."""
 

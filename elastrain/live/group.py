@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket, PrefixStore, TCPStore
 
 from elastrain.binding import tcp_store_server
+from elastrain.bucket_allreduce import all_reduce_pieces, completion
 from elastrain.errors import ElastrainError
 from elastrain.live.sever import Connection, sever, tcp_sockets
 from elastrain.log import lifecycle
@@ -216,8 +217,8 @@ class TrainingGroup:
             gc.collect()
 
     # -- collectives ------------------------------------------------------------------------------
-    def _hand_out(self, work: dist.Work, result: Any) -> torch.futures.Future[Any]:
-        fut = work.get_future()
+    def _hand_out(self, works: list[dist.Work], result: Any) -> torch.futures.Future[Any]:
+        fut = completion(works)
         out: torch.futures.Future[Any] = torch.futures.Future()
         pending = _Pending(fut, out, result)
         with self._lock:
@@ -247,14 +248,17 @@ class TrainingGroup:
         tensor = bucket.buffer()
         tensor.div_(dist.get_world_size())
         if flags is None or not carries_flags(flags, bucket):
-            return self._hand_out(dist.all_reduce(tensor, async_op=True), tensor)
+            return self._hand_out(all_reduce_pieces(tensor), tensor)
         packed = flags.pack(tensor)
-        out = self._hand_out(dist.all_reduce(packed, async_op=True), packed)
+        out = self._hand_out(all_reduce_pieces(packed), packed)
         return out.then(lambda f: flags.unpack(f.value(), tensor))
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         """A blocking all-reduce that :meth:`abort` can give up; raises :class:`GroupBrokenError`."""
-        out = self._hand_out(dist.all_reduce(tensor, op=op, async_op=True), tensor)
+        work = dist.all_reduce(tensor, op=op, async_op=True)
+        if work is None:
+            raise RuntimeError("internal: an asynchronous all-reduce returned no work handle")
+        out = self._hand_out([work], tensor)
         try:
             result: torch.Tensor = out.wait()
         except GroupBrokenError:

@@ -10,7 +10,9 @@ Either way the step's control flags ride on the last gradient bucket (:mod:`elas
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -106,10 +108,7 @@ class Runtime:
         if not (self.distributed and self.config.ddp) or self.sharded is not None:
             return
         ids = [self.device.index] if self.device.type == "cuda" else None
-        kwargs = dict(self.config.ddp_kwargs)
-        if in_sync:
-            kwargs.setdefault("init_sync", False)
-        ddp = DistributedDataParallel(self.module, device_ids=ids, **kwargs)
+        ddp = DistributedDataParallel(self.module, device_ids=ids, **ddp_kwargs(self.config.ddp_kwargs, in_sync))
         flags = self.flags
         # Lambdas: DDP rejects a hook whose annotations are strings (from __future__ import annotations).
         if self.live is not None:
@@ -138,6 +137,26 @@ class Runtime:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
+
+
+DDP_BUCKET_CAP_MB = 25
+"""DDP's own default bucket size."""
+
+
+def ddp_kwargs(script: Mapping[str, Any], in_sync: bool) -> dict[str, Any]:
+    """Pure: DDP's keyword arguments, the script's ``ddp_kwargs`` first.
+
+    ``in_sync``: skip DDP's broadcast of the module (``init_sync=False``). Buckets: DDP (torch >= 2.9) puts the
+    whole gradient in one bucket in its first iteration unless per-bucket caps are given, so that first step
+    all-reduces it only after the whole backward; the session builds DDP anew in every live world, so it gives
+    the caps (``bucket_cap_mb_list``: buckets of the script's ``bucket_cap_mb``, DDP's 25 MiB by default, from
+    the first step on, rebuilt by the gradients' order after it as before)."""
+    kwargs = dict(script)
+    if in_sync:
+        kwargs.setdefault("init_sync", False)
+    if "bucket_cap_mb_list" not in kwargs:
+        kwargs["bucket_cap_mb_list"] = [kwargs.get("bucket_cap_mb") or DDP_BUCKET_CAP_MB]
+    return kwargs
 
 
 def _default_device(env: WorkerEnv) -> torch.device:
