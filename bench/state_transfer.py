@@ -13,9 +13,15 @@ Per model size (a Session script, bench/workers/transfer_worker.py: 2048x2048 li
 - ``spare``: two nodes train (``--nnodes 2:2``) and a third waits as a spare; one training node is SIGKILLed and
   the spare is promoted: it receives the state.
 
+The Session's runs go twice with ``--transfer overlap,blocking`` (the default): the optimizer's state streamed
+while the first step of the new world runs (the default), and the whole state moved before it
+(``overlap_state_transfer=False``: the transfer's own rate, nothing sharing the CPU or the wire with it). The
+Trainer's transfer is always whole before the step.
+
 It prints, per run: the running workers' longest gap between two completed steps around the change (rank 0's
 step times), the median step time before it, the bytes the state transfer moved and its rate (the source's
-``event=state_sent`` line), and, measured in the same run between two processes on this box, the rate of a warm
+``event=state_sent`` line; "held up": the part of it before training went on), and, measured in the same run
+between two processes on this box, the rate of a warm
 1 GiB gloo broadcast (one piece, and 16 MiB pieces) and of a raw loopback socket, with the transfer's ratio to
 the best gloo rate.
 """
@@ -128,7 +134,7 @@ class Job:
                 n.proc.wait(timeout=30)
 
 
-def run(workload: str, scenario: str, size_m: int, timeout_s: float) -> dict[str, object]:
+def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) -> dict[str, object]:
     layers = max(1, round((size_m * 1e6 - FIXED_PARAMS[workload]) / PARAMS_PER_LAYER[workload]))
     out = Path(tempfile.mkdtemp(prefix=f"elastrain-xfer-{workload}-{scenario}-{size_m}m-"))
     env = {
@@ -139,6 +145,7 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float) -> dict[str
         "XW_LAYERS": str(layers),
         "XT_LAYERS": str(layers),
         "XW_STOP_FILE": str(out / "stop"),
+        "XW_OVERLAP": "1" if mode == "overlap" else "0",
     }
     if scenario == "kill" and workload == "session":  # the Trainer's node is killed from outside
         env |= {"XW_DIE_AT_STEP": str(STEPS_BEFORE + 2), "XW_DIE_NODE": "2", "XW_DIE_LAYER": "0"}
@@ -184,6 +191,7 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float) -> dict[str
     return {
         "workload": workload,
         "scenario": scenario,
+        "transfer": mode,
         "params_m": round((layers * PARAMS_PER_LAYER[workload] + FIXED_PARAMS[workload]) / 1e6, 1),
         "median_step_before_s": round(statistics.median(before), 3) if before else float("nan"),
         "median_step_after_s": round(median_after, 3),
@@ -191,6 +199,7 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float) -> dict[str
         "stall_s": round(longest - median_after, 3),
         "bytes": int(sent[-1]["bytes"]) if sent else 0,
         "transfer_s": float(sent[-1]["took_s"]) if sent else 0.0,
+        "blocked_s": float(sent[-1].get("blocked_s", sent[-1]["took_s"])) if sent else 0.0,
         "gb_per_s": float(sent[-1]["gb_per_s"]) if sent else 0.0,
         "rolled_back": ",".join(
             [e.get("ranks_ahead", "-") for e in regrouped] + [e.get("rolled_back", "-") for e in agreed]
@@ -221,6 +230,9 @@ def main() -> None:
     p.add_argument("--sizes", default="25,100,250", help="model sizes in millions of parameters")
     p.add_argument("--scenarios", default="join,kill,spare")
     p.add_argument("--workloads", default="session,trainer", help="the Session script, the Trainer script, or both")
+    p.add_argument(
+        "--transfer", default="overlap,blocking", help="the Session's transfer: overlapping the next step, or before it"
+    )
     p.add_argument("--timeout-s", type=float, default=600.0, help="bound on each phase of each run")
     a = p.parse_args()
     rates = wire_rates()
@@ -231,22 +243,28 @@ def main() -> None:
         flush=True,
     )
     header = (
-        "workload  scenario  params  step before  step after  longest gap  stall  state moved  transfer   "
-        "rate  vs gloo  "
-        "rolled back"
+        "workload  scenario  transfer  params  step before  step after  longest gap  stall  state moved  transfer   "
+        "rate  vs gloo  held up  rolled back"
     )
     print(header, flush=True)
     results = []
-    runs = [(w, int(s), c) for w in a.workloads.split(",") for s in a.sizes.split(",") for c in a.scenarios.split(",")]
-    for workload, size, scenario in runs:
-        r = run(workload, scenario, size, a.timeout_s)
+    modes = a.transfer.split(",")
+    runs = [
+        (w, int(s), c, m)
+        for w in a.workloads.split(",")
+        for s in a.sizes.split(",")
+        for c in a.scenarios.split(",")
+        for m in (modes if w == "session" else ["blocking"])
+    ]
+    for workload, size, scenario, mode in runs:
+        r = run(workload, scenario, size, a.timeout_s, mode)
         results.append(r)
         print(
-            f"{workload:8}  {scenario:8}  {r['params_m']:>5}M  {r['median_step_before_s']:>10.2f}s  "
+            f"{workload:8}  {scenario:8}  {mode:8}  {r['params_m']:>5}M  {r['median_step_before_s']:>10.2f}s  "
             f"{r['median_step_after_s']:>9.2f}s  "
             f"{r['longest_gap_s']:>10.2f}s  {r['stall_s']:>4.2f}s  {int(r['bytes']) / 1e9:>8.2f} GB  "
             f"{r['transfer_s']:>7.2f}s  {r['gb_per_s']:>5.2f}  {float(r['gb_per_s']) / best:>6.0%}  "
-            f"{r['rolled_back']}",
+            f"{r['blocked_s']:>6.2f}s  {r['rolled_back']}",
             flush=True,
         )
     print(json.dumps({"box": rates, "runs": results}), flush=True)

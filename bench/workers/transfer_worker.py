@@ -8,6 +8,9 @@ With XW_STOP_FILE=path: once the file exists, it holds a step number at which ev
 With XW_DIE_AT_STEP=N and XW_DIE_NODE=<group rank>: that node's worker SIGKILLs its agent, the agent's zygote
 (its parent) and itself, the whole node, in step N's backward pass, from the gradient hook of layer
 XW_DIE_LAYER (the first layer's hook runs last in backward).
+With XW_OVERLAP=0: the Session's ``overlap_state_transfer=False`` (the whole state arrives before the next step).
+With XW_PHASES=1: also ``XW_PHASES rank= step= start= mbs=[...] opt=`` (seconds into the step at the end of each
+micro-batch's backward and of the optimizer step), to see where a step's time goes.
 """
 
 from __future__ import annotations
@@ -46,7 +49,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(2048, WIDTH, generator=g), torch.randn(2048, WIDTH, generator=g))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    session = Session(model, optimizer, data, global_batch=12, micro_batch=2, max_steps=100_000)
+    overlap = os.environ.get("XW_OVERLAP", "1") != "0"
+    session = Session(
+        model, optimizer, data, global_batch=12, micro_batch=2, max_steps=100_000, overlap_state_transfer=overlap
+    )
     armed = {"now": False}
 
     def die(grad: torch.Tensor) -> torch.Tensor:
@@ -65,10 +71,19 @@ def main() -> None:
             if stop_at is not None and session.state.step >= stop_at:
                 break
             armed["now"] = step.number == die_at and session.env.group_rank == die_node
+            t_start = time.time()
+            marks = []
             for mb in step:
                 x, y = mb.data
                 step.backward(torch.nn.functional.mse_loss(session.model(x), y), mb)
+                marks.append(round(time.time() - t_start, 2))
             step.optimizer_step()
+            if os.environ.get("XW_PHASES"):
+                print(
+                    f"XW_PHASES rank={session.rank} step={session.state.step} start={t_start:.3f} "
+                    f"mbs={marks} opt={time.time() - t_start:.2f}",
+                    flush=True,
+                )
             if not step.abandoned:
                 print(
                     f"XW_STEP rank={session.rank} ws={session.world_size} step={session.state.step} "

@@ -14,9 +14,10 @@ same shape and dtype (a member that rolls back, the model of a new member: recei
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from elastrain import wire
 from elastrain.errors import WireFormatError
+from elastrain.live.group import GroupBrokenError
 from elastrain.log import lifecycle
 
 PIECE_BYTES = 16 << 20
@@ -170,6 +172,21 @@ def broadcast_tree(
     ``targets`` (a receiver's): tensors by path (:func:`elastrain.wire.path_key`) to receive into, where the
     shape, dtype and device match and the tensor is contiguous; other tensors are allocated. ``receivers``: the
     ranks that need the tensors (the others get the skeleton only, and ``None`` for the state); None: all."""
+    state, sent, _ = _send_tree(tree, src, device, targets, receivers, later=None)
+    return state, sent
+
+
+def _send_tree(
+    tree: Any,
+    src: int,
+    device: torch.device,
+    targets: Mapping[str, torch.Tensor] | None,
+    receivers: tuple[int, ...] | None,
+    later: Callable[[str], bool] | None,
+) -> tuple[Any, int, _Background | None]:
+    """:func:`broadcast_tree`, with the tensors whose path ``later`` accepts streamed by a background thread
+    (returned; None when there are none or this rank takes no part): the tree comes back at once, those
+    tensors filled when the thread is done."""
     rank = dist.get_rank()
     sources: list[torch.Tensor] = []
 
@@ -195,11 +212,40 @@ def broadcast_tree(
         raise WireFormatError("the state's tensor placeholders are not numbered 0, 1, 2, ...")
     peers = None if receivers is None else tuple(sorted(set(receivers) - {src}))
     if peers is not None and rank != src and rank not in peers:
-        return None, 0
+        return None, 0, None
     tensors = sources if rank == src else [_destination(s, targets or {}, device) for s in slots]
-    _Stream(src, tensors, device, rank, peers).run(plan_pieces([s.nbytes for s in slots]))
+    deferred = [later is not None and later(s.path) for s in slots]
+    now = plan_pieces([0 if d else s.nbytes for s, d in zip(slots, deferred, strict=True)])
+    _Stream(src, tensors, device, rank, peers).run(now)
+    background = None
+    if any(deferred):
+        rest = plan_pieces([s.nbytes if d else 0 for s, d in zip(slots, deferred, strict=True)])
+        background = _Background(_Stream(src, tensors, device, rank, peers), rest)
     sent = sum(s.nbytes for s in slots) if peers is None or peers else 0
-    return wire.from_plain(skeleton, lambda payload: tensors[payload[0]]), sent
+    return wire.from_plain(skeleton, lambda payload: tensors[payload[0]]), sent, background
+
+
+class _Background:
+    """The pieces of a transfer streamed by a thread of their own while training goes on."""
+
+    def __init__(self, stream: _Stream, pieces: list[Piece]) -> None:
+        self.error: BaseException | None = None
+        self.finished_at: float | None = None
+        """When the last piece landed or left (monotonic)."""
+        self._thread = threading.Thread(target=self._run, args=(stream, pieces), name="elastrain-state", daemon=True)
+        self._thread.start()
+
+    def _run(self, stream: _Stream, pieces: list[Piece]) -> None:
+        try:
+            stream.run(pieces)
+            self.finished_at = time.monotonic()
+        except Exception as exc:  # a peer gone mid-transfer: the training thread hears of it in finish()
+            self.error = exc
+
+    def join(self, timeout_s: float) -> bool:
+        """Whether the pieces all arrived (or left) within ``timeout_s`` without an error."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive() and self.error is None
 
 
 def _destination(s: _TensorSlot, targets: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -232,6 +278,132 @@ def _in_place(received: Mapping[str, Any], own: Mapping[str, Any]) -> bool:
     )
 
 
+class TransferFailedError(GroupBrokenError):
+    """The part of a state transfer that overlapped training did not complete (a peer left): the receiver's
+    optimizer state is incomplete, and the world regroups."""
+
+
+class Transfer:
+    """A state transfer whose optimizer state may still be on the wire (:func:`send_state` with ``overlap``).
+
+    The model, buffers and small state are in place when :func:`send_state` returns; the optimizer's state
+    streams on while the next step's forward and backward run. :meth:`finish` must come before anything
+    reads or changes the optimizer's state: its step (which would change the source's state mid-send), a
+    save, a state dict."""
+
+    def __init__(
+        self,
+        sent: int,
+        started: float,
+        background: _Background | None,
+        on_received: Callable[[], None] | None,
+        receivers: str | None,
+    ) -> None:
+        self.sent = sent
+        """Bytes of tensors sent to each receiver (0 on a rank that neither sent nor received)."""
+        self.receiving = on_received is not None
+        self._started = started
+        self._background = background
+        self._on_received = on_received
+        self._receivers = receivers
+        """The source's: the ranks it sent to, for its ``state_sent`` line."""
+        self.blocked_s = time.monotonic() - started
+        """How long the transfer held training up: the part before :func:`send_state` returned."""
+        self.complete = False
+        self.failed = False
+
+    @property
+    def intact(self) -> bool:
+        """Whether this rank's state is whole: not a receiver whose optimizer state did not all arrive."""
+        return not (self.receiving and self.failed)
+
+    def finish(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the rest of the transfer, then load the received optimizer state;
+        raises :class:`TransferFailedError` if it did not all arrive (this rank's optimizer state is then
+        incomplete, :attr:`failed`). Once done, again is a no-op."""
+        if self.complete or self.failed:
+            if self.failed:
+                raise TransferFailedError("the optimizer state transfer failed before")
+            return
+        background = self._background
+        if background is not None and not background.join(timeout_s):
+            self.failed = True
+            why = repr(background.error)[:200] if background.error else f"not done in {timeout_s:.0f} s"
+            raise TransferFailedError(f"the optimizer state did not all arrive: {why}") from background.error
+        if self._on_received is not None:
+            self._on_received()
+        self.complete = True
+        if self._receivers is not None:
+            done = self._background.finished_at if self._background is not None else None
+            took = (done or time.monotonic()) - self._started
+            lifecycle(
+                "state_sent",
+                receivers=self._receivers,
+                bytes=self.sent,
+                took_s=round(took, 3),
+                gb_per_s=round(self.sent / max(took, 1e-9) / 1e9, 3),
+                blocked_s=round(self.blocked_s, 3),
+                overlapped=self._background is not None,
+            )
+
+
+def send_state(
+    src: int,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    objects: Mapping[str, Any],
+    device: torch.device,
+    receivers: tuple[int, ...] | None = None,
+    overlap: bool = False,
+) -> Transfer:
+    """Make the ``module``, ``optimizer`` and ``objects`` (``Stateful``s) of ``receivers`` (None: every rank)
+    equal to rank ``src``'s. Every rank of the group calls it. ``overlap``: the optimizer's state streams in
+    the background (see :class:`Transfer`); the model, buffers and ``objects`` arrive before it returns."""
+    rank = dist.get_rank()
+    mine = rank == src
+    started = time.monotonic()
+    if receivers is not None and not mine and rank not in receivers:
+        broadcast_tree(None, src, device, receivers=receivers)  # the skeleton only: this rank's state is the same
+        return _finished(Transfer(0, started, None, None, None))
+    own_model = module.state_dict()
+    tree = {
+        "model": own_model,
+        "optimizer": optimizer.state_dict(),
+        "objects": {name: obj.state_dict() for name, obj in objects.items()},
+    }
+    state, sent, background = _send_tree(
+        tree if mine else None,
+        src,
+        device,
+        targets=None if mine else _tensors_by_path(tree),
+        receivers=receivers,
+        later=_optimizer_state if overlap else None,
+    )
+    on_received: Callable[[], None] | None = None
+    if not mine:
+        if not _in_place(state["model"], own_model):
+            with torch.no_grad():
+                module.load_state_dict(state["model"])
+        for name, obj in objects.items():
+            obj.load_state_dict(state["objects"][name])
+
+        def on_received() -> None:
+            optimizer.load_state_dict(state["optimizer"])
+
+    to = "all" if receivers is None else ",".join(map(str, sorted(set(receivers) - {src})))
+    transfer = Transfer(sent, started, background, on_received, to if mine and sent else None)
+    return transfer if background is not None else _finished(transfer)
+
+
+def _finished(transfer: Transfer) -> Transfer:
+    transfer.finish(0.0)
+    return transfer
+
+
+def _optimizer_state(path: str) -> bool:
+    return path.startswith("optimizer/")
+
+
 def broadcast_state(
     src: int,
     module: torch.nn.Module,
@@ -240,40 +412,8 @@ def broadcast_state(
     device: torch.device,
     receivers: tuple[int, ...] | None = None,
 ) -> int:
-    """Make the ``module``, ``optimizer`` and ``objects`` (``Stateful``s) of ``receivers`` (None: every rank)
-    equal to rank ``src``'s; returns the bytes of tensors sent to each. Every rank of the group calls it."""
-    rank = dist.get_rank()
-    mine = rank == src
-    if receivers is not None and not mine and rank not in receivers:
-        broadcast_tree(None, src, device, receivers=receivers)  # the skeleton only: this rank's state is the same
-        return 0
-    started = time.monotonic()
-    own_model = module.state_dict()
-    tree = {
-        "model": own_model,
-        "optimizer": optimizer.state_dict(),
-        "objects": {name: obj.state_dict() for name, obj in objects.items()},
-    }
-    state, sent = broadcast_tree(
-        tree if mine else None, src, device, targets=None if mine else _tensors_by_path(tree), receivers=receivers
-    )
-    if not mine:
-        if not _in_place(state["model"], own_model):
-            with torch.no_grad():
-                module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        for name, obj in objects.items():
-            obj.load_state_dict(state["objects"][name])
-    elif sent:
-        took = time.monotonic() - started
-        lifecycle(
-            "state_sent",
-            receivers="all" if receivers is None else ",".join(map(str, sorted(set(receivers) - {src}))),
-            bytes=sent,
-            took_s=round(took, 3),
-            gb_per_s=round(sent / max(took, 1e-9) / 1e9, 3),
-        )
-    return sent
+    """:func:`send_state` all at once (nothing overlaps training); the bytes of tensors sent to each receiver."""
+    return send_state(src, module, optimizer, objects, device, receivers).sent
 
 
 def pieces_of(pieces: list[Piece]) -> Iterator[int]:

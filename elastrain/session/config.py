@@ -76,6 +76,10 @@ class RuntimeConfig:
     shard: ShardFn | None = None
     """``shard(module, mesh)``: shard the model (FSDP2's ``fully_shard`` calls) instead of wrapping it in DDP. The
     session calls it in every world, on that world's mesh (:mod:`elastrain.live.sharded`); pass the model unsharded."""
+    overlap_state_transfer: bool = True
+    """Live mode on gloo: a member that receives the state starts the next step once the model has arrived, and
+    the optimizer's state streams in while that step's forward and backward run (:mod:`elastrain.live.transfer`).
+    False: the whole state arrives before the step (nothing to share the CPU or the wire with)."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,7 @@ class SessionConfig:
                 ddp_kwargs=MappingProxyType(dict(ddp_kwargs)),
                 device=_device(s.get("device")),
                 shard=s.get("shard"),
+                overlap_state_transfer=bool(s.get("overlap_state_transfer", True)),
             ),
         )
 
@@ -229,6 +234,7 @@ class SessionSettings(TypedDict, total=False):
     ddp_kwargs: Mapping[str, Any] | None
     device: torch.device | str | None
     shard: ShardFn | None
+    overlap_state_transfer: bool
 
 
 def _at_least(name: str, value: Any, low: int | None) -> None:

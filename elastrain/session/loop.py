@@ -32,6 +32,7 @@ from elastrain.data import ElasticSampler
 from elastrain.env import WorkerEnv
 from elastrain.live.group import GroupBrokenError
 from elastrain.live.member import LiveMember
+from elastrain.live.transfer import TransferFailedError
 from elastrain.log import configure, lifecycle
 from elastrain.metrics import EventsFile
 from elastrain.scaling import BatchPlan
@@ -271,6 +272,11 @@ class Session:
         if step is not self._current:
             raise SessionError(f"optimizer_step() of step {step.number}, but the current step is another one")
         sampler = self.feed.require_sampler()
+        try:
+            self.world.settle()  # the optimizer's state sent or received in full before its step changes it
+        except TransferFailedError as exc:
+            self.collective_broke(exc, step, group_error=True)
+            return
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         sampler.commit(step.rank_step)

@@ -37,3 +37,24 @@ def test_the_state_arrives_whole_and_in_place_and_only_where_it_is_sent(mode: st
     assert int(after[0]["sent"]) > 2_800_000, after[0]
     # The model's parameters are received into the receiver's own tensors: no copy, no new memory.
     assert all(after[r]["in_place"] == "True" for r in range(WORLD)), after
+
+
+def test_the_optimizer_state_streams_while_a_step_runs_and_lands_whole() -> None:
+    lines = _run("overlap")
+    before, after = lines["BEFORE"], lines["AFTER"]
+    # The model (and the small state) arrive before the call returns; the optimizer's state by finish().
+    assert after[2]["model_on_return"] == before[0]["model"], after[2]
+    assert after[2]["hash"] == before[0]["hash"] and after[2]["counter"] == "0", after
+    assert after[1]["hash"] == before[1]["hash"] and after[1]["sent"] == "0", "rank 1 was sent state"
+    assert after[0]["hash"] == before[0]["hash"], "the source's state changed"
+    assert all(after[r]["complete"] == "True" and after[r]["error"] == "none" for r in range(WORLD)), after
+    assert all(after[r]["in_place"] == "True" for r in range(WORLD)), after
+
+
+def test_a_receiver_whose_optimizer_state_broke_off_says_its_state_is_not_whole() -> None:
+    lines = _run("broken")
+    after = lines["AFTER"]
+    assert 0 not in after, "the source left as soon as the call returned"
+    assert after[2]["error"] == "TransferFailedError" and after[2]["intact"] == "False", after[2]
+    assert after[2]["complete"] == "False", after[2]
+    assert after[1]["intact"] == "True" and after[1]["error"] == "none", after[1]  # it received nothing

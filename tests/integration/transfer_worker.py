@@ -2,13 +2,17 @@
 
 3 ranks. Every rank builds the same model from a different seed (different states); rank 0 trains two steps.
 ``receivers``: rank 0 sends its state to rank 2 only (point to point); rank 1 keeps its own. ``all``: rank 0's
-state to every rank. Each rank prints the hash of its state, whether its parameters stayed in their own memory,
-and the bytes the call returned.
+state to every rank. ``overlap``: as ``receivers``, with the optimizer's state streamed in the background while
+the ranks run a collective of their own (a training step's), then finished. ``broken``: as ``overlap``, with
+rank 0 gone (``os._exit``) as soon as the call returns. Each rank prints the hash of its state, whether its
+parameters stayed in their own memory, and the bytes the call returned; in the overlap modes also the model's
+hash when the call returned (before the optimizer's state arrived) and whether the transfer completed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 
 import torch
@@ -20,9 +24,9 @@ from elastrain.live import transfer
 class Mixed(torch.nn.Module):
     """Large parameters (several pieces each), small ones (packed), buffers of other dtypes, an empty one."""
 
-    def __init__(self) -> None:
+    def __init__(self, big: int = 700) -> None:
         super().__init__()
-        self.big = torch.nn.Linear(1024, 700)  # 2.8 MB of weight: pieces of its own
+        self.big = torch.nn.Linear(1024, big)  # 2.8 MB of weight: pieces of its own
         self.small = torch.nn.Linear(7, 3)
         self.register_buffer("bf16", torch.randn(33, dtype=torch.bfloat16))
         self.register_buffer("count", torch.randint(0, 1 << 40, (5,), dtype=torch.int64))
@@ -31,6 +35,13 @@ class Mixed(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.small(self.big(x)[:, :7])
+
+
+def model_hash(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode() + str(t.dtype).encode() + t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, int]) -> str:
@@ -60,7 +71,7 @@ def main() -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     transfer.PIECE_BYTES, transfer.OWN_PIECES_BYTES = 1 << 20, 256 << 10  # many pieces, several in flight
     torch.manual_seed(rank)
-    model = Mixed()
+    model = Mixed(8192 if mode == "broken" else 700)  # broken: 64 MB of optimizer state still to come
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     counter = Counter(rank * 10)
     if rank == 0:
@@ -70,7 +81,13 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad()
     own = {name: p.data_ptr() for name, p in model.named_parameters()}
-    print(f"BEFORE rank={rank} hash={state_hash(model, optimizer, counter.state_dict())}", flush=True)
+    print(
+        f"BEFORE rank={rank} hash={state_hash(model, optimizer, counter.state_dict())} model={model_hash(model)}",
+        flush=True,
+    )
+    if mode in ("overlap", "broken"):
+        overlapped(mode, rank, model, optimizer, counter, own)
+        return
     receivers = (2,) if mode == "receivers" else None
     sent = transfer.broadcast_state(0, model, optimizer, {"counter": counter}, torch.device("cpu"), receivers)
     in_place = all(p.data_ptr() == own[name] for name, p in model.named_parameters())
@@ -79,6 +96,34 @@ def main() -> None:
         f"in_place={in_place} counter={counter.value}",
         flush=True,
     )
+    dist.destroy_process_group()
+
+
+def overlapped(
+    mode: str, rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, counter: Counter, own: dict
+) -> None:
+    cpu = torch.device("cpu")
+    pending = transfer.send_state(0, model, optimizer, {"counter": counter}, cpu, (2,), overlap=True)
+    if mode == "broken" and rank == 0:
+        os._exit(0)  # the source is gone with the optimizer's state still on its way
+    arrived = model_hash(model)  # the model is in place before the optimizer's state
+    if mode == "overlap":
+        total = torch.ones(1)
+        dist.all_reduce(total)  # a collective of the training step while the optimizer's state streams
+    try:
+        pending.finish(60.0)
+        error = "none"
+    except transfer.TransferFailedError as exc:
+        error = type(exc).__name__
+    in_place = all(p.data_ptr() == own[name] for name, p in model.named_parameters())
+    print(
+        f"AFTER rank={rank} hash={state_hash(model, optimizer, counter.state_dict())} sent={pending.sent} "
+        f"in_place={in_place} counter={counter.value} model_on_return={arrived} intact={pending.intact} "
+        f"complete={pending.complete} error={error}",
+        flush=True,
+    )
+    if mode == "broken":
+        os._exit(0)  # a peer is gone: no group teardown to wait on
     dist.destroy_process_group()
 
 
