@@ -210,10 +210,6 @@ def test_monitor_auto_with_nothing_there_starts_no_watcher() -> None:
     monitor.stop()
 
 
-def test_start_monitor_none_starts_nothing() -> None:
-    assert start_monitor("none", _Leaves()) is None
-
-
 def test_monitor_sees_a_gcp_preemption_through_the_long_poll(meta: FakeMetadata) -> None:
     leaves = _Leaves()
     monitor = start_monitor("gcp", leaves, endpoint=meta.endpoint, interval_s=0.05)
