@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO, elastrain_cmd, free_port, kill_tree, reaped, spawn, wait_for
+from support.processes import REPO, elastrain_cmd, free_port, kill_tree, reaped, spawn, wait_for
 
 from elastrain.metrics import read_events, read_metrics
 

@@ -15,7 +15,17 @@ import time
 from pathlib import Path
 
 import pytest
-from support import alive, descendants, elastrain_cmd, free_port, kill_tree, printed_fields, reaped, spawn, wait_for
+from support.processes import (
+    alive,
+    descendants,
+    elastrain_cmd,
+    free_port,
+    kill_tree,
+    printed_fields,
+    reaped,
+    spawn,
+    wait_for,
+)
 
 from elastrain.log import parse_event_line
 

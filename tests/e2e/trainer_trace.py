@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from support import PYTHON, REPO, elastrain_cmd, free_port, kill_tree, reaped, run, spawn, wait_logged
+from support.processes import PYTHON, REPO, elastrain_cmd, free_port, kill_tree, reaped, run, spawn, wait_logged
 
 from bench.support.trainer_ledger import WRITER_DIR, Ledger
 

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from support import REPO, elastrain_cmd, reaped, spawn, wait_for
+from support.processes import REPO, elastrain_cmd, reaped, spawn, wait_for
 
 from elastrain.log import parse_event_line
 

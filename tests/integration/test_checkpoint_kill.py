@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from support import PYTHON, REPO, run
+from support.processes import PYTHON, REPO, run
 
 from elastrain.checkpoint import layout
 from elastrain.log import parse_event_line

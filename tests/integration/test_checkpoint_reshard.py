@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import REPO, elastrain_cmd, run
+from support.processes import REPO, elastrain_cmd, run
 
 from elastrain.checkpoint import layout
 from elastrain.log import parse_event_line

@@ -13,8 +13,8 @@ import zlib
 from pathlib import Path
 
 import pytest
-from crafted_pickle import creates_file, spawns
-from support import REPO, elastrain_cmd, run
+from support.crafted_pickle import creates_file, spawns
+from support.processes import REPO, elastrain_cmd, run
 
 from elastrain.checkpoint import layout
 from elastrain.log import parse_event_line

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from etcd_server import EtcdCluster, EtcdServer, make_tls_files
-from support import free_port
+from support.etcd_server import EtcdCluster, EtcdServer, make_tls_files
+from support.processes import free_port
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters, RendezvousStateError
 
 from elastrain.errors import RendezvousError, UsageError

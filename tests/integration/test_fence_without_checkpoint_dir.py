@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
-from support import REPO, elastrain_cmd, free_port, reaped, spawn, wait_for, wait_logged
+from support.processes import REPO, elastrain_cmd, free_port, reaped, spawn, wait_for, wait_logged
 
 from elastrain import fence
 from elastrain.checkpoint import layout

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO, elastrain_cmd, run
+from support.processes import REPO, elastrain_cmd, run
 
 from elastrain.data import epoch_order
 from elastrain.log import parse_event_line

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch_checks import REPO
+from support.launch_checks import REPO
 
 INSTALL = "tools/install.sh"
 

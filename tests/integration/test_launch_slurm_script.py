@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from support import kill_tree
+from support.processes import kill_tree
 
 from elastrain.platforms.slurm.spec import SlurmJobParams, sbatch_script, srun_argv
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from support import free_port, printed_fields, run_ranks
+from support.processes import free_port, printed_fields, run_ranks
 
 WORKER = str(Path(__file__).resolve().parent / "live_agreement_worker.py")
 

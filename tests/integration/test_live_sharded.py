@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from support import free_port
+from support.processes import free_port
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support import REPO, elastrain_cmd, free_port, reaped, spawn, wait_logged
+from support.processes import REPO, elastrain_cmd, free_port, reaped, spawn, wait_logged
 
 from elastrain import fence
 

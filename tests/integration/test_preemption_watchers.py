@@ -8,8 +8,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from fake_metadata import FakeMetadata, aws_action, azure_preempt_event, fake_metadata_server
-from support import free_port
+from support.fake_metadata import FakeMetadata, aws_action, azure_preempt_event, fake_metadata_server
+from support.processes import free_port
 
 from elastrain.errors import PreemptionWatcherError
 from elastrain.preemption import (

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from support import REPO, elastrain_cmd, free_port, reaped, run, spawn, wait_for
+from support.processes import REPO, elastrain_cmd, free_port, reaped, run, spawn, wait_for
 
 from elastrain import binding
 from elastrain.rendezvous import auth
@@ -206,7 +206,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[st
     if request.param == "c10d":
         yield "c10d", f"127.0.0.1:{free_port()}"
         return
-    from etcd_server import EtcdServer
+    from support.etcd_server import EtcdServer
 
     with EtcdServer(tmp_path / "etcd") as server:
         yield "etcd-v3", server.endpoint

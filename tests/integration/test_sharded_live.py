@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from support import LiveNode, free_port, printed_fields, reaped, wait_for, worker_env
+from support.processes import LiveNode, free_port, printed_fields, reaped, wait_for, worker_env
 
 SCRIPT = str(Path(__file__).resolve().parent / "sharded_worker.py")
 BOUND = 120.0  # only stops hangs

@@ -13,8 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from tests.support import REPO, elastrain_cmd, free_port, reaped, spawn, wait_logged
+from support.processes import REPO, elastrain_cmd, free_port, reaped, spawn, wait_logged
 
 WORKER = str(REPO / "tests" / "integration" / "step_flags_worker.py")
 BOUND = 120.0

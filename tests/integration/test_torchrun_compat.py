@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from support import REPO, elastrain_cmd, free_port, reaped, run, spawn, torchrun_cmd
+from support.processes import REPO, elastrain_cmd, free_port, reaped, run, spawn, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 

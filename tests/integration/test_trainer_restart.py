@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import REPO, elastrain_cmd, run
+from support.processes import REPO, elastrain_cmd, run
 
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 from trainer_trace import COMMON, LEDGER, SCRIPTS, Event, Ledger, causal_lm, make_assets, reference, trace

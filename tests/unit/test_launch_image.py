@@ -7,7 +7,7 @@ import re
 import shlex
 
 import pytest
-from launch_checks import REPO, dockerignored, in_image
+from support.launch_checks import REPO, dockerignored, in_image
 
 from elastrain.errors import LaunchSpecError
 from elastrain.platforms import image

@@ -200,7 +200,7 @@ def test_entrypoint_dry_run_and_errors(capsys: pytest.CaptureFixture[str]) -> No
 def test_the_shipped_script_finds_its_environment_script_and_imports_from_the_submit_directory() -> None:
     """launch/slurm/t5-elastic.sbatch as `sbatch launch/slurm/t5-elastic.sbatch` from the repository root runs it:
     in the submit directory, with the environment its header's install command makes there."""
-    from launch_checks import REPO, check_script, script_of
+    from support.launch_checks import REPO, check_script, script_of
 
     text = (REPO / examples.SUBMIT.split()[-1]).read_text()
     submit_dir = REPO
@@ -224,7 +224,7 @@ def test_the_shipped_script_finds_its_environment_script_and_imports_from_the_su
 def test_the_requeue_conditions_are_said_where_a_user_reads_them() -> None:
     """Time limit (--signal=B:TERM), preemption only with PreemptMode=REQUEUE or send_user_signal, and not under
     PreemptMode=CANCEL: in the script's own comments and in launch/README.md."""
-    from launch_checks import REPO
+    from support.launch_checks import REPO
 
     script = sbatch_script(BASE)
     for text in (script, (REPO / "launch" / "README.md").read_text()):

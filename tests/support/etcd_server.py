@@ -2,7 +2,7 @@
 
 Usage (no pytest plugin needed)::
 
-    from etcd_server import EtcdServer
+    from support.etcd_server import EtcdServer
 
     with EtcdServer(tmp_path / "etcd") as server:
         server.endpoint            # "127.0.0.1:PORT"
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from support import free_port
+from support.processes import free_port
 
 
 def etcd_binary(name: str = "etcd") -> str:
