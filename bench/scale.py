@@ -129,7 +129,7 @@ def c10d_store() -> Store:
 
 
 def etcd_store() -> Store:
-    from etcd_server import EtcdServer
+    from support.etcd_server import EtcdServer
 
     tmp = Path(tempfile.mkdtemp(prefix="elastrain-scale-etcd-"))
     server = EtcdServer(tmp)

@@ -15,7 +15,7 @@ it exits 1 on any violation. Everything stays in ``--output-dir`` (``soak.json``
 ``--check DIR`` checks a finished soak's directory again.
 
 The jobs: the T5 example with ``--ledger`` (each rank records the sample ids of every step), or
-tests/e2e/ledger_job.py, a tiny linear regression that records the same and starts in ~2 s, or ``trainer``:
+tests/workers/ledger_job.py, a tiny linear regression that records the same and starts in ~2 s, or ``trainer``:
 the Hugging Face Trainer causal-LM script examples/hf/run_clm.py, unchanged, on a tiny local GPT-2 (built once
 by examples/hf/make_assets.py into ``--data-dir``), in the default mode with ``--checkpoint-dir``. Its ranks
 write the sample ledger of bench/support/hf/ledger.py (the script imports it when ``LEDGER_DIR`` is set) and
@@ -96,7 +96,7 @@ class Job:
 
     def script(self, out: Path, max_steps: int, data_dir: Path) -> list[str]:
         if self.name == "ledger":
-            return [str(REPO / "tests" / "e2e" / "ledger_job.py"), "--out", str(out / "job"),
+            return [str(REPO / "tests" / "workers" / "ledger_job.py"), "--out", str(out / "job"),
                     "--samples", str(self.samples), "--global-batch", str(self.global_batch), "--micro-batch", "2",
                     "--max-steps", str(max_steps), "--save-every", str(self.save_every), "--sleep", "0.3"]  # fmt: skip
         if self.name == "trainer":

@@ -15,7 +15,7 @@ from support.processes import REPO, elastrain_cmd, kill_tree, reaped, run, spawn
 from elastrain.checkpoint import layout
 from elastrain.control import ControlChannel, SaveCause
 
-WORKER = str(REPO / "tests" / "integration" / "checkpoint_worker.py")
+WORKER = str(REPO / "tests" / "workers" / "checkpoint_worker.py")
 pytestmark = pytest.mark.slow
 
 

@@ -22,8 +22,8 @@ from elastrain.checkpoint import layout
 from elastrain.errors import EX_CONFIG
 from elastrain.log import parse_event_line
 
-CHECKPOINT_WORKER = str(REPO / "tests" / "integration" / "checkpoint_worker.py")
-SESSION_WORKER = str(REPO / "tests" / "integration" / "session_worker.py")
+CHECKPOINT_WORKER = str(REPO / "tests" / "workers" / "checkpoint_worker.py")
+SESSION_WORKER = str(REPO / "tests" / "workers" / "session_worker.py")
 pytestmark = pytest.mark.slow
 
 

@@ -24,7 +24,7 @@ from elastrain.checkpoint import layout
 from elastrain.metrics import read_events, read_metrics
 from elastrain.storage import join_path
 
-WORKER = str(REPO / "tests" / "integration" / "object_storage_worker.py")
+WORKER = str(REPO / "tests" / "workers" / "object_storage_worker.py")
 pytestmark = pytest.mark.slow
 
 

@@ -15,7 +15,7 @@ from support.processes import REPO, elastrain_cmd, free_port, reaped, spawn, wai
 
 from elastrain import fence
 
-WORKER = str(REPO / "tests" / "integration" / "shared_probe_worker.py")
+WORKER = str(REPO / "tests" / "workers" / "shared_probe_worker.py")
 pytestmark = pytest.mark.slow
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from support.processes import free_port, printed_fields, run_ranks
 
-WORKER = str(Path(__file__).resolve().parent / "transfer_worker.py")
+WORKER = str(Path(__file__).resolve().parents[1] / "workers" / "transfer_worker.py")
 WORLD = 3
 
 

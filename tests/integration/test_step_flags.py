@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from support.processes import REPO, elastrain_cmd, free_port, reaped, spawn, wait_logged
 
-WORKER = str(REPO / "tests" / "integration" / "step_flags_worker.py")
+WORKER = str(REPO / "tests" / "workers" / "step_flags_worker.py")
 BOUND = 120.0
 
 
