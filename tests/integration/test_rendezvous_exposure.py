@@ -206,7 +206,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[st
     if request.param == "c10d":
         yield "c10d", f"127.0.0.1:{free_port()}"
         return
-    from support.etcd_server import EtcdServer
+    from bench.support.etcd_server import EtcdServer
 
     with EtcdServer(tmp_path / "etcd") as server:
         yield "etcd-v3", server.endpoint
