@@ -1,5 +1,5 @@
 """The agent ↔ worker control channel's files: wrong shapes are typed errors read as no message, never a
-crash; and writers on several threads at once never collide (no processes, no servers)."""
+crash (writers on several threads at once: tests/integration/test_control_channel_threads.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The image the launch specs name: the Dockerfile that builds it, linted by hadolint, and its one install list,
-tools/install.sh, which ./dev setup runs too (CI cannot run Docker: these tests read the files instead)."""
+"""The image the launch specs name: the Dockerfile that builds it, and its one install list, tools/install.sh,
+which ./dev setup runs too (CI cannot run Docker: these tests read the files instead; hadolint and install.sh run for
+real in tests/integration/test_launch_image_tools.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Slurm: the host-list expander, the sbatch script as data (and its SIGTERM trap, run by bash), and the
-entrypoint's mapping of SLURM_* variables to elastrain-run."""
+"""Slurm: the host-list expander, the sbatch script as data, and the entrypoint's mapping of SLURM_* variables to
+elastrain-run (the script run by bash, its SIGTERM trap included: tests/integration/test_launch_slurm_script.py)."""
 
 from __future__ import annotations
 

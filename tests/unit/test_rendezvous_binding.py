@@ -1,4 +1,5 @@
-"""Where a node listens: the interface of the address it advertises (sockets in this process only)."""
+"""Where a node listens: the interface of the address it advertises (the servers themselves:
+tests/integration/test_rendezvous_binding_listen.py)."""
 
 from __future__ import annotations
 
