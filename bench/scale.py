@@ -46,7 +46,6 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 from elastrain.log import parse_event_line  # noqa: E402
 
@@ -129,7 +128,7 @@ def c10d_store() -> Store:
 
 
 def etcd_store() -> Store:
-    from etcd_server import EtcdServer
+    from bench.support.etcd_server import EtcdServer
 
     tmp = Path(tempfile.mkdtemp(prefix="elastrain-scale-etcd-"))
     server = EtcdServer(tmp)

@@ -15,7 +15,7 @@ it exits 1 on any violation. Everything stays in ``--output-dir`` (``soak.json``
 ``--check DIR`` checks a finished soak's directory again.
 
 The jobs: the T5 example with ``--ledger`` (each rank records the sample ids of every step), or
-tests/e2e/ledger_job.py, a tiny linear regression that records the same and starts in ~2 s, or ``trainer``:
+tests/workers/ledger_job.py, a tiny linear regression that records the same and starts in ~2 s, or ``trainer``:
 the Hugging Face Trainer causal-LM script examples/hf/run_clm.py, unchanged, on a tiny local GPT-2 (built once
 by examples/hf/make_assets.py into ``--data-dir``), in the default mode with ``--checkpoint-dir``. Its ranks
 write the sample ledger of bench/support/hf/ledger.py (the script imports it when ``LEDGER_DIR`` is set) and
@@ -36,7 +36,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import uuid
 from dataclasses import asdict, dataclass
@@ -46,6 +45,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.support.t5_example import prepare_data  # noqa: E402
 from bench.support.trainer_ledger import Ledger, LedgerProgress, check_every_sample_once  # noqa: E402
 from bench.support.trainer_workload import (  # noqa: E402
     clm_script,
@@ -96,7 +96,7 @@ class Job:
 
     def script(self, out: Path, max_steps: int, data_dir: Path) -> list[str]:
         if self.name == "ledger":
-            return [str(REPO / "tests" / "e2e" / "ledger_job.py"), "--out", str(out / "job"),
+            return [str(REPO / "tests" / "workers" / "ledger_job.py"), "--out", str(out / "job"),
                     "--samples", str(self.samples), "--global-batch", str(self.global_batch), "--micro-batch", "2",
                     "--max-steps", str(max_steps), "--save-every", str(self.save_every), "--sleep", "0.3"]  # fmt: skip
         if self.name == "trainer":
@@ -140,13 +140,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def prepare_t5_data(data_dir: Path) -> None:
-    if (data_dir / "tokenizer.json").exists():
-        return
-    code = f"import sys; sys.path.insert(0, 'examples/t5'); import data; data.prepare({str(data_dir)!r}, eval_size=64)"
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=600)
-
-
 def run_soak(args: argparse.Namespace) -> int:
     job = JOBS[args.job]
     out = Path(args.output_dir or f"runs/soak-{args.job}-seed{args.seed}-{uuid.uuid4().hex[:6]}").resolve()
@@ -163,7 +156,7 @@ def run_soak(args: argparse.Namespace) -> int:
     trace = churn_trace(args.seed, cfg)
     data_dir = Path(args.data_dir or REPO / "runs" / f"soak-{job.name}-data").resolve()
     if job.name == "t5":
-        prepare_t5_data(data_dir)
+        prepare_data(data_dir, eval_size=64)
     elif job.name == "trainer":
         make_assets(data_dir)
     script = job.script(out, max_steps, data_dir)

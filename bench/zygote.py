@@ -38,10 +38,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 T5 = REPO / "examples" / "t5"
-sys.path[:0] = [str(REPO), str(T5)]
+sys.path.insert(0, str(REPO))
 
-from data import prepare  # noqa: E402
-
+from bench.support.t5_example import prepare_data  # noqa: E402
 from elastrain.log import parse_event_line  # noqa: E402
 
 MODES = ("false", "true", "true-top")
@@ -155,7 +154,7 @@ def main() -> int:
     out = (a.out or REPO / "runs" / "zygote" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=False)
     print(f"[zygote] building the code→docstring pairs and the tokenizer in {out / 'data'}", flush=True)
-    prepare(out / "data")
+    prepare_data(out / "data")
     load_before = os.getloadavg()[0]
     samples: list[Sample] = []
     for i in range(a.repeat):

@@ -275,3 +275,13 @@ def rouge_l(prediction: str, reference: str) -> float:
         return 0.0
     precision, recall = lcs / len(a), lcs / len(b)
     return 2 * precision * recall / (precision + recall)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    cli = argparse.ArgumentParser(description="Build the pairs and the tokenizer in DATA_DIR ahead of a run.")
+    cli.add_argument("data_dir")
+    cli.add_argument("--eval-size", type=int, default=256, help="held-out pairs (train.py's --eval-size)")
+    given = cli.parse_args()
+    prepare(given.data_dir, eval_size=given.eval_size)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from ledger_chain import MAX_STEPS, assert_matches, elastic_chain, uninterrupted
+from support.ledger_chain import MAX_STEPS, assert_matches, elastic_chain, uninterrupted
 
 pytestmark = pytest.mark.slow
 

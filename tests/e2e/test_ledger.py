@@ -6,7 +6,7 @@ import itertools
 from collections import Counter
 
 import pytest
-from ledger_chain import (
+from support.ledger_chain import (
     GLOBAL_BATCH,
     MAX_STEPS,
     SAMPLES,

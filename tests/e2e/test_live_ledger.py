@@ -4,7 +4,7 @@ in one job whose workers are never restarted (the restart-mode versions: test_le
 from __future__ import annotations
 
 import pytest
-from ledger_chain import (
+from support.ledger_chain import (
     GLOBAL_BATCH,
     LIVE_MAX_STEPS,
     LIVE_WORLD_SIZES,

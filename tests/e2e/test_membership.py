@@ -1,6 +1,6 @@
 """Membership changes with real agents on 127.0.0.1 and real signals (issue 3).
 
-Each "node" is one elastrain-run agent with one gloo worker (tests/scripts/membership_worker.py).
+Each "node" is one elastrain-run agent with one gloo worker (tests/workers/membership_worker.py).
 The tests assert behaviour: the job goes on at the right world size, every node sees the same round
 and restart count, --max-restarts 0 is never used up by a membership change, no worker outlives its
 agent, and no two worlds train side by side. Time bounds are generous and only stop hangs.
@@ -15,13 +15,23 @@ import time
 from pathlib import Path
 
 import pytest
-from support import alive, descendants, elastrain_cmd, free_port, kill_tree, printed_fields, reaped, spawn, wait_for
+from support.processes import (
+    alive,
+    descendants,
+    elastrain_cmd,
+    free_port,
+    kill_tree,
+    printed_fields,
+    reaped,
+    spawn,
+    wait_for,
+)
 
 from elastrain.log import parse_event_line
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "membership_worker.py")
+SCRIPT = str(Path(__file__).resolve().parents[1] / "workers" / "membership_worker.py")
 BOUND = 60.0  # generous: one worker cold start on a loaded 2-core machine is 2-5 s
 
 

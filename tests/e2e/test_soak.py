@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from support import PYTHON, REPO, free_port, run
+from support.processes import PYTHON, REPO, free_port, run
 
 pytestmark = pytest.mark.slow
 

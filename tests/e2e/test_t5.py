@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from support import PYTHON, REPO, free_port, run, worker_env
+from support.processes import PYTHON, REPO, free_port, run, worker_env
 
 from elastrain.chaos import ChaosHarness, MetricsProgress, elastrain_node_command, trace_from_dict
 from elastrain.metrics import read_metrics

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from trainer_trace import (
+from support.trainer_trace import (
     Event,
     Run,
     Workload,

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from fake_metadata import azure_preempt_event, fake_metadata_server
-from support import elastrain_cmd, reaped, spawn, wait_for, wait_logged
+from support.fake_metadata import azure_preempt_event, fake_metadata_server
+from support.processes import elastrain_cmd, reaped, spawn, wait_for, wait_logged
 
 from elastrain.log import parse_event_line
 

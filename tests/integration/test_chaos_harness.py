@@ -16,7 +16,7 @@ import time
 
 import psutil
 import pytest
-from support import PYTHON, REPO, free_port, run
+from support.processes import PYTHON, REPO, free_port, run
 
 from elastrain.chaos.harness import ChaosHarness
 from elastrain.chaos.procs import TAG_VARIABLE

@@ -12,12 +12,12 @@ import re
 from pathlib import Path
 
 import pytest
-from support import REPO, elastrain_cmd, reaped, spawn, wait_for
+from support.processes import REPO, elastrain_cmd, reaped, spawn, wait_for
 
 from elastrain.log import parse_event_line
 
-CHECKPOINT_WORKER = str(REPO / "tests" / "integration" / "checkpoint_worker.py")
-SESSION_WORKER = str(REPO / "tests" / "integration" / "session_worker.py")
+CHECKPOINT_WORKER = str(REPO / "tests" / "workers" / "checkpoint_worker.py")
+SESSION_WORKER = str(REPO / "tests" / "workers" / "session_worker.py")
 pytestmark = pytest.mark.slow
 
 SAVE_ERROR = re.compile(r"CheckpointSaveError: checkpoint of step (\d+) in (\S+) failed: (.+)")

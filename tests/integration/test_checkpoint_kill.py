@@ -7,12 +7,12 @@ import signal
 from pathlib import Path
 
 import pytest
-from support import PYTHON, REPO, run
+from support.processes import PYTHON, REPO, run
 
 from elastrain.checkpoint import layout
 from elastrain.log import parse_event_line
 
-WORKER = str(REPO / "tests" / "integration" / "checkpoint_worker.py")
+WORKER = str(REPO / "tests" / "workers" / "checkpoint_worker.py")
 pytestmark = pytest.mark.slow
 
 

@@ -10,12 +10,12 @@ import re
 from pathlib import Path
 
 import pytest
-from support import REPO, elastrain_cmd, kill_tree, reaped, run, spawn, wait_for
+from support.processes import REPO, elastrain_cmd, kill_tree, reaped, run, spawn, wait_for
 
 from elastrain.checkpoint import layout
 from elastrain.control import ControlChannel, SaveCause
 
-WORKER = str(REPO / "tests" / "integration" / "checkpoint_worker.py")
+WORKER = str(REPO / "tests" / "workers" / "checkpoint_worker.py")
 pytestmark = pytest.mark.slow
 
 

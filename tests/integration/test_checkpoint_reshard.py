@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from support import REPO, elastrain_cmd, run
+from support.processes import REPO, elastrain_cmd, run
 
 from elastrain.checkpoint import layout
 from elastrain.log import parse_event_line
 
-WORKER = str(REPO / "tests" / "integration" / "checkpoint_worker.py")
+WORKER = str(REPO / "tests" / "workers" / "checkpoint_worker.py")
 pytestmark = pytest.mark.slow
 
 

@@ -13,13 +13,13 @@ import zlib
 from pathlib import Path
 
 import pytest
-from crafted_pickle import creates_file, spawns
-from support import REPO, elastrain_cmd, run
+from support.crafted_pickle import creates_file, spawns
+from support.processes import REPO, elastrain_cmd, run
 
 from elastrain.checkpoint import layout
 from elastrain.log import parse_event_line
 
-WORKER = str(REPO / "tests" / "integration" / "checkpoint_worker.py")
+WORKER = str(REPO / "tests" / "workers" / "checkpoint_worker.py")
 pytestmark = pytest.mark.slow
 
 

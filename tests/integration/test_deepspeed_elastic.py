@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO, elastrain_cmd, run, worker_env
+from support.processes import REPO, elastrain_cmd, run, worker_env
 
 from elastrain.integrations.ds_universal import committed_universal
 from elastrain.log import parse_event_line
 
-WORKER = str(REPO / "tests" / "integration" / "deepspeed_worker.py")
+WORKER = str(REPO / "tests" / "workers" / "deepspeed_worker.py")
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 pytest.importorskip("deepspeed")
 

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from support import REPO, elastrain_cmd, kill_tree, reaped, run, spawn, wait_for
+from support.processes import REPO, elastrain_cmd, kill_tree, reaped, run, spawn, wait_for
 
 from elastrain.metrics import read_metrics
 

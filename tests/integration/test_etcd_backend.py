@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from etcd_server import EtcdCluster, EtcdServer, make_tls_files
-from support import free_port
+from support.processes import free_port
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters, RendezvousStateError
 
+from bench.support.etcd_server import EtcdCluster, EtcdServer, make_tls_files
 from elastrain.errors import RendezvousError, UsageError
 from elastrain.rendezvous.backends.etcd_client import EtcdUnavailableError
 from elastrain.rendezvous.backends.etcd_store import EtcdStore

@@ -1,7 +1,7 @@
 """Multi-agent jobs on ``--rdzv-backend etcd-v3`` against a real etcd: no node is special.
 
 Agents run as "nodes" on 127.0.0.1 through the real ``python -m elastrain`` with the tiny gloo worker
-tests/scripts/membership_worker.py (MW_STEP lines say at which world size training goes on). These
+tests/workers/membership_worker.py (MW_STEP lines say at which world size training goes on). These
 tests use whatever handler is registered for etcd-v3 and assert behaviour only; time bounds just stop
 hangs.
 """
@@ -17,12 +17,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from etcd_server import EtcdServer, make_tls_files
-from support import REPO, elastrain_cmd, free_port, kill_tree, reaped, run, spawn, wait_for
+from support.processes import REPO, elastrain_cmd, free_port, kill_tree, reaped, run, spawn, wait_for
+
+from bench.support.etcd_server import EtcdServer, make_tls_files
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd]
 
-WORKER = REPO / "tests" / "scripts" / "membership_worker.py"
+WORKER = REPO / "tests" / "workers" / "membership_worker.py"
 STEP = re.compile(r"MW_STEP t=(\S+) step=\d+ rank=\d+ ws=(\d+) round=(\S+)")
 # Generous bounds: a worker's cold start alone is 2-3 s, more on a loaded machine.
 CHANGE_S = 90.0

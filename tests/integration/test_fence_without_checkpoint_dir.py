@@ -15,15 +15,15 @@ import re
 from pathlib import Path
 
 import pytest
-from support import REPO, elastrain_cmd, free_port, reaped, spawn, wait_for, wait_logged
+from support.processes import REPO, elastrain_cmd, free_port, reaped, spawn, wait_for, wait_logged
 
 from elastrain import fence
 from elastrain.checkpoint import layout
 from elastrain.errors import EX_CONFIG
 from elastrain.log import parse_event_line
 
-CHECKPOINT_WORKER = str(REPO / "tests" / "integration" / "checkpoint_worker.py")
-SESSION_WORKER = str(REPO / "tests" / "integration" / "session_worker.py")
+CHECKPOINT_WORKER = str(REPO / "tests" / "workers" / "checkpoint_worker.py")
+SESSION_WORKER = str(REPO / "tests" / "workers" / "session_worker.py")
 pytestmark = pytest.mark.slow
 
 

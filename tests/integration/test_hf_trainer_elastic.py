@@ -10,14 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO, elastrain_cmd, run
+from support.processes import REPO, elastrain_cmd, run
 
 from elastrain.data import epoch_order
 from elastrain.log import parse_event_line
 from elastrain.metrics import read_metrics
 
 pytest.importorskip("accelerate")
-WORKER = str(REPO / "tests" / "integration" / "hf_trainer_worker.py")
+WORKER = str(REPO / "tests" / "workers" / "hf_trainer_worker.py")
 pytestmark = pytest.mark.slow
 GLOBAL_BATCH, N, SEED = 12, 50, 3  # as in the worker
 

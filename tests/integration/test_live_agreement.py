@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from support import free_port, printed_fields, run_ranks
+from support.processes import free_port, printed_fields, run_ranks
 
-WORKER = str(Path(__file__).resolve().parent / "live_agreement_worker.py")
+WORKER = str(Path(__file__).resolve().parents[1] / "workers" / "live_agreement_worker.py")
 
 
 def _lines(outs: list[str], prefix: str) -> list[dict[str, str]]:

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-from support import LiveNode, elastrain_cmd, free_port, kill_tree, reaped, spawn, wait_for, wait_logged
+from support.processes import LiveNode, elastrain_cmd, free_port, kill_tree, reaped, spawn, wait_for, wait_logged
 
-SCRIPT = str(Path(__file__).resolve().parent / "live_worker.py")
+SCRIPT = str(Path(__file__).resolve().parents[1] / "workers" / "live_worker.py")
 BOUND = 90.0  # generous: only stops hangs (3 cold starts of torch on a loaded 2-core machine)
 GLOBAL_BATCH = 24
 

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import fsspec
 import pytest
-from azurite_server import AzuriteServer
-from s3_server import S3Server
-from support import REPO, alive, descendants, elastrain_cmd, kill_tree, reaped, run, spawn, wait_for
+from support.azurite_server import AzuriteServer
+from support.processes import REPO, alive, descendants, elastrain_cmd, kill_tree, reaped, run, spawn, wait_for
+from support.s3_server import S3Server
 
 from elastrain.checkpoint import layout
 from elastrain.metrics import read_events, read_metrics
 from elastrain.storage import join_path
 
-WORKER = str(REPO / "tests" / "integration" / "object_storage_worker.py")
+WORKER = str(REPO / "tests" / "workers" / "object_storage_worker.py")
 pytestmark = pytest.mark.slow
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support import REPO, elastrain_cmd, free_port, reaped, spawn, wait_logged
+from support.processes import REPO, elastrain_cmd, free_port, reaped, spawn, wait_logged
 
 from elastrain import fence
 
-WORKER = str(REPO / "tests" / "integration" / "shared_probe_worker.py")
+WORKER = str(REPO / "tests" / "workers" / "shared_probe_worker.py")
 pytestmark = pytest.mark.slow
 
 

@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from support import REPO
+from support.processes import REPO
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("build")

@@ -1,7 +1,7 @@
 """Network partitions on real addresses (issue 12, item 4): nodes in their own network namespaces.
 
-Each node is one ``elastrain-run`` agent with one gloo worker (tests/scripts/partition_worker.py), run
-inside its own namespace (tests/netns.py) with its own address (10.213.0.x, never 127.0.0.1), the c10d
+Each node is one ``elastrain-run`` agent with one gloo worker (tests/workers/partition_worker.py), run
+inside its own namespace (tests/support/netns.py) with its own address (10.213.0.x, never 127.0.0.1), the c10d
 rendezvous hosted by node 0 and a checkpoint root shared through the filesystem (so the fencing
 generation applies). A cut moves nodes onto another bridge: packets between the sides are silently
 lost, as in a real split; nothing is refused, so no node can prove another dead.
@@ -25,14 +25,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import netns
 import pytest
-from netns import Network
-from support import alive, elastrain_cmd, printed_fields, reaped, spawn, wait_for
+from support import netns
+from support.netns import Network
+from support.processes import alive, elastrain_cmd, printed_fields, reaped, spawn, wait_for
 
 from elastrain.log import format_event, parse_event_line
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "workers"
 SCRIPT = str(SCRIPTS / "partition_worker.py")
 SESSION_SCRIPT = str(SCRIPTS / "partition_session_worker.py")
 """Under ``--live true``: a Session job whose workers regroup in place (same lines, read from the current round)."""

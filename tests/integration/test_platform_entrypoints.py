@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support import PYTHON, REPO, free_port, reaped, spawn, worker_env
+from support.processes import PYTHON, REPO, free_port, reaped, spawn, worker_env
 
 from elastrain.platforms.render import from_yaml
 from elastrain.platforms.skypilot import example_specs as sky_examples

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from fake_metadata import azure_preempt_event, fake_metadata_server
-from support import PYTHON, elastrain_cmd, free_port, reaped, run, spawn, wait_for
+from support.fake_metadata import azure_preempt_event, fake_metadata_server
+from support.processes import PYTHON, elastrain_cmd, free_port, reaped, run, spawn, wait_for
 
 from elastrain.log import parse_event_line
 

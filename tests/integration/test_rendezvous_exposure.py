@@ -6,7 +6,7 @@
   the job's real store (the c10d TCPStore, or etcd) changes nothing: the job trains on in its first round and
   ends with exit 0; a node started without the secret is refused with one line.
 
-Agents are "nodes" on 127.0.0.1 running tests/scripts/membership_worker.py (a gloo all_reduce every 0.05 s).
+Agents are "nodes" on 127.0.0.1 running tests/workers/membership_worker.py (a gloo all_reduce every 0.05 s).
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-from support import REPO, elastrain_cmd, free_port, reaped, run, spawn, wait_for
+from support.processes import REPO, elastrain_cmd, free_port, reaped, run, spawn, wait_for
 
 from elastrain import binding
 from elastrain.rendezvous import auth
 
 pytestmark = pytest.mark.slow
 
-WORKER = REPO / "tests" / "scripts" / "membership_worker.py"
+WORKER = REPO / "tests" / "workers" / "membership_worker.py"
 STEP = re.compile(r"MW_STEP t=(\S+) step=\d+ rank=(\d+) ws=(\d+)")
 BOUND_S = 120.0
 ENV = {"MW_STEP_S": "0.05", "MW_TIMEOUT": "30"}
@@ -206,7 +206,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[st
     if request.param == "c10d":
         yield "c10d", f"127.0.0.1:{free_port()}"
         return
-    from etcd_server import EtcdServer
+    from bench.support.etcd_server import EtcdServer
 
     with EtcdServer(tmp_path / "etcd") as server:
         yield "etcd-v3", server.endpoint

@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from support import PYTHON, free_port, reaped, wait_for, worker_env
+from support.processes import PYTHON, free_port, reaped, wait_for, worker_env
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastrain import fence

@@ -1,6 +1,6 @@
 """A sharded model (FSDP2, ``Session(shard=...)``) through membership changes under ``elastrain-run --live true``.
 
-Three "nodes" on 127.0.0.1, one gloo worker each (tests/integration/sharded_worker.py). A node joins a
+Three "nodes" on 127.0.0.1, one gloo worker each (tests/workers/sharded_worker.py). A node joins a
 running job of two, later it is SIGKILLed between two checkpoints, taking its shards with it. No
 survivor's process restarts: at the join the members save at the agreed step and everyone builds the
 new world's sharded model from that checkpoint (nothing redone); after the kill the survivors rebuild
@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from support import LiveNode, free_port, printed_fields, reaped, wait_for, worker_env
+from support.processes import LiveNode, free_port, printed_fields, reaped, wait_for, worker_env
 
-SCRIPT = str(Path(__file__).resolve().parent / "sharded_worker.py")
+SCRIPT = str(Path(__file__).resolve().parents[1] / "workers" / "sharded_worker.py")
 BOUND = 120.0  # only stops hangs
 MAX_STEPS = 40
 

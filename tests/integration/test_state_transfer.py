@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support import free_port, printed_fields, run_ranks
+from support.processes import free_port, printed_fields, run_ranks
 
-WORKER = str(Path(__file__).resolve().parent / "transfer_worker.py")
+WORKER = str(Path(__file__).resolve().parents[1] / "workers" / "transfer_worker.py")
 WORLD = 3
 
 

@@ -13,10 +13,9 @@ import json
 from pathlib import Path
 
 import pytest
+from support.processes import REPO, elastrain_cmd, free_port, reaped, spawn, wait_logged
 
-from tests.support import REPO, elastrain_cmd, free_port, reaped, spawn, wait_logged
-
-WORKER = str(REPO / "tests" / "integration" / "step_flags_worker.py")
+WORKER = str(REPO / "tests" / "workers" / "step_flags_worker.py")
 BOUND = 120.0
 
 

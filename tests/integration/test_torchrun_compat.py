@@ -1,6 +1,6 @@
 """torchrun compatibility: the same tiny script under torchrun and under elastrain-run.
 
-Each scenario launches tests/scripts/probe_env.py with both launchers and compares what the workers
+Each scenario launches tests/workers/probe_env.py with both launchers and compares what the workers
 were told (torch's variables, argv, how they were started) and how the job ended.
 """
 
@@ -14,12 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from support import REPO, elastrain_cmd, free_port, reaped, run, spawn, torchrun_cmd
+from support.processes import REPO, elastrain_cmd, free_port, reaped, run, spawn, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
-PROBE = REPO / "tests" / "scripts" / "probe_env.py"
-SCRIPTS = REPO / "tests" / "scripts"
+PROBE = REPO / "tests" / "workers" / "probe_env.py"
+SCRIPTS = REPO / "tests" / "workers"
 LAUNCHERS = {"torchrun": torchrun_cmd, "elastrain": elastrain_cmd}
 # Values that legitimately differ between two runs (ports, ids, paths) or between the two launchers'
 # rendezvous handlers (elastrain never shares the agent store with workers: pytorch#135712; a node of a

@@ -10,14 +10,11 @@ newest committed checkpoint, at the same data position and global batch.
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
-from support import REPO, elastrain_cmd, run
-
-sys.path.insert(0, str(REPO / "tests" / "e2e"))
-from trainer_trace import COMMON, LEDGER, SCRIPTS, Event, Ledger, causal_lm, make_assets, reference, trace
+from support.processes import elastrain_cmd, run
+from support.trainer_trace import COMMON, LEDGER, SCRIPTS, Event, Ledger, causal_lm, make_assets, reference, trace
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ import re
 from pathlib import Path
 
 import pytest
-from support import REPO, elastrain_cmd, run
+from support.processes import REPO, elastrain_cmd, run
 
-WORKER = str(REPO / "tests" / "integration" / "hostile_peer_worker.py")
+WORKER = str(REPO / "tests" / "workers" / "hostile_peer_worker.py")
 PLACES = ("checkpoint broadcast", "checkpoint all_gather", "live state transfer", "session segment")
 pytestmark = pytest.mark.slow
 

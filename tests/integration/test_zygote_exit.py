@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from support import elastrain_cmd, run
+from support.processes import elastrain_cmd, run
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from support import REPO, elastrain_cmd, run
+from support.processes import REPO, elastrain_cmd, run
 
 from elastrain.log import parse_event_line
 

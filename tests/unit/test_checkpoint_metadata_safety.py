@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from crafted_pickle import (
+from support.crafted_pickle import (
     DCP_FILESYSTEM,
     DCP_METADATA,
     computed_name,

@@ -231,7 +231,7 @@ def test_the_azure_sdk_accepts_the_rendered_specs(tmp_path: Path) -> None:
 def test_the_shipped_job_finds_its_code_environment_script_and_imports() -> None:
     """launch/azureml/job.yaml as `az ml job create --file launch/azureml/job.yaml` reads it: relative paths
     resolve against the file's folder; the command runs in the uploaded code folder, in the environment's image."""
-    from launch_checks import REPO, check_script
+    from support.launch_checks import REPO, check_script
 
     ml = pytest.importorskip("azure.ai.ml")
     folder = REPO / "launch" / "azureml"

@@ -286,7 +286,7 @@ def test_each_job_finds_its_image_script_imports_and_shared_folders() -> None:
     """What a pod of each shipped job needs: the default image of its kind (CUDA for GPUs), the script in the
     image's checkout with everything it imports installed, and its checkpoint and output folders on the job's
     own ReadWriteMany claim (the other nodes read the data rank 0 writes there)."""
-    from launch_checks import check_image_script
+    from support.launch_checks import check_image_script
 
     for fname, docs in _shipped().items():
         claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolumeClaim"}

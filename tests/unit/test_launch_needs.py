@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from launch_checks import REPO
+from support.launch_checks import REPO
 
 from elastrain.errors import LaunchSpecError
 from elastrain.platforms import needs

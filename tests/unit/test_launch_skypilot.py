@@ -215,7 +215,7 @@ def test_the_shipped_task_finds_its_workdir_script_imports_and_data_from_the_rep
     """launch/skypilot/t5-elastic.yaml as `sky jobs launch launch/skypilot/t5-elastic.yaml` from the repository
     root reads it: SkyPilot resolves workdir and local file_mounts sources against the directory it runs in
     (sky/task.py: os.path.abspath), uploads the workdir, and runs setup and run in the uploaded copy."""
-    from launch_checks import REPO, check_script, script_of
+    from support.launch_checks import REPO, check_script, script_of
 
     launch_dir = REPO  # where launch/README.md and the file's header say to run it
     command = examples.LAUNCH

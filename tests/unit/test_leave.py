@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator
 
@@ -37,14 +36,6 @@ def test_only_the_first_claim_is_the_leave() -> None:
     assert leave.claim("preemption:azure:Preempt", 30.0)
     assert not leave.claim("SIGTERM", 25.0)
     assert leave.reason == "preemption:azure:Preempt"
-
-
-def test_the_wait_ends_when_the_leave_is_over_on_another_thread(logged: list[str]) -> None:
-    leave = Leave(margin_s=600.0)
-    leave.claim("SIGTERM", 600.0)
-    threading.Thread(target=leave.over).start()
-    assert leave.wait()
-    assert not [line for line in logged if "leave_wait_gave_up" in line]
 
 
 def test_a_leave_that_never_ends_is_given_up_after_its_deadline_and_the_margin(logged: list[str]) -> None:

@@ -4,7 +4,6 @@ the environment a worker rewrites after a regroup, and the --live option."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -166,15 +165,3 @@ def test_live_option_defaults_on_and_reads_pet_live(monkeypatch: pytest.MonkeyPa
     assert options_from_args(parser.parse_args(["--live", "false", "train.py"])).live is False
     monkeypatch.setenv("PET_LIVE", "0")
     assert options_from_args(build_parser().parse_args(["train.py"])).live is False
-
-
-def test_the_hold_after_a_requested_save_ends_when_a_regroup_notice_arrives(tmp_path: Path) -> None:
-    from elastrain.checkpoint.schedule import hold_for_restart
-    from elastrain.control import ControlChannel
-
-    events: list[tuple[str, dict[str, object]]] = []
-    channel = ControlChannel(tmp_path)
-    RegroupChannel(tmp_path).announce(_notice(round_=2))  # the current round's notice does not end it
-    threading.Timer(0.2, lambda: RegroupChannel(tmp_path).announce(_notice(round_=3))).start()
-    hold_for_restart(30.0, 7, lambda event, level, **f: events.append((event, f)), channel, live_round=2)
-    assert events[-1] == ("checkpoint_hold_over", {"step": 7, "why": "regroup in place"})

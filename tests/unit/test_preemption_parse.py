@@ -12,7 +12,7 @@ from elastrain.errors import PreemptionWatcherError, UsageError
 from elastrain.preemption.aws import parse_instance_action
 from elastrain.preemption.azure import parse_not_before, parse_scheduled_events
 from elastrain.preemption.gcp import parse_preempted
-from elastrain.preemption.monitor import parse_watchers
+from elastrain.preemption.monitor import parse_watchers, start_monitor
 from elastrain.preemption.notice import Notice, iso_utc
 from elastrain.preemption.sigterm import SigtermWatcher
 
@@ -185,3 +185,7 @@ def test_launcher_options_read_flags_and_pet_variables(monkeypatch: pytest.Monke
     assert options_from_args(build_parser().parse_args(["t.py"])).preemption_watchers == "none"
     with pytest.raises(UsageError, match="--preemption-watchers"):
         ElastrainOptions(preemption_watchers="azure,oracle")
+
+
+def test_start_monitor_none_starts_nothing() -> None:
+    assert start_monitor("none", lambda reason, deadline_s: None) is None

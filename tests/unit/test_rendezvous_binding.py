@@ -1,23 +1,14 @@
-"""Where a node listens: the interface of the address it advertises (sockets in this process only)."""
+"""Where a node listens: the interface of the address it advertises (the servers themselves:
+tests/integration/test_rendezvous_binding_listen.py)."""
 
 from __future__ import annotations
 
 import ipaddress
-from datetime import timedelta
 
 import psutil
 import pytest
 
 from elastrain import binding
-from elastrain.rendezvous import liveness
-
-
-def listening() -> set[tuple[str, int]]:
-    return {
-        (c.laddr.ip, c.laddr.port)
-        for c in psutil.Process().net_connections(kind="inet")
-        if c.status == psutil.CONN_LISTEN
-    }
 
 
 @pytest.mark.parametrize(
@@ -61,35 +52,6 @@ def test_listen_host_is_the_named_interface_or_every_one_when_none_fits() -> Non
             ip = a.address.split("%", 1)[0]
             if a.family.name == "AF_INET" and not ipaddress.ip_address(ip).is_loopback:
                 assert binding.listen_host(ip) == ip, name
-
-
-def test_the_stores_and_the_probe_listen_on_loopback_only() -> None:
-    store = binding.tcp_store_server("localhost", 0, timedelta(seconds=5))  # --standalone's localhost:0
-    probe = liveness.ProbeListener(binding.listen_host("127.0.0.1"))
-    port = binding.free_port("127.0.0.1")
-    ours = {p for ip, p in listening() if ip == "127.0.0.1"}
-    assert store.port in ours and probe.port in ours
-    assert all(ip == "127.0.0.1" for ip, p in listening() if p in (store.port, probe.port))
-    assert port > 0
-    store.set("k", "v")
-    # A second server for the same port in this process shares the first (multi-tenant), as torch's own does.
-    again = binding.tcp_store_server("127.0.0.1", store.port, timedelta(seconds=5))
-    assert again.get("k") == b"v"
-
-
-def test_rank_zero_starts_the_workers_store_on_master_addr_before_the_script() -> None:
-    port = binding.free_port("127.0.0.1")
-    env = {"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    binding.host_worker_store({**env, "RANK": "1"})
-    assert port not in {p for _, p in listening()}  # only rank 0 hosts it
-    binding.host_worker_store(env)
-    assert ("127.0.0.1", port) in listening() and not any(p == port and ip != "127.0.0.1" for ip, p in listening())
-    # torch's env:// init then creates its own multi-tenant TCPStore on that port: it shares the server.
-    from torch.distributed import TCPStore
-
-    torch_store = TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=5), multi_tenant=True)
-    torch_store.set("a", "b")
-    assert torch_store.get("a") == b"b"
 
 
 def test_the_loopback_interface_is_found() -> None:

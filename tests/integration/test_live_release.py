@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from support import REPO, worker_env
+from support.processes import REPO, worker_env
 
 from elastrain.live.group import NCCL_CLEANUP_ONLY, NCCL_ERROR_HANDLING, release_by_abort
 

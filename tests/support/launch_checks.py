@@ -8,7 +8,7 @@ from pathlib import Path
 
 from elastrain.platforms import image, needs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def dockerignore() -> list[str]:

@@ -2,7 +2,7 @@
 
 Usage (no pytest plugin needed)::
 
-    from azurite_server import AzuriteServer
+    from support.azurite_server import AzuriteServer
 
     with AzuriteServer(tmp_path / "azurite") as server:
         server.env              # AZURE_STORAGE_CONNECTION_STRING for adlfs (the well-known dev account)
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from support import REPO, free_port
+from support.processes import REPO, free_port
 
 # Azurite's fixed development account (public, documented by Microsoft; not a secret).
 ACCOUNT = "devstoreaccount1"

@@ -1,8 +1,8 @@
-"""A real etcd server for tests: a free loopback port, its own data directory, stopped by PID.
+"""A real etcd server for the tests and the benchmarks: a free loopback port, its own data directory, stopped by PID.
 
 Usage (no pytest plugin needed)::
 
-    from etcd_server import EtcdServer
+    from bench.support.etcd_server import EtcdServer
 
     with EtcdServer(tmp_path / "etcd") as server:
         server.endpoint            # "127.0.0.1:PORT"
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from support import free_port
+from elastrain.binding import free_port
 
 
 def etcd_binary(name: str = "etcd") -> str:
@@ -132,8 +132,8 @@ class EtcdServer:
         self.log_path = self.directory / "etcd.log"
         self.tls = tls
         self.start_timeout = start_timeout
-        self.port = free_port()
-        self.peer_port = peer_port or free_port()
+        self.port = free_port("127.0.0.1")
+        self.peer_port = peer_port or free_port("127.0.0.1")
         self.initial_cluster = initial_cluster or f"{name}=http://127.0.0.1:{self.peer_port}"
         self.proc: subprocess.Popen[bytes] | None = None
         self._auth: tuple[str, str] | None = None
@@ -289,7 +289,7 @@ class EtcdCluster:
     """``size`` etcd members on 127.0.0.1 (started together: a member waits for quorum)."""
 
     def __init__(self, directory: Path, size: int = 3) -> None:
-        peers = [free_port() for _ in range(size)]
+        peers = [free_port("127.0.0.1") for _ in range(size)]
         cluster = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(peers))
         self.members = [
             EtcdServer(Path(directory) / f"m{i}", name=f"m{i}", peer_port=p, initial_cluster=cluster)

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from support import PYTHON, REPO, elastrain_cmd, free_port, kill_tree, reaped, run, spawn, wait_logged
-
 from bench.support.trainer_ledger import WRITER_DIR, Ledger
+from support.processes import PYTHON, REPO, elastrain_cmd, free_port, kill_tree, reaped, run, spawn, wait_logged
 
 SCRIPTS = REPO / "examples" / "hf"
 LEDGER = WRITER_DIR  # the sample ledger module, imported by the scripts when LEDGER_DIR is set

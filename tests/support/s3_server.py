@@ -2,7 +2,7 @@
 
 Usage (no pytest plugin needed)::
 
-    from s3_server import S3Server
+    from support.s3_server import S3Server
 
     with S3Server(tmp_path / "s3") as server:
         server.env              # AWS_* variables that point s3fs (through botocore) at this server
@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from support import free_port
+from support.processes import free_port
 
 
 class S3Server:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib.util
 import json
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -16,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO, elastrain_cmd, free_port, kill_tree, reaped, spawn, wait_for
 
 from elastrain.metrics import read_events, read_metrics
+from support.processes import REPO, elastrain_cmd, free_port, kill_tree, reaped, spawn, wait_for
 
-JOB = REPO / "tests" / "e2e" / "ledger_job.py"
+JOB = REPO / "tests" / "workers" / "ledger_job.py"
 SAMPLES, GLOBAL_BATCH, MICRO_BATCH, MAX_STEPS, SAVE_EVERY = 60, 8, 2, 30, 4
 WORLD_SIZES = (2, 1, 3, 2)
 # Each killed start runs at least this many steps past the step it restored, so it crosses a checkpoint.
@@ -120,14 +122,22 @@ def elastic_chain() -> ChainResult:
     return ChainResult(root, logs)
 
 
+def _ledger_job() -> Any:
+    """The worker script as a module of this process (it is a script in tests/workers/, not on sys.path)."""
+    spec = importlib.util.spec_from_file_location("ledger_job", JOB)
+    assert spec is not None and spec.loader is not None, JOB
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ledger_job"] = module  # what pickle looks classes up in
+    spec.loader.exec_module(module)
+    return module
+
+
 @functools.cache
 def uninterrupted(max_steps: int = MAX_STEPS) -> ChainResult:
     """The same job, never interrupted: one process (this one, which has torch imported already)."""
-    import ledger_job
-
     root = _scratch("elastrain-reference-")
     args = _job_args(root / "out", sleep=0.0, max_steps=max_steps)[1:]
-    ledger_job.main([*args, "--checkpoint-dir", str(root / "ckpt")])
+    _ledger_job().main([*args, "--checkpoint-dir", str(root / "ckpt")])
     return ChainResult(root, [])
 
 

@@ -9,8 +9,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from elastrain.errors import CheckpointError
 from elastrain.storage import PROBE_PREFIX, check_shared
 
@@ -68,10 +66,3 @@ def test_a_directory_per_node_fails_on_every_rank_naming_the_flag(tmp_path: Path
     assert message.startswith(f"--checkpoint-dir {roots[2]} is not one directory shared by all nodes")
     assert "rank 2 on" in message and "does not see the probe files of ranks 0-1" in message
     assert "rank 0 on" in message and "does not see the probe files of rank 2" in message
-
-
-@pytest.mark.parametrize("root", ["s3://bucket/run", "az://container/run"])
-def test_urls_and_single_processes_skip_the_probe(root: str, tmp_path: Path) -> None:
-    group = ThreadGroup({}, 0, 2)  # any collective would fail: there is no second thread
-    check_shared(root, group)
-    check_shared(str(tmp_path), ThreadGroup({}, 0, 1))

@@ -16,8 +16,6 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from elastrain.errors import NodeLeftError
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.handler import ElastrainRendezvousHandler
-from elastrain.rendezvous.registry import ETCD_V3, TORCH_C10D, etcd_v3_handler_creator, register_handlers
-from elastrain.rendezvous.settings import HandlerSettings
 
 FAST = {"heartbeat_interval": "0.05", "heartbeat_timeout": "0.5", "last_call_timeout": "5"}
 
@@ -127,21 +125,6 @@ def test_newcomer_waits_until_members_rejoin() -> None:
     finally:
         a.shutdown()
         b.shutdown()
-
-
-def test_settings_refuse_a_timeout_that_evicts_busy_nodes() -> None:
-    with pytest.raises(Exception, match="heartbeat_timeout"):
-        HandlerSettings(heartbeat_interval_s=1.0, heartbeat_timeout_s=1.5)
-
-
-def test_registry_serves_elastrain_c10d_and_keeps_torch_and_etcd_names() -> None:
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-
-    register_handlers()
-    known = rendezvous_handler_registry._registry
-    assert known["c10d"].__module__ == "elastrain.rendezvous.registry"
-    assert TORCH_C10D in known and ETCD_V3 in known
-    assert callable(etcd_v3_handler_creator())
 
 
 def test_a_node_beyond_max_is_a_spare_and_takes_a_departed_members_place() -> None:

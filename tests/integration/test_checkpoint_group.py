@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-from support import free_port
+from support.processes import free_port
 
 SCRIPT = """
 import atexit, os

@@ -1,6 +1,6 @@
 """The partition tests' worker as a Session job, for ``elastrain-run --live true`` (workers regroup in place).
 
-It prints the lines of tests/scripts/partition_worker.py, read from the worker's *current* round (a
+It prints the lines of tests/workers/partition_worker.py, read from the worker's *current* round (a
 live regroup changes rank, world size, round, generation and the group's store in this same process)::
 
     PW_START t=<after the session started> rank=.. ws=.. round=.. gen=.. world=<MASTER_ADDR:MASTER_PORT> pid=..

@@ -8,8 +8,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from fake_metadata import FakeMetadata, aws_action, azure_preempt_event, fake_metadata_server
-from support import free_port
+from support.fake_metadata import FakeMetadata, aws_action, azure_preempt_event, fake_metadata_server
+from support.processes import free_port
 
 from elastrain.errors import PreemptionWatcherError
 from elastrain.preemption import (
@@ -208,10 +208,6 @@ def test_monitor_auto_with_nothing_there_starts_no_watcher() -> None:
     assert monitor is not None
     assert monitor.wait(1.0) is None
     monitor.stop()
-
-
-def test_start_monitor_none_starts_nothing() -> None:
-    assert start_monitor("none", _Leaves()) is None
 
 
 def test_monitor_sees_a_gcp_preemption_through_the_long_poll(meta: FakeMetadata) -> None:

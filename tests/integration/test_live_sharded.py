@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from support import free_port
+from support.processes import free_port
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -16,8 +16,6 @@ from elastrain.live.sharded import (
     ShardedModel,
     ShardingError,
     is_sharded,
-    meta_skeleton,
-    non_persistent_buffers,
     parameter_names,
     repoint_optimizer,
 )
@@ -48,18 +46,6 @@ def world() -> Iterator[DeviceMesh]:
         yield init_device_mesh("cpu", (1,))
     finally:
         dist.destroy_process_group()
-
-
-def test_the_skeleton_holds_no_data_and_keeps_the_non_persistent_buffers() -> None:
-    net = Net()
-    skeleton = meta_skeleton(net)
-    assert all(t.device.type == "meta" for t in [*skeleton.parameters(), *skeleton.buffers()])
-    assert all(t.device.type == "cpu" for t in net.parameters())  # the original is untouched
-    assert set(non_persistent_buffers(net)) == {"scale"}
-    tied = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
-    tied[1].weight = tied[0].weight
-    copy = meta_skeleton(tied)
-    assert copy[0].weight is copy[1].weight  # a tied parameter stays tied
 
 
 def test_each_world_gets_a_sharded_module_and_the_optimizer_follows_it(world: DeviceMesh) -> None:
