@@ -62,7 +62,7 @@ class LedgerRow:
 # -- reading ---------------------------------------------------------------------------------------
 def read_ledger(paths: Iterable[str | os.PathLike[str]]) -> list[LedgerRow]:
     """Ledger rows from either format: a metrics-style file of ``point`` records whose values hold
-    ``epoch`` and ``ids`` (tests/e2e/ledger_job.py), or plain rows ``{segment, step, epoch, ids}``
+    ``epoch`` and ``ids`` (tests/workers/ledger_job.py), or plain rows ``{segment, step, epoch, ids}``
     (the T5 example's ``--ledger``)."""
     rows = []
     for path in paths:
