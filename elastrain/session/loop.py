@@ -273,7 +273,7 @@ class Session:
             raise SessionError(f"optimizer_step() of step {step.number}, but the current step is another one")
         sampler = self.feed.require_sampler()
         try:
-            self.world.settle()  # the optimizer's state sent or received in full before its step changes it
+            self.world.handover.settle()  # the optimizer's state sent or received in full before its step changes it
         except TransferFailedError as exc:
             self.collective_broke(exc, step, group_error=True)
             return

@@ -73,7 +73,7 @@ def move_to_next_round(
             env = live.move_to(notice)
             # Left behind (cut off while the job trained on): this state is a superseded world's; receive.
             # A receiver whose transfer broke off holds no whole state: it receives again.
-            enter(env, not notice.superseded and world.intact, started)
+            enter(env, not notice.superseded and world.handover.intact, started)
             return True
         except (RuntimeError, dist.DistError, TimeoutError) as exc:
             # A member of the announced round failed too: wait for the round after it.

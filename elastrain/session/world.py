@@ -24,20 +24,17 @@ from elastrain.data import ElasticSampler
 from elastrain.env import WorkerEnv
 from elastrain.errors import CheckpointSaveError, ElastrainError, StaleGenerationError
 from elastrain.live.agreement import Ballot, vote
-from elastrain.live.transfer import Transfer, TransferFailedError, send_state
 from elastrain.log import lifecycle
 from elastrain.scaling import BatchPlan, plan
 from elastrain.session.config import SessionConfig
 from elastrain.session.errors import SessionError
 from elastrain.session.feed import Feed
+from elastrain.session.handover import Handover
 from elastrain.session.lr import LearningRate
 from elastrain.session.records import Records
 from elastrain.session.runtime import Runtime
 from elastrain.step_flags import StepFlags
 from elastrain.train_state import TrainState
-
-TRANSFER_TIMEOUT_S = 1800.0
-"""The bound on the rest of a state transfer without ``--collective-timeout``."""
 
 
 class World:
@@ -72,9 +69,8 @@ class World:
         self.plan: BatchPlan | None = None
         self.restored: RestoreInfo | None = None
         self.segment = ""
-        self.transfer: Transfer | None = None
-        """This world's state transfer, whose optimizer state may still be on the wire (see :meth:`settle`)."""
-        self._transfer_timeout_s = 0.0
+        self.handover = Handover()
+        """This world's state transfer, whose optimizer state may still be on the wire (``settle()`` first)."""
 
     def enter(self, env: WorkerEnv, has_state: bool, started: float, regroup: bool) -> None:
         """Everything a worker does once it is in a world's group (a start, or a live ``regroup``): checkpointer,
@@ -96,6 +92,7 @@ class World:
         self._build_checkpointer(env, sampler)
         held = self.state.step
         self.restored = None
+        self.handover.reset()
         source: int | None = None
         agreed_step: int | None = None
         sent = 0
@@ -120,18 +117,7 @@ class World:
             elif source is not None:
                 statefuls = _statefuls(self.state, self.feed, self.extra_state)
                 needy = agreement.ahead + agreement.receivers  # the others hold the agreed state already
-                # gloo: the optimizer's state streams on while the first step's forward and backward run.
-                self.transfer = send_state(
-                    source,
-                    runtime.module,
-                    self.optimizer,
-                    statefuls,
-                    runtime.device,
-                    receivers=needy,
-                    overlap=runtime.backend == "gloo" and runtime.config.overlap_state_transfer,
-                )
-                self._transfer_timeout_s = env.collective_timeout_s or TRANSFER_TIMEOUT_S
-                sent = self.transfer.sent
+                sent = self.handover.start(source, needy, runtime, self.optimizer, statefuls, env)
         runtime.wrap(agree_saves=self.checkpointer is not None, in_sync=source is not None)
         self.plan = plan(self.config.scaling, world_size, self.state.reference_world_size or world_size)
         self.feed.replan(self.plan)  # the next step starts at the agreed position
@@ -162,18 +148,6 @@ class World:
             extra = {} if runtime.live is None else {"state_from": None if source is None else f"rank {source}"}
             self.records.record_start(env, world_size, self.restored, self.state, sampler, **extra)
         self._log_plan(previous, changed)
-
-    @property
-    def intact(self) -> bool:
-        """Whether this worker holds its world's whole state: not a receiver whose transfer broke off."""
-        return self.transfer is None or self.transfer.intact
-
-    def settle(self) -> None:
-        """Before the optimizer's state is read or changed (its step, a save): the rest of this world's state
-        transfer, waited for (bounded by the collective timeout). Raises
-        :class:`~elastrain.live.transfer.TransferFailedError` when it broke off (a peer left)."""
-        if self.transfer is not None and not self.transfer.complete:
-            self.transfer.finish(self._transfer_timeout_s)
 
     def _restore(self) -> RestoreInfo | None:
         """The newest checkpoint that loads, into the registered state (``None``: none, or no checkpointer)."""
@@ -284,16 +258,7 @@ class World:
         self.optimizer.zero_grad(set_to_none=True)
         if self.runtime.live is not None:
             self.runtime.live.group.leave()
-        if self.transfer is not None and not self.transfer.complete:
-            try:  # left in the first step: what has not arrived by now never will (the group is gone)
-                self.transfer.finish(0.0)
-            except TransferFailedError as exc:
-                lifecycle(
-                    "state_transfer_broken",
-                    level=logging.WARNING,
-                    receiving=self.transfer.receiving,
-                    error=str(exc)[:200],
-                )
+        self.handover.give_up()
         lifecycle(
             "world_left",
             checkpointer_s=round(checkpointer_s, 3),
@@ -305,7 +270,7 @@ class World:
         (raises :class:`~elastrain.errors.CheckpointSaveError` if the last save failed)."""
         if self.checkpointer is None:
             return
-        self.settle()  # a save reads the optimizer's state
+        self.handover.settle()  # a save reads the optimizer's state
         checkpointer, self.checkpointer = self.checkpointer, None
         try:
             final = save and self.state.step > 0

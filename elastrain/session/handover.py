@@ -1,0 +1,81 @@
+"""The state a live world's members hand over on entering it: sent from the agreed source to the members that
+need it, the optimizer's part possibly still streaming while the first step runs (:mod:`elastrain.live.transfer`).
+
+:class:`Handover` is the one place that starts a world's transfer, waits for the rest of it before the optimizer's
+state is read or changed (:meth:`Handover.settle`), and gives it up when the world is left.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from elastrain.env import WorkerEnv
+from elastrain.live.transfer import Transfer, TransferFailedError, send_state
+from elastrain.log import lifecycle
+from elastrain.session.runtime import Runtime
+
+TRANSFER_TIMEOUT_S = 1800.0
+"""The bound on the rest of a state transfer without ``--collective-timeout``."""
+
+
+class Handover:
+    """The current world's state transfer (none: this worker held the agreed state, or the world restored)."""
+
+    def __init__(self) -> None:
+        self.transfer: Transfer | None = None
+        self._timeout_s = TRANSFER_TIMEOUT_S
+
+    def start(
+        self,
+        source: int,
+        receivers: tuple[int, ...],
+        runtime: Runtime,
+        optimizer: torch.optim.Optimizer,
+        statefuls: Mapping[str, Any],
+        env: WorkerEnv,
+    ) -> int:
+        """Collective: ``source``'s state to ``receivers``; the bytes sent to each. On gloo (and unless the script
+        said ``overlap_state_transfer=False``) the optimizer's state streams on while the next step runs."""
+        self.transfer = send_state(
+            source,
+            runtime.module,
+            optimizer,
+            statefuls,
+            runtime.device,
+            receivers=receivers,
+            overlap=runtime.backend == "gloo" and runtime.config.overlap_state_transfer,
+        )
+        self._timeout_s = env.collective_timeout_s or TRANSFER_TIMEOUT_S
+        return self.transfer.sent
+
+    @property
+    def intact(self) -> bool:
+        """Whether this worker holds its world's whole state: not a receiver whose transfer broke off."""
+        return self.transfer is None or self.transfer.intact
+
+    def settle(self) -> None:
+        """Before the optimizer's state is read or changed (its step, a save): the rest of the transfer, waited for
+        (bounded by the collective timeout). Raises :class:`~elastrain.live.transfer.TransferFailedError` when
+        it broke off (a peer left)."""
+        if self.transfer is not None and not self.transfer.complete:
+            self.transfer.finish(self._timeout_s)
+
+    def give_up(self) -> None:
+        """The world is left (its group gone): what has not arrived by now never will."""
+        transfer = self.transfer
+        if transfer is None or transfer.complete:
+            return
+        try:
+            transfer.finish(0.0)
+        except TransferFailedError as exc:
+            lifecycle(
+                "state_transfer_broken", level=logging.WARNING, receiving=transfer.receiving, error=str(exc)[:200]
+            )
+
+    def reset(self) -> None:
+        """Entering a new world: the last one's transfer is over (settled or given up)."""
+        self.transfer = None
