@@ -33,6 +33,8 @@ PIECE_BYTES = 16 << 20
 """The most bytes one broadcast carries (gloo: 16 MiB pieces move 1 GiB about 10x faster than one broadcast)."""
 IN_FLIGHT = 4
 """Pieces on the wire at once: the next ones travel while one is being copied."""
+GIVE_UP_POLL_S = 0.2
+"""How often a wait for the rest of a transfer asks whether to give up."""
 _TAGS = 1 << 10
 """Point-to-point pieces carry their number modulo this as their tag (far more than are ever in flight)."""
 OWN_PIECES_BYTES = 1 << 20
@@ -247,6 +249,10 @@ class _Background:
         self._thread.join(timeout_s)
         return not self._thread.is_alive() and self.error is None
 
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
 
 def _destination(s: _TensorSlot, targets: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
     mine = targets.get(s.path)
@@ -317,19 +323,30 @@ class Transfer:
         """Whether this rank's state is whole: not a receiver whose optimizer state did not all arrive."""
         return not (self.receiving and self.failed)
 
-    def finish(self, timeout_s: float) -> None:
-        """Wait (at most ``timeout_s``) for the rest of the transfer, then load the received optimizer state;
-        raises :class:`TransferFailedError` if it did not all arrive (this rank's optimizer state is then
-        incomplete, :attr:`failed`). Once done, again is a no-op."""
+    def finish(self, timeout_s: float, give_up: Callable[[], bool] | None = None) -> None:
+        """Wait (at most ``timeout_s``, and only while ``give_up()`` says no: polled every
+        :data:`GIVE_UP_POLL_S`) for the rest of the transfer, then load the received optimizer state; raises
+        :class:`TransferFailedError` if it did not all arrive (this rank's optimizer state is then incomplete,
+        :attr:`failed`). gloo does not always fail a receive whose sender died, so a live worker gives up when
+        its agent announces a new round. Once done, again is a no-op."""
         if self.complete or self.failed:
             if self.failed:
                 raise TransferFailedError("the optimizer state transfer failed before")
             return
         background = self._background
-        if background is not None and not background.join(timeout_s):
-            self.failed = True
-            why = repr(background.error)[:200] if background.error else f"not done in {timeout_s:.0f} s"
-            raise TransferFailedError(f"the optimizer state did not all arrive: {why}") from background.error
+        if background is not None:
+            deadline = time.monotonic() + timeout_s
+            arrived = background.join(min(timeout_s, GIVE_UP_POLL_S))
+            while not arrived and background.running and time.monotonic() < deadline:
+                if give_up is not None and give_up():
+                    break
+                arrived = background.join(min(GIVE_UP_POLL_S, max(0.0, deadline - time.monotonic())))
+            if not arrived:
+                self.failed = True
+                why = repr(background.error)[:200] if background.error else f"not done after {timeout_s:.0f} s"
+                if background.running and give_up is not None and give_up():
+                    why = "given up: a new round was announced"
+                raise TransferFailedError(f"the optimizer state did not all arrive: {why}") from background.error
         if self._on_received is not None:
             self._on_received()
         self.complete = True

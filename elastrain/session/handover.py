@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from elastrain.env import WorkerEnv
+from elastrain.live.member import LiveMember
 from elastrain.live.transfer import Transfer, TransferFailedError, send_state
 from elastrain.log import lifecycle
 from elastrain.session.runtime import Runtime
@@ -28,6 +29,7 @@ class Handover:
     def __init__(self) -> None:
         self.transfer: Transfer | None = None
         self._timeout_s = TRANSFER_TIMEOUT_S
+        self._live: LiveMember | None = None
 
     def start(
         self,
@@ -50,6 +52,7 @@ class Handover:
             overlap=runtime.backend == "gloo" and runtime.config.overlap_state_transfer,
         )
         self._timeout_s = env.collective_timeout_s or TRANSFER_TIMEOUT_S
+        self._live = runtime.live
         return self.transfer.sent
 
     @property
@@ -59,10 +62,13 @@ class Handover:
 
     def settle(self) -> None:
         """Before the optimizer's state is read or changed (its step, a save): the rest of the transfer, waited for
-        (bounded by the collective timeout). Raises :class:`~elastrain.live.transfer.TransferFailedError` when
-        it broke off (a peer left)."""
+        (bounded by the collective timeout, and given up when the agent announces a new round: a peer left).
+        Raises :class:`~elastrain.live.transfer.TransferFailedError` when it broke off."""
         if self.transfer is not None and not self.transfer.complete:
-            self.transfer.finish(self._timeout_s)
+            live = self._live
+            self.transfer.finish(
+                self._timeout_s, give_up=None if live is None else lambda: live.pending_notice() is not None
+            )
 
     def give_up(self) -> None:
         """The world is left (its group gone): what has not arrived by now never will."""
