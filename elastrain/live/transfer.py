@@ -9,7 +9,8 @@ is sent from its own memory and received straight into its destination (no copy 
 are packed into shared pieces. A receiver's destination is its own tensor at the same path when it has one of the
 same shape and dtype (a member that rolls back, the model of a new member: received in place, no
 ``load_state_dict`` copy), or a new one (the optimizer state of a new member). All ranks call
-:func:`broadcast_state` together, on the current default group.
+:func:`send_state` together, on the current default group; with ``overlap`` the optimizer's state
+streams on in a background thread (:class:`Transfer`).
 """
 
 from __future__ import annotations
@@ -329,23 +330,28 @@ class Transfer:
         :class:`TransferFailedError` if it did not all arrive (this rank's optimizer state is then incomplete,
         :attr:`failed`). gloo does not always fail a receive whose sender died, so a live worker gives up when
         its agent announces a new round. Once done, again is a no-op."""
-        if self.complete or self.failed:
-            if self.failed:
-                raise TransferFailedError("the optimizer state transfer failed before")
+        if self.failed:
+            raise TransferFailedError("the optimizer state transfer failed before")
+        if self.complete:
             return
         background = self._background
         if background is not None:
             deadline = time.monotonic() + timeout_s
             arrived = background.join(min(timeout_s, GIVE_UP_POLL_S))
+            gave_up = False
             while not arrived and background.running and time.monotonic() < deadline:
-                if give_up is not None and give_up():
+                gave_up = give_up is not None and give_up()
+                if gave_up:
                     break
                 arrived = background.join(min(GIVE_UP_POLL_S, max(0.0, deadline - time.monotonic())))
             if not arrived:
                 self.failed = True
-                why = repr(background.error)[:200] if background.error else f"not done after {timeout_s:.0f} s"
-                if background.running and give_up is not None and give_up():
+                if gave_up:
                     why = "given up: a new round was announced"
+                elif background.error is not None:
+                    why = repr(background.error)[:200]
+                else:
+                    why = f"not done after {timeout_s:.0f} s"
                 raise TransferFailedError(f"the optimizer state did not all arrive: {why}") from background.error
         if self._on_received is not None:
             self._on_received()
@@ -419,18 +425,6 @@ def _finished(transfer: Transfer) -> Transfer:
 
 def _optimizer_state(path: str) -> bool:
     return path.startswith("optimizer/")
-
-
-def broadcast_state(
-    src: int,
-    module: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    objects: Mapping[str, Any],
-    device: torch.device,
-    receivers: tuple[int, ...] | None = None,
-) -> int:
-    """:func:`send_state` all at once (nothing overlaps training); the bytes of tensors sent to each receiver."""
-    return send_state(src, module, optimizer, objects, device, receivers).sent
 
 
 def pieces_of(pieces: list[Piece]) -> Iterator[int]:

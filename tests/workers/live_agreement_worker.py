@@ -22,7 +22,7 @@ import torch
 
 from elastrain.live.agreement import Ballot, vote
 from elastrain.live.group import GroupBrokenError, TrainingGroup
-from elastrain.live.transfer import broadcast_state
+from elastrain.live.transfer import send_state
 from elastrain.train_state import TrainState
 
 
@@ -67,7 +67,7 @@ def agree(rank: int, world: int, port: int) -> None:
     agreement = vote(Ballot(has_state, state.step), torch.device("cpu"))
     if agreement.source is None:
         raise SystemExit("no source")
-    broadcast_state(agreement.source, model, optimizer, {"train_state": state}, torch.device("cpu"))
+    send_state(agreement.source, model, optimizer, {"train_state": state}, torch.device("cpu"))
     print(
         f"AGREED rank={rank} step={agreement.step} source={agreement.source} "
         f"hash={state_hash(model, optimizer, state)}",

@@ -89,7 +89,7 @@ def main() -> None:
         overlapped(mode, rank, model, optimizer, counter, own)
         return
     receivers = (2,) if mode == "receivers" else None
-    sent = transfer.broadcast_state(0, model, optimizer, {"counter": counter}, torch.device("cpu"), receivers)
+    sent = transfer.send_state(0, model, optimizer, {"counter": counter}, torch.device("cpu"), receivers).sent
     in_place = all(p.data_ptr() == own[name] for name, p in model.named_parameters())
     print(
         f"AFTER rank={rank} hash={state_hash(model, optimizer, counter.state_dict())} sent={sent} "

@@ -2,7 +2,7 @@
 
 At a live regroup these travel from the member that keeps the agreed state to the members that have none
 (a joining or restarted worker) or that roll back (a member a step ahead), together with the model and the
-optimizer (:func:`elastrain.live.transfer.broadcast_state`): the Trainer's own state (global step, epoch,
+optimizer (:func:`elastrain.live.transfer.send_state`): the Trainer's own state (global step, epoch,
 log history, best metric), the learning-rate scheduler's state, and elastrain's data position. Every
 value is a plain number, string, list or dict: nothing here is code.
 """

@@ -6,7 +6,7 @@ progress and the data position are kept, :class:`~elastrain.integrations.trainer
 process group to the agent's next round, makes accelerate see the new world, and agrees with the round's
 members on the newest step every one of them holds (:mod:`elastrain.live.agreement`): one member sends it
 to the members with none (joiners, restarted workers) and to those a step ahead
-(:func:`elastrain.live.transfer.broadcast_state`). No member holding state: the round loads the newest
+(:func:`elastrain.live.transfer.send_state`). No member holding state: the round loads the newest
 committed checkpoint instead (the driver's restore).
 """
 
@@ -26,7 +26,7 @@ from elastrain.env import WorkerEnv
 from elastrain.integrations.trainer.membership import TrainerMembership
 from elastrain.integrations.trainer.memory import Held
 from elastrain.live.agreement import Ballot, vote
-from elastrain.live.transfer import broadcast_state
+from elastrain.live.transfer import send_state
 from elastrain.log import lifecycle
 
 
@@ -77,14 +77,14 @@ class TrainerWorld:
         if held.holds_state:
             held.position.rebase(step)
         started = time.monotonic()
-        sent = broadcast_state(
+        sent = send_state(  # whole before the step: the Trainer's optimizer steps inside train()
             source,
             t.model,
             unwrapped(t.optimizer),
             {"progress": held.progress, "scheduler": held.scheduler, "data": held.position},
             device,
             receivers=agreement.ahead + agreement.receivers,
-        )
+        ).sent
         if self.rank == source:
             held.progress.snapshot()
             held.scheduler.snapshot()
