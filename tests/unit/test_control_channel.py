@@ -4,7 +4,6 @@ crash (writers on several threads at once: tests/integration/test_control_channe
 from __future__ import annotations
 
 import json
-import logging
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -86,26 +85,6 @@ def _wrong_shapes() -> Iterator[tuple[str, bytes]]:
 
 
 WRONG_SHAPES = list(_wrong_shapes())
-
-
-@pytest.fixture
-def logged() -> Iterator[list[str]]:
-    """The elastrain log lines written during the test (whatever configured the logger before)."""
-    lines: list[str] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    logger, handler = logging.getLogger("elastrain"), _Keep()
-    logger.addHandler(handler)
-    old_level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
 
 
 @pytest.mark.parametrize("name", sorted(FILES))
