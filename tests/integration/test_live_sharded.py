@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from support.processes import free_port
+from support.sharded_net import Net
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -19,18 +20,6 @@ from elastrain.live.sharded import (
     parameter_names,
     repoint_optimizer,
 )
-
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(4, 8)
-        self.b = torch.nn.Linear(8, 4)
-        self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)  # no checkpoint holds it
-        self.register_buffer("count", torch.zeros(1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x))) * self.scale
 
 
 def shard(module: torch.nn.Module, mesh: DeviceMesh) -> None:

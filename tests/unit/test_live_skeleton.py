@@ -3,20 +3,9 @@
 from __future__ import annotations
 
 import torch
+from support.sharded_net import Net
 
 from elastrain.live.sharded import meta_skeleton, non_persistent_buffers
-
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(4, 8)
-        self.b = torch.nn.Linear(8, 4)
-        self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)  # no checkpoint holds it
-        self.register_buffer("count", torch.zeros(1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x))) * self.scale
 
 
 def test_the_skeleton_holds_no_data_and_keeps_the_non_persistent_buffers() -> None:
