@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from bench.support.local_server import LocalServer
 from elastrain.binding import free_port
 
 
@@ -114,7 +114,7 @@ def make_tls_files(directory: Path) -> TlsFiles:
     return files
 
 
-class EtcdServer:
+class EtcdServer(LocalServer):
     """One etcd member on 127.0.0.1; keeps its port and data directory across :meth:`restart`."""
 
     def __init__(
@@ -129,13 +129,12 @@ class EtcdServer:
         self.directory = Path(directory)
         self.name = name
         self.data_dir = self.directory / "data"
-        self.log_path = self.directory / "etcd.log"
+        super().__init__(self.directory / "etcd.log")
         self.tls = tls
         self.start_timeout = start_timeout
         self.port = free_port("127.0.0.1")
         self.peer_port = peer_port or free_port("127.0.0.1")
         self.initial_cluster = initial_cluster or f"{name}=http://127.0.0.1:{self.peer_port}"
-        self.proc: subprocess.Popen[bytes] | None = None
         self._auth: tuple[str, str] | None = None
 
     @property
@@ -251,38 +250,10 @@ class EtcdServer:
         self.etcdctl("auth", "enable")
         self._auth = ("root", password)
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, sig)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=timeout)
-
     def restart(self, down_for: float = 0.0) -> None:
         self.stop()
         time.sleep(down_for)
         self.start()
-
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def __enter__(self) -> EtcdServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 class EtcdCluster:

@@ -14,16 +14,14 @@ binary with ELASTRAIN_TEST_AZURITE).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
-from types import TracebackType
 
+from bench.support.local_server import LocalServer
 from support.processes import REPO, free_port
 
 # Azurite's fixed development account (public, documented by Microsoft; not a secret).
@@ -44,15 +42,17 @@ def azurite_binary() -> str:
     raise FileNotFoundError("azurite-blob not found: run ./dev setup (it installs Azurite from npm into .tools/)")
 
 
-class AzuriteServer:
+class AzuriteServer(LocalServer):
     """One Azurite Blob service on 127.0.0.1."""
+
+    STOP_TIMEOUT_S = 2.0
+    """Azurite waits for idle keep-alive clients after SIGTERM: SIGKILL it soon."""
 
     def __init__(self, directory: Path, start_timeout: float = 30.0) -> None:
         self.directory = Path(directory)
-        self.log_path = self.directory / "azurite.log"
+        super().__init__(self.directory / "azurite.log")
         self.start_timeout = start_timeout
         self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def connection_string(self) -> str:
@@ -111,32 +111,3 @@ class AzuriteServer:
     def make_container(self, name: str) -> str:
         self.filesystem().mkdir(name)
         return name
-
-    def stop(self, timeout: float = 2.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout`` (Azurite waits for idle keep-alive clients otherwise)."""
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=timeout)
-
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def __enter__(self) -> AzuriteServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()

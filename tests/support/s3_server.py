@@ -14,29 +14,25 @@ Buckets live in the server's memory: they vanish when it stops.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from types import TracebackType
 
+from bench.support.local_server import LocalServer
 from support.processes import free_port
 
 
-class S3Server:
+class S3Server(LocalServer):
     """One moto S3 server on 127.0.0.1 with fixed test credentials."""
 
     def __init__(self, directory: Path, start_timeout: float = 30.0) -> None:
         self.directory = Path(directory)
-        self.log_path = self.directory / "moto.log"
+        super().__init__(self.directory / "moto.log")
         self.start_timeout = start_timeout
         self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint_url(self) -> str:
@@ -90,31 +86,3 @@ class S3Server:
     def make_bucket(self, name: str) -> str:
         self.filesystem().mkdir(name)
         return name
-
-    def stop(self, timeout: float = 10.0) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=timeout)
-
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def __enter__(self) -> S3Server:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
