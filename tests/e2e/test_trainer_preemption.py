@@ -56,14 +56,16 @@ def check(run: Run, ref: Run, w: Workload, sigkills: int, where: str) -> None:
         assert not _events(log, "workers_restarting"), f"{name}'s workers were restarted\n{detail}"
         assert not _events(log, "regroup_fallback"), f"{name} fell back to a restart\n{detail}"
     # The loss the Trainer logs averages the steps of a logging window; a window in which the world changed logs
-    # the steps since the change. Every other window, and the last, match the uninterrupted run's within 3%: the
-    # worlds sum the same gradients in another order, and AdamW lets that drift (measured here: 0.1-1.5% after a
-    # few hundred steps).
+    # the steps since the change. The log of a window's last step s is written after s, so a world that changed at
+    # s + 1 may write it too: a member killed between step s and its log takes its share of the window along, and
+    # the new world logs the survivors' mean (elastrain/integrations/trainer/lost_log.py). Every other window, and
+    # the last, match the uninterrupted run's within 3%: the worlds sum the same gradients in another order, and
+    # AdamW lets that drift (measured here: 0.1-1.5% after a few hundred steps).
     got_loss, want_loss = run.losses(), ref.losses()
     assert sorted(got_loss) == sorted(want_loss), detail
     changed = {s for s in ledger.world_change_steps()}
     window = int(sorted(want_loss)[0])
-    clean = [s for s in want_loss if not any(s - window < c <= s for c in changed)]
+    clean = [s for s in want_loss if not any(s - window < c <= s + 1 for c in changed)]
     differ = [(s, got_loss[s], want_loss[s]) for s in clean if got_loss[s] != pytest.approx(want_loss[s], rel=3e-2)]
     assert not differ, f"logged losses differ (step, elastic, uninterrupted): {differ[:8]}\n{detail}"
     last = max(want_loss)
