@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from elastrain.control import RegroupChannel, RegroupNotice
 from elastrain.env import (
@@ -84,17 +84,20 @@ class LiveMember:
     def wait_notice(self, after_round: int, timeout_s: float) -> RegroupNotice | None:
         return self.channel.wait_newer(after_round, timeout_s)
 
-    def await_round(self, poll_s: float = 1.0) -> WorkerEnv:
+    def await_round(self, poll_s: float = 1.0, while_waiting: Callable[[], None] | None = None) -> WorkerEnv:
         """A warm worker (built while its node was not in a round): say so, and wait for the first notice.
 
         The agent joins the rendezvous only now, so the job trains on meanwhile; the wait ends with the
-        notice, or with the agent (it starts this worker the usual way, or stops it, if it gives up)."""
+        notice, or with the agent (it starts this worker the usual way, or stops it, if it gives up).
+        ``while_waiting``: run once, after the announcement (the rendezvous goes on meanwhile)."""
         self.channel.announce_warm(self.env.local_rank, os.getpid())
         agent = int(os.environ.get(AGENT_PID, "0") or 0)
         started = time.monotonic()
         lifecycle(
             "worker_warm", local_rank=self.env.local_rank, why="built before its node joined: waiting for a round"
         )
+        if while_waiting is not None:
+            while_waiting()
         while (notice := self.channel.wait_newer(self.round, poll_s)) is None:
             if agent and not _alive(agent):
                 raise LiveError(f"the agent (pid {agent}) ended before this warm worker was given a round")

@@ -8,7 +8,10 @@ in ``bench/state_transfer.py``), and pieces let sending and receiving overlap. A
 is sent from its own memory and received straight into its destination (no copy on either side); small tensors
 are packed into shared pieces. A receiver's destination is its own tensor at the same path when it has one of the
 same shape and dtype (a member that rolls back, the model of a new member: received in place, no
-``load_state_dict`` copy), or a new one (the optimizer state of a new member). All ranks call
+``load_state_dict`` copy), or a new one (the optimizer state of a new member). New CPU memory is written (zeroed)
+just before its piece is received, while the pieces before it are on the wire: a page first touched by the
+kernel's socket copy costs several times one touched in user space (measured in ``bench/state_transfer.py``: a
+joiner's 210 MB of AdamW state took 0.59 s of system time when received into untouched pages). All ranks call
 :func:`send_state` together, on the current default group; with ``overlap`` the optimizer's state
 streams on in a background thread (:class:`Transfer`).
 """
@@ -28,6 +31,7 @@ import torch.distributed as dist
 from elastrain import wire
 from elastrain.errors import WireFormatError
 from elastrain.live.group import GroupBrokenError
+from elastrain.live.receive_pool import ReceivePool
 from elastrain.log import lifecycle
 
 PIECE_BYTES = 16 << 20
@@ -111,7 +115,13 @@ class _Stream:
     piece to each of them (``isend``/``irecv``), and the other ranks take no part."""
 
     def __init__(
-        self, src: int, tensors: list[torch.Tensor], device: torch.device, rank: int, peers: tuple[int, ...] | None
+        self,
+        src: int,
+        tensors: list[torch.Tensor],
+        device: torch.device,
+        rank: int,
+        peers: tuple[int, ...] | None,
+        fresh: frozenset[int] = frozenset(),
     ) -> None:
         self.src = src
         self.tensors = tensors
@@ -119,6 +129,10 @@ class _Stream:
         self.rank = rank
         self.receiving = rank != src
         self.peers = peers
+        self.touch = self.receiving and device.type == "cpu"
+        """Whether new memory is written before it is received into (CPU: its pages are mapped then)."""
+        self.fresh = fresh
+        """Indices of the tensors allocated for this transfer (a receiver's new memory)."""
         self._flight: deque[tuple[list[dist.Work], Piece, torch.Tensor]] = deque()
 
     def run(self, pieces: list[Piece]) -> None:
@@ -145,10 +159,15 @@ class _Stream:
 
     def _buffer(self, piece: Piece) -> torch.Tensor:
         if piece.own is not None:
-            return _bytes(self.tensors[piece.own])[piece.start : piece.stop]
+            buffer = _bytes(self.tensors[piece.own])[piece.start : piece.stop]
+            if self.touch and piece.own in self.fresh:
+                buffer.zero_()
+            return buffer
         parts = [_bytes(self.tensors[i]) for i in piece.packed]
         if self.receiving:
-            return torch.empty(sum(p.numel() for p in parts), dtype=torch.uint8, device=self.device)
+            size = sum(p.numel() for p in parts)
+            make = torch.zeros if self.touch else torch.empty
+            return make(size, dtype=torch.uint8, device=self.device)
         return torch.cat(parts)
 
     def _land(self) -> None:
@@ -186,11 +205,13 @@ def _send_tree(
     targets: Mapping[str, torch.Tensor] | None,
     receivers: tuple[int, ...] | None,
     later: Callable[[str], bool] | None,
+    pool: ReceivePool | None = None,
 ) -> tuple[Any, int, _Background | None]:
     """:func:`broadcast_tree`, with the tensors whose path ``later`` accepts streamed by a background thread
     (returned; None when there are none or this rank takes no part): the tree comes back at once, those
     tensors filled when the thread is done."""
     rank = dist.get_rank()
+    device = canonical_device(device)
     sources: list[torch.Tensor] = []
 
     def slot(t: torch.Tensor, path: tuple[str, ...]) -> list[Any]:
@@ -216,14 +237,18 @@ def _send_tree(
     peers = None if receivers is None else tuple(sorted(set(receivers) - {src}))
     if peers is not None and rank != src and rank not in peers:
         return None, 0, None
-    tensors = sources if rank == src else [_destination(s, targets or {}, device) for s in slots]
+    tensors, fresh = sources, frozenset[int]()
+    if rank != src:
+        placed = [_destination(s, targets or {}, device, pool) for s in slots]
+        tensors = [t for t, _ in placed]
+        fresh = frozenset(i for i, (_, new) in enumerate(placed) if new)
     deferred = [later is not None and later(s.path) for s in slots]
     now = plan_pieces([0 if d else s.nbytes for s, d in zip(slots, deferred, strict=True)])
-    _Stream(src, tensors, device, rank, peers).run(now)
+    _Stream(src, tensors, device, rank, peers, fresh).run(now)
     background = None
     if any(deferred):
         rest = plan_pieces([s.nbytes if d else 0 for s, d in zip(slots, deferred, strict=True)])
-        background = _Background(_Stream(src, tensors, device, rank, peers), rest)
+        background = _Background(_Stream(src, tensors, device, rank, peers, fresh), rest)
     sent = sum(s.nbytes for s in slots) if peers is None or peers else 0
     return wire.from_plain(skeleton, lambda payload: tensors[payload[0]]), sent, background
 
@@ -255,7 +280,21 @@ class _Background:
         return self._thread.is_alive()
 
 
-def _destination(s: _TensorSlot, targets: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+def canonical_device(device: torch.device) -> torch.device:
+    """``device`` as tensors report theirs: accelerate's CPU device is ``cpu:0``, a CPU tensor's is ``cpu`` (the
+    two compare unequal, and a receiver's own tensors would not be received into)."""
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.index is None and device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _destination(
+    s: _TensorSlot, targets: Mapping[str, torch.Tensor], device: torch.device, pool: ReceivePool | None
+) -> tuple[torch.Tensor, bool]:
+    """Where a receiver receives slot ``s``: its own tensor at that path when it fits, else one of ``pool``'s
+    (touched while it waited), else new memory; whether it is untouched new memory."""
     mine = targets.get(s.path)
     if (
         mine is not None
@@ -264,8 +303,11 @@ def _destination(s: _TensorSlot, targets: Mapping[str, torch.Tensor], device: to
         and mine.device == device
         and mine.is_contiguous()
     ):
-        return mine.detach()
-    return torch.empty(s.shape, dtype=s.dtype, device=device)
+        return mine.detach(), False
+    pooled = pool.take(s.shape, s.dtype, device) if pool is not None else None
+    if pooled is not None:
+        return pooled, False
+    return torch.empty(s.shape, dtype=s.dtype, device=device), True
 
 
 def _tensors_by_path(tree: Any) -> dict[str, torch.Tensor]:
@@ -378,10 +420,13 @@ def send_state(
     device: torch.device,
     receivers: tuple[int, ...] | None = None,
     overlap: bool = False,
+    pool: ReceivePool | None = None,
 ) -> Transfer:
     """Make the ``module``, ``optimizer`` and ``objects`` (``Stateful``s) of ``receivers`` (None: every rank)
     equal to rank ``src``'s. Every rank of the group calls it. ``overlap``: the optimizer's state streams in
-    the background (see :class:`Transfer`); the model, buffers and ``objects`` arrive before it returns."""
+    the background (see :class:`Transfer`); the model, buffers and ``objects`` arrive before it returns.
+    ``pool``: a receiver's memory made ready for the optimizer's state (:mod:`elastrain.live.receive_pool`);
+    emptied here."""
     rank = dist.get_rank()
     mine = rank == src
     started = time.monotonic()
@@ -401,7 +446,10 @@ def send_state(
         targets=None if mine else _tensors_by_path(tree),
         receivers=receivers,
         later=_optimizer_state if overlap else None,
+        pool=pool,
     )
+    if pool is not None:
+        pool.clear()  # what the state did not take
     on_received: Callable[[], None] | None = None
     if not mine:
         if not _in_place(state["model"], own_model):

@@ -15,6 +15,7 @@ import torch
 
 from elastrain.env import WorkerEnv
 from elastrain.live.member import LiveMember
+from elastrain.live.receive_pool import ReceivePool
 from elastrain.live.transfer import Transfer, TransferFailedError, send_state
 from elastrain.log import lifecycle
 from elastrain.session.runtime import Runtime
@@ -30,6 +31,15 @@ class Handover:
         self.transfer: Transfer | None = None
         self._timeout_s = TRANSFER_TIMEOUT_S
         self._live: LiveMember | None = None
+        self._pool: ReceivePool | None = None
+
+    def prepare(self, optimizer: torch.optim.Optimizer) -> None:
+        """A warm worker, while it waits for its first round: memory for the optimizer state it will receive."""
+        self._pool = ReceivePool.for_optimizer(optimizer)
+
+    def drop_pool(self) -> None:
+        """The state comes from elsewhere (a checkpoint) or not at all: the memory made ready is freed."""
+        self._pool = None
 
     def start(
         self,
@@ -50,7 +60,9 @@ class Handover:
             runtime.device,
             receivers=receivers,
             overlap=runtime.backend == "gloo" and runtime.config.overlap_state_transfer,
+            pool=self._pool,
         )
+        self._pool = None
         self._timeout_s = env.collective_timeout_s or TRANSFER_TIMEOUT_S
         self._live = runtime.live
         return self.transfer.sent

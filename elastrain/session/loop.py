@@ -164,6 +164,12 @@ class Session:
         return self.world.segment
 
     # -- lifecycle -------------------------------------------------------------------------------
+    def _prepare_to_receive(self) -> None:
+        """A warm worker's wait: the memory for the optimizer state it will receive, touched now (CPU, and a
+        model whose state travels: a sharded one's never does)."""
+        if self.runtime.device.type == "cpu" and self.runtime.sharded is None:
+            self.world.handover.prepare(self.optimizer)
+
     def start(self) -> Session:
         """Everything up to the first step; ``with Session(...)`` calls it."""
         if self._started:
@@ -172,7 +178,7 @@ class Session:
         configure()
         started = time.monotonic()
         if Runtime.live_mode(self.env):
-            self.env = self.runtime.start_live(self.env)
+            self.env = self.runtime.start_live(self.env, while_waiting=self._prepare_to_receive)
             live = self.runtime.live
             if live is not None:  # every rank moves at one agreed step boundary
                 self._flags.add(REGROUP_FLAG, lambda: live.pending_notice() is not None)

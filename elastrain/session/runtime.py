@@ -10,7 +10,7 @@ Either way the step's control flags ride on the last gradient bucket (:mod:`elas
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -68,13 +68,14 @@ class Runtime:
         self.refresh()
         self.module.to(self.device)
 
-    def start_live(self, env: WorkerEnv) -> WorkerEnv:
-        """Live mode: wait for a round if started warm, join it; the worker's environment in that round."""
+    def start_live(self, env: WorkerEnv, while_waiting: Callable[[], None] | None = None) -> WorkerEnv:
+        """Live mode: wait for a round if started warm (running ``while_waiting`` once meanwhile), join it; the
+        worker's environment in that round."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.live = LiveMember(env, self.backend)
         if env.warm:  # built while the job trained without this node: now it may join a round
-            env = self.live.await_round()
+            env = self.live.await_round(while_waiting=while_waiting)
         self.live.join_first()
         self.distributed = self._owns_group = True
         self.refresh()

@@ -107,6 +107,7 @@ class World:
             source, agreed_step, ahead, stale = agreement.source, agreement.step, agreement.ahead, agreement.stale
             receivers = len(agreement.receivers)
             if agreement.from_checkpoint:
+                self.handover.drop_pool()  # before the checkpoint's state takes its place in memory
                 self.restored = self._restore()
                 if sharded and has_state and self.restored is None:
                     # The module was rebuilt for this world: without a checkpoint its state is gone.
@@ -118,6 +119,7 @@ class World:
                 statefuls = _statefuls(self.state, self.feed, self.extra_state)
                 needy = agreement.ahead + agreement.receivers  # the others hold the agreed state already
                 sent = self.handover.start(source, needy, runtime, self.optimizer, statefuls, env)
+            self.handover.drop_pool()
         runtime.wrap(agree_saves=self.checkpointer is not None, in_sync=source is not None)
         self.plan = plan(self.config.scaling, world_size, self.state.reference_world_size or world_size)
         self.feed.replan(self.plan)  # the next step starts at the agreed position

@@ -23,20 +23,23 @@ def _run(mode: str) -> dict[str, dict[int, dict[str, str]]]:
     return lines
 
 
-@pytest.mark.parametrize("mode", ["all", "receivers"])
+@pytest.mark.parametrize("mode", ["all", "receivers", "pooled"])
 def test_the_state_arrives_whole_and_in_place_and_only_where_it_is_sent(mode: str) -> None:
     lines = _run(mode)
     before, after = lines["BEFORE"], lines["AFTER"]
     assert len({before[r]["hash"] for r in range(WORLD)}) == WORLD, "the ranks must start with different states"
     assert after[0]["hash"] == before[0]["hash"], "the source's state changed"
     assert after[2]["hash"] == before[0]["hash"] and after[2]["counter"] == "0", after
-    if mode == "receivers":
+    if mode in ("receivers", "pooled"):
         assert after[1]["hash"] == before[1]["hash"] and after[1]["sent"] == "0", "rank 1 was sent state"
     else:
         assert after[1]["hash"] == before[0]["hash"]
     assert int(after[0]["sent"]) > 2_800_000, after[0]
-    # The model's parameters are received into the receiver's own tensors: no copy, no new memory.
+    # The model's parameters are received into the receiver's own tensors: no copy, no new memory (also when
+    # the device is named cpu:0, as accelerate names it, and the tensors report cpu).
     assert all(after[r]["in_place"] == "True" for r in range(WORLD)), after
+    # A new member's optimizer state lands in the memory it made ready while it waited, tensor for tensor.
+    assert after[2]["pooled"] == str(mode == "pooled"), after[2]
 
 
 def test_the_optimizer_state_streams_while_a_step_runs_and_lands_whole() -> None:

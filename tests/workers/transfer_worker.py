@@ -4,7 +4,10 @@
 ``receivers``: rank 0 sends its state to rank 2 only (point to point); rank 1 keeps its own. ``all``: rank 0's
 state to every rank. ``overlap``: as ``receivers``, with the optimizer's state streamed in the background while
 the ranks run a collective of their own (a training step's), then finished. ``broken``: as ``overlap``, with
-rank 0 gone (``os._exit``) as soon as the call returns. Each rank prints the hash of its state, whether its
+rank 0 gone (``os._exit``) as soon as the call returns. ``pooled``: as ``receivers``, on accelerate's name for
+the CPU (``cpu:0``), with rank 2's optimizer state received into a pool it made beforehand
+(:class:`elastrain.live.receive_pool.ReceivePool`); it prints whether every tensor of its optimizer's state is one
+of the pool's (``pooled``). Each rank prints the hash of its state, whether its
 parameters stayed in their own memory, and the bytes the call returned; in the overlap modes also the model's
 hash when the call returned (before the optimizer's state arrived) and whether the transfer completed.
 """
@@ -19,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from elastrain.live import transfer
+from elastrain.live.receive_pool import ReceivePool
 
 
 class Mixed(torch.nn.Module):
@@ -88,12 +92,17 @@ def main() -> None:
     if mode in ("overlap", "broken"):
         overlapped(mode, rank, model, optimizer, counter, own)
         return
-    receivers = (2,) if mode == "receivers" else None
-    sent = transfer.send_state(0, model, optimizer, {"counter": counter}, torch.device("cpu"), receivers).sent
+    receivers = (2,) if mode in ("receivers", "pooled") else None
+    pool = ReceivePool.for_optimizer(optimizer) if mode == "pooled" and rank == 2 else None
+    made = {t.data_ptr() for t in (pool.left() if pool is not None else [])}
+    device = torch.device("cpu", 0) if mode == "pooled" else torch.device("cpu")
+    sent = transfer.send_state(0, model, optimizer, {"counter": counter}, device, receivers, pool=pool).sent
     in_place = all(p.data_ptr() == own[name] for name, p in model.named_parameters())
+    moments = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()]
+    pooled = bool(made) and len(moments) == len(made) and all(v.data_ptr() in made for v in moments)
     print(
         f"AFTER rank={rank} hash={state_hash(model, optimizer, counter.state_dict())} sent={sent} "
-        f"in_place={in_place} counter={counter.value}",
+        f"in_place={in_place} counter={counter.value} pooled={pooled}",
         flush=True,
     )
     dist.destroy_process_group()

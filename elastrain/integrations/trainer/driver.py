@@ -49,6 +49,7 @@ from elastrain.integrations.trainer.checkpoints import (
     rank_zero_log,
 )
 from elastrain.integrations.trainer.dataloader import StreamLoader
+from elastrain.integrations.trainer.ddp_args import tune_ddp
 from elastrain.integrations.trainer.errors import TrainerIntegrationError
 from elastrain.integrations.trainer.lost_log import LostLog
 from elastrain.integrations.trainer.membership import TrainerMembership
@@ -194,6 +195,7 @@ class ElasticTrainer:
         own_step = int(self.trainer.state.global_step) if self.held.holds_state else -1
         agreed = world.agree_state()
         self.lost_log.relog(self.trainer, self.trainer.args.device, own_step, kept_state=agreed)
+        tune_ddp(self.trainer.accelerator, in_sync=agreed)  # the DDP that train() builds for this world
         if not agreed:
             return self._restore(asked, first)
         self.batch.replan(self.held.position.global_batch)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import atexit
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from elastrain.env import WorkerEnv
@@ -71,8 +71,9 @@ class TrainerMembership:
     def joined(self) -> bool:
         return self.member is not None and self.member.group.round is not None
 
-    def join(self, backend: str) -> None:
-        """Join the round this worker was started into (collective over its members); no-op once joined."""
+    def join(self, backend: str, while_waiting: Callable[[], None] | None = None) -> None:
+        """Join the round this worker was started into (collective over its members); no-op once joined.
+        ``while_waiting``: a warm worker runs it once while it waits for its first round."""
         if self.member is None:
             self.member = LiveMember(self.env, backend)
             member = self.member
@@ -80,7 +81,7 @@ class TrainerMembership:
             # Before the interpreter finalises: the watchdog stopped, left groups freed (pytorch#179291).
             atexit.register(member.close)
         if self.warm:
-            self.env = self.member.await_round()
+            self.env = self.member.await_round(while_waiting=while_waiting)
             self.warm = False
         if self.member.group.round is None:
             self.member.join_first()

@@ -26,6 +26,7 @@ from elastrain.env import WorkerEnv
 from elastrain.integrations.trainer.membership import TrainerMembership
 from elastrain.integrations.trainer.memory import Held
 from elastrain.live.agreement import Ballot, vote
+from elastrain.live.receive_pool import ReceivePool
 from elastrain.live.transfer import send_state
 from elastrain.log import lifecycle
 
@@ -37,6 +38,7 @@ class TrainerWorld:
         self.trainer = trainer
         self.membership = membership
         self.held = held
+        self._pool: ReceivePool | None = None
 
     @property
     def rank(self) -> int:
@@ -47,10 +49,21 @@ class TrainerWorld:
         m = self.membership
         provisional = m.warm
         args = self.trainer.args
-        m.join("gloo" if args.use_cpu or not torch.cuda.is_available() else "nccl")
+        backend = "gloo" if args.use_cpu or not torch.cuda.is_available() else "nccl"
+        m.join(backend, while_waiting=self._prepare_to_receive if backend == "gloo" else None)
         if provisional or not first:
             self.reset_devices()
         return m.require().env
+
+    def _prepare_to_receive(self) -> None:
+        """A warm worker's wait: memory for the optimizer state it will receive, touched now (the optimizer
+        itself is made when the state arrives, as the Trainer would make it)."""
+        t = self.trainer
+        if t.optimizer is not None:
+            self._pool = ReceivePool.for_optimizer(unwrapped(t.optimizer))
+            return
+        optimizer_class, _ = t.get_optimizer_cls_and_kwargs(t.args, t.model)
+        self._pool = ReceivePool.for_parameters(list(t.model.parameters()), optimizer_class)
 
     def reset_devices(self) -> None:
         """accelerate's view of the world, made again for the current process group (rank, size, device)."""
@@ -68,6 +81,7 @@ class TrainerWorld:
         step = int(t.state.global_step) if held.holds_state else 0
         device = t.args.device
         agreement = vote(Ballot(held.holds_state, step), device)
+        pool, self._pool = self._pool, None
         if agreement.from_checkpoint:
             return False
         source = int(agreement.source or 0)
@@ -84,6 +98,7 @@ class TrainerWorld:
             {"progress": held.progress, "scheduler": held.scheduler, "data": held.position},
             device,
             receivers=agreement.ahead + agreement.receivers,
+            pool=pool,
         ).sent
         if self.rank == source:
             held.progress.snapshot()
