@@ -5,9 +5,10 @@ state. Its model is built, but its optimizer has no state yet: the state arrives
 every page of it is first touched by the kernel's socket copy, several times slower than a page touched in user
 space (``bench/state_transfer.py``: 210 MB of AdamW state took 0.59 s of system time received into untouched
 pages, and the stream moves at the wire's speed into memory already touched). So while it waits, the worker
-allocates and touches the tensors its optimizer will hold, shaped like its parameters, and the transfer receives
-into them (:func:`elastrain.live.transfer.send_state`, ``pool=``): they become the optimizer's own tensors, not
-views of a larger block. What the transfer does not use is freed with the pool.
+allocates the tensors its optimizer will hold, shaped like its parameters, a thread touches them, and the
+transfer receives into them (:func:`elastrain.live.transfer.send_state`, ``pool=``): they become the optimizer's
+own tensors, not views of a larger block. The thread never holds the worker up: when the round comes first, the
+transfer stops it and touches the rest piece by piece. What the transfer does not use is freed with the pool.
 
 Only for optimizers whose state is known: torch's Adam family keeps two tensors per parameter, shaped like it
 (``exp_avg`` and ``exp_avg_sq``; Adamax ``exp_inf``). For any other optimizer the pool is empty and the state is
@@ -16,8 +17,10 @@ received into new memory, touched piece by piece just before its piece arrives.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
@@ -42,17 +45,25 @@ def state_tensors_per_parameter(optimizer_class: type) -> int:
 
 
 class ReceivePool:
-    """Touched tensors by shape, dtype and device, each handed out once (:meth:`take`)."""
+    """Tensors by shape, dtype and device, each handed out once (:meth:`take`), touched by a thread of their own
+    until the transfer needs them (:meth:`stop`): the wait for a round is never made longer by it."""
 
-    def __init__(self, tensors: list[torch.Tensor] | None = None) -> None:
-        self._free: dict[_Key, list[torch.Tensor]] = defaultdict(list)
-        for t in tensors or []:
-            self._free[_key(tuple(t.shape), t.dtype, t.device)].append(t)
+    def __init__(self, tensors: list[torch.Tensor] | None = None, touch: bool = False) -> None:
+        self._free: dict[_Key, list[_Pooled]] = defaultdict(list)
+        self._order = [_Pooled(t, touched=not touch) for t in tensors or []]
+        for pooled in self._order:
+            t = pooled.tensor
+            self._free[_key(tuple(t.shape), t.dtype, t.device)].append(pooled)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if touch and self._order:
+            self._thread = threading.Thread(target=self._touch_all, name="elastrain-receive-pool", daemon=True)
+            self._thread.start()
 
     @classmethod
     def for_optimizer(cls, optimizer: torch.optim.Optimizer) -> ReceivePool:
-        """Tensors for the state ``optimizer`` will receive, allocated and touched now. Empty for an optimizer
-        that holds state already (it receives into its own) or whose state is not known."""
+        """Tensors for the state ``optimizer`` will receive, touched from now on. Empty for an optimizer that holds
+        state already (it receives into its own) or whose state is not known."""
         if optimizer.state:
             return cls()
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -61,38 +72,79 @@ class ReceivePool:
     @classmethod
     def for_parameters(cls, params: list[torch.Tensor], optimizer_class: type) -> ReceivePool:
         """Tensors for the state an optimizer of ``optimizer_class`` over ``params`` will receive (an optimizer
-        not made yet: the Trainer's), allocated and touched now; CPU parameters only (device memory has no pages
-        to touch)."""
+        not made yet: the Trainer's), touched from now on; CPU parameters only (device memory has no pages to
+        touch)."""
         copies = state_tensors_per_parameter(optimizer_class)
         params = [p for p in params if p.device.type == "cpu" and p.requires_grad]
         if copies == 0 or not params:
             return cls()
+        made = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params for _ in range(copies)]
+        return cls(made, touch=True)
+
+    def _touch_all(self) -> None:
         started = time.monotonic()
-        pool = cls([torch.zeros_like(p, memory_format=torch.contiguous_format) for p in params for _ in range(copies)])
+        done = 0
+        for pooled in self._order:
+            if self._stop.is_set():
+                break
+            pooled.tensor.zero_()  # maps its pages (torch lets go of the GIL meanwhile)
+            pooled.touched = True
+            done += 1
         lifecycle(
-            "receive_pool_ready",
-            tensors=len(params) * copies,
-            bytes=pool.bytes,
+            "receive_pool_touched",
+            tensors=f"{done}/{len(self._order)}",
+            bytes=sum(p.tensor.numel() * p.tensor.element_size() for p in self._order[:done]),
             took_s=round(time.monotonic() - started, 3),
         )
-        return pool
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        """A touched tensor of this shape, dtype and device, never handed out before; None when none is left."""
+    def ready(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) for the thread to touch every tensor; whether it did."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        return all(p.touched for p in self._order)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """The transfer starts: the touching ends after the tensor at hand (bounded wait); what it did not reach
+        is touched piece by piece as it is received."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():  # a tensor so large that touching it outlasts the bound: leave it be
+                self._free.clear()
+            self._thread = None
+
+    def take(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, bool] | None:
+        """A tensor of this shape, dtype and device never handed out before, and whether it was touched; None
+        when none is left. After :meth:`stop`."""
+        if self._thread is not None:
+            raise RuntimeError("internal: ReceivePool.take before stop()")
         free = self._free.get(_key(shape, dtype, device))
-        return free.pop() if free else None
+        if not free:
+            return None
+        pooled = free.pop()
+        return pooled.tensor, pooled.touched
 
     def left(self) -> list[torch.Tensor]:
         """The tensors not handed out yet."""
-        return [t for ts in self._free.values() for t in ts]
+        return [p.tensor for ps in self._free.values() for p in ps]
 
     @property
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.left())
 
-    def clear(self) -> None:
-        """Free what was not handed out."""
+    def close(self) -> None:
+        """Stop touching and free what was not handed out."""
+        self.stop()
         self._free.clear()
+        self._order = []
+
+
+@dataclass
+class _Pooled:
+    tensor: torch.Tensor
+    touched: bool
 
 
 def _key(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> _Key:

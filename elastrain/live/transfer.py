@@ -306,7 +306,8 @@ def _destination(
         return mine.detach(), False
     pooled = pool.take(s.shape, s.dtype, device) if pool is not None else None
     if pooled is not None:
-        return pooled, False
+        tensor, touched = pooled
+        return tensor, not touched
     return torch.empty(s.shape, dtype=s.dtype, device=device), True
 
 
@@ -426,10 +427,12 @@ def send_state(
     equal to rank ``src``'s. Every rank of the group calls it. ``overlap``: the optimizer's state streams in
     the background (see :class:`Transfer`); the model, buffers and ``objects`` arrive before it returns.
     ``pool``: a receiver's memory made ready for the optimizer's state (:mod:`elastrain.live.receive_pool`);
-    emptied here."""
+    closed here."""
     rank = dist.get_rank()
     mine = rank == src
     started = time.monotonic()
+    if pool is not None:
+        pool.stop()  # its tensors are received into now (or never: what is left is freed with it)
     if receivers is not None and not mine and rank not in receivers:
         broadcast_tree(None, src, device, receivers=receivers)  # the skeleton only: this rank's state is the same
         return _finished(Transfer(0, started, None, None, None))
@@ -449,7 +452,7 @@ def send_state(
         pool=pool,
     )
     if pool is not None:
-        pool.clear()  # what the state did not take
+        pool.close()  # what the state did not take
     on_received: Callable[[], None] | None = None
     if not mine:
         if not _in_place(state["model"], own_model):

@@ -39,6 +39,8 @@ class Handover:
 
     def drop_pool(self) -> None:
         """The state comes from elsewhere (a checkpoint) or not at all: the memory made ready is freed."""
+        if self._pool is not None:
+            self._pool.close()
         self._pool = None
 
     def start(

@@ -83,6 +83,8 @@ class TrainerWorld:
         agreement = vote(Ballot(held.holds_state, step), device)
         pool, self._pool = self._pool, None
         if agreement.from_checkpoint:
+            if pool is not None:
+                pool.close()  # before the checkpoint's state takes its place in memory
             return False
         source = int(agreement.source or 0)
         if t.optimizer is None:
