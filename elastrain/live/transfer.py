@@ -1,314 +1,30 @@
-"""Move a worker's training state from one rank to all at the wire's speed: model, optimizer, small ``Stateful``s.
+"""Move a worker's training state from one rank to the others at the wire's speed: model, optimizer, ``Stateful``s.
 
-The source sends a skeleton first: the state dicts with every tensor replaced by a placeholder (its index, shape,
-dtype and path), and the plain values, as JSON (:mod:`elastrain.wire`: what a peer sends is parsed, never
-unpickled). Then the tensors' bytes travel as a stream of pieces of at most :data:`PIECE_BYTES`, several in flight
-at once (:data:`IN_FLIGHT`): gloo moves a large tensor in one piece several times slower than in pieces (measured
-in ``bench/state_transfer.py``), and pieces let sending and receiving overlap. A tensor that fills pieces of its own
-is sent from its own memory and received straight into its destination (no copy on either side); small tensors
-are packed into shared pieces. A receiver's destination is its own tensor at the same path when it has one of the
-same shape and dtype (a member that rolls back, the model of a new member: received in place, no
-``load_state_dict`` copy), or a new one (the optimizer state of a new member). New CPU memory is written (zeroed)
-just before its piece is received, while the pieces before it are on the wire: a page first touched by the
-kernel's socket copy costs several times one touched in user space (measured in ``bench/state_transfer.py``: a
-joiner's 210 MB of AdamW state took 0.59 s of system time when received into untouched pages). All ranks call
-:func:`send_state` together, on the current default group; with ``overlap`` the optimizer's state
-streams on in a background thread (:class:`Transfer`).
+All ranks call :func:`send_state` together, on the current default group. The state goes only to the ranks that
+need it (``receivers``), as a skeleton and a stream of pieces (:mod:`elastrain.live.stream`, planned by
+:mod:`elastrain.live.pieces`): a rank that receives gets its own tensors overwritten in place where they fit (a
+member that rolls back, the model of a new member: no ``load_state_dict`` copy) and new ones otherwise. With
+``overlap`` the optimizer's state streams on in a background thread while the next step's forward and backward
+run; :meth:`Transfer.finish` waits for it before the optimizer's step, a save or a state dict.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from elastrain import wire
-from elastrain.errors import WireFormatError
 from elastrain.live.group import GroupBrokenError
 from elastrain.live.receive_pool import ReceivePool
+from elastrain.live.stream import Background, broadcast_tree, send_tree
 from elastrain.log import lifecycle
 
-PIECE_BYTES = 16 << 20
-"""The most bytes one broadcast carries (gloo: 16 MiB pieces move 1 GiB about 10x faster than one broadcast)."""
-IN_FLIGHT = 4
-"""Pieces on the wire at once: the next ones travel while one is being copied."""
 GIVE_UP_POLL_S = 0.2
 """How often a wait for the rest of a transfer asks whether to give up."""
-_TAGS = 1 << 10
-"""Point-to-point pieces carry their number modulo this as their tag (far more than are ever in flight)."""
-OWN_PIECES_BYTES = 1 << 20
-"""A tensor of at least this many bytes travels in pieces of its own, straight from and into its memory."""
-
-
-@dataclass(frozen=True)
-class _TensorSlot:
-    index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    path: str
-
-    @classmethod
-    def parse(cls, payload: Any) -> _TensorSlot:
-        """A placeholder's payload, ``[index, shape, dtype, path]``, checked (it came from a peer)."""
-        if not (isinstance(payload, list) and len(payload) == 4 and isinstance(payload[0], int)):
-            raise WireFormatError(f"a tensor placeholder must be [index, shape, dtype, path], got {payload!r:.80}")
-        index, shape, dtype, path = payload
-        if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
-            raise WireFormatError(f"tensor {index}: its shape {shape!r:.80} is not a list of sizes")
-        if not isinstance(path, str):
-            raise WireFormatError(f"tensor {index}: its path {path!r:.80} is not a string")
-        return cls(index, tuple(shape), wire.dtype_of(dtype), path)
-
-    @property
-    def nbytes(self) -> int:
-        return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=self.dtype).element_size()
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One broadcast: bytes ``[start, stop)`` of tensor ``own`` (in its memory), or a packed run of whole tensors."""
-
-    own: int | None
-    start: int = 0
-    stop: int = 0
-    packed: tuple[int, ...] = ()
-    """Indices of the small tensors packed in this piece, in order (``own`` is None)."""
-
-
-def plan_pieces(sizes: list[int], piece_bytes: int = PIECE_BYTES, own_bytes: int = OWN_PIECES_BYTES) -> list[Piece]:
-    """Pure: the pieces that carry tensors of ``sizes`` bytes (by index): large ones in pieces of their own of at
-    most ``piece_bytes``, small ones packed in order into pieces of at most ``piece_bytes``. The same on every rank."""
-    pieces: list[Piece] = []
-    run: list[int] = []
-    run_bytes = 0
-    for index, size in enumerate(sizes):
-        if size >= own_bytes:
-            pieces.extend(Piece(index, a, min(a + piece_bytes, size)) for a in range(0, size, piece_bytes))
-            continue
-        if size == 0:
-            continue
-        if run and run_bytes + size > piece_bytes:
-            pieces.append(Piece(None, packed=tuple(run)))
-            run, run_bytes = [], 0
-        run.append(index)
-        run_bytes += size
-    if run:
-        pieces.append(Piece(None, packed=tuple(run)))
-    return pieces
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's memory as a flat uint8 view (no copy)."""
-    return t.reshape(-1).view(torch.uint8)
-
-
-class _Stream:
-    """The pieces of one transfer from ``src`` to ``peers``, with at most :data:`IN_FLIGHT` on the wire.
-
-    ``peers`` None: every rank of the group (one broadcast per piece); a tuple of ranks: the source sends each
-    piece to each of them (``isend``/``irecv``), and the other ranks take no part."""
-
-    def __init__(
-        self,
-        src: int,
-        tensors: list[torch.Tensor],
-        device: torch.device,
-        rank: int,
-        peers: tuple[int, ...] | None,
-        fresh: frozenset[int] = frozenset(),
-    ) -> None:
-        self.src = src
-        self.tensors = tensors
-        self.device = device
-        self.rank = rank
-        self.receiving = rank != src
-        self.peers = peers
-        self.touch = self.receiving and device.type == "cpu"
-        """Whether new memory is written before it is received into (CPU: its pages are mapped then)."""
-        self.fresh = fresh
-        """Indices of the tensors allocated for this transfer (a receiver's new memory)."""
-        self._flight: deque[tuple[list[dist.Work], Piece, torch.Tensor]] = deque()
-
-    def run(self, pieces: list[Piece]) -> None:
-        if self.peers is not None and self.rank != self.src and self.rank not in self.peers:
-            return
-        for number, piece in enumerate(pieces):
-            while len(self._flight) >= IN_FLIGHT:
-                self._land()
-            buffer = self._buffer(piece)
-            self._flight.append((self._start(buffer, number % _TAGS), piece, buffer))
-        while self._flight:
-            self._land()
-
-    def _start(self, buffer: torch.Tensor, tag: int) -> list[dist.Work]:
-        if self.peers is None:
-            works = [dist.broadcast(buffer, src=self.src, async_op=True)]
-        elif self.receiving:
-            works = [dist.irecv(buffer, src=self.src, tag=tag)]
-        else:
-            works = [dist.isend(buffer, dst=peer, tag=tag) for peer in self.peers]
-        if any(w is None for w in works):
-            raise RuntimeError("internal: an asynchronous send or receive returned no work handle")
-        return [w for w in works if w is not None]
-
-    def _buffer(self, piece: Piece) -> torch.Tensor:
-        if piece.own is not None:
-            buffer = _bytes(self.tensors[piece.own])[piece.start : piece.stop]
-            if self.touch and piece.own in self.fresh:
-                buffer.zero_()
-            return buffer
-        parts = [_bytes(self.tensors[i]) for i in piece.packed]
-        if self.receiving:
-            size = sum(p.numel() for p in parts)
-            make = torch.zeros if self.touch else torch.empty
-            return make(size, dtype=torch.uint8, device=self.device)
-        return torch.cat(parts)
-
-    def _land(self) -> None:
-        works, piece, buffer = self._flight.popleft()
-        for work in works:
-            work.wait()
-        if self.receiving and piece.own is None:
-            offset = 0
-            for i in piece.packed:
-                out = _bytes(self.tensors[i])
-                out.copy_(buffer[offset : offset + out.numel()])
-                offset += out.numel()
-
-
-def broadcast_tree(
-    tree: Any,
-    src: int,
-    device: torch.device,
-    targets: Mapping[str, torch.Tensor] | None = None,
-    receivers: tuple[int, ...] | None = None,
-) -> tuple[Any, int]:
-    """``tree`` (nested dicts/lists of tensors and plain values) of rank ``src`` on every rank; bytes sent.
-
-    ``targets`` (a receiver's): tensors by path (:func:`elastrain.wire.path_key`) to receive into, where the
-    shape, dtype and device match and the tensor is contiguous; other tensors are allocated. ``receivers``: the
-    ranks that need the tensors (the others get the skeleton only, and ``None`` for the state); None: all."""
-    state, sent, _ = _send_tree(tree, src, device, targets, receivers, later=None)
-    return state, sent
-
-
-def _send_tree(
-    tree: Any,
-    src: int,
-    device: torch.device,
-    targets: Mapping[str, torch.Tensor] | None,
-    receivers: tuple[int, ...] | None,
-    later: Callable[[str], bool] | None,
-    pool: ReceivePool | None = None,
-) -> tuple[Any, int, _Background | None]:
-    """:func:`broadcast_tree`, with the tensors whose path ``later`` accepts streamed by a background thread
-    (returned; None when there are none or this rank takes no part): the tree comes back at once, those
-    tensors filled when the thread is done."""
-    rank = dist.get_rank()
-    device = canonical_device(device)
-    sources: list[torch.Tensor] = []
-
-    def slot(t: torch.Tensor, path: tuple[str, ...]) -> list[Any]:
-        t = t.detach()
-        sources.append(t if t.device == device and t.is_contiguous() else t.to(device).contiguous())
-        return [len(sources) - 1, list(t.shape), wire.dtype_name(t.dtype), wire.path_key(path)]
-
-    data: bytes | None = None
-    if rank == src:
-        try:
-            data = wire.dumps({"state": wire.to_plain(tree, slot)})
-        except WireFormatError as exc:  # every rank hears of it: none waits for tensors that never come
-            data = wire.dumps({"error": f"rank {src}: {exc}"})
-    message = wire.loads(wire.broadcast_bytes(data, src, device=device))
-    if not isinstance(message, dict) or not ("state" in message or "error" in message):
-        raise WireFormatError(f"rank {src} sent no state ({str(message)[:80]})")
-    if "error" in message:
-        raise WireFormatError(f"the live state cannot be sent: {message['error']}")
-    skeleton = message["state"]
-    slots = sorted((_TensorSlot.parse(p) for p in wire.placeholders(skeleton)), key=lambda s: s.index)
-    if [s.index for s in slots] != list(range(len(slots))):
-        raise WireFormatError("the state's tensor placeholders are not numbered 0, 1, 2, ...")
-    peers = None if receivers is None else tuple(sorted(set(receivers) - {src}))
-    if peers is not None and rank != src and rank not in peers:
-        return None, 0, None
-    tensors, fresh = sources, frozenset[int]()
-    if rank != src:
-        placed = [_destination(s, targets or {}, device, pool) for s in slots]
-        tensors = [t for t, _ in placed]
-        fresh = frozenset(i for i, (_, new) in enumerate(placed) if new)
-    deferred = [later is not None and later(s.path) for s in slots]
-    now = plan_pieces([0 if d else s.nbytes for s, d in zip(slots, deferred, strict=True)])
-    _Stream(src, tensors, device, rank, peers, fresh).run(now)
-    background = None
-    if any(deferred):
-        rest = plan_pieces([s.nbytes if d else 0 for s, d in zip(slots, deferred, strict=True)])
-        background = _Background(_Stream(src, tensors, device, rank, peers, fresh), rest)
-    sent = sum(s.nbytes for s in slots) if peers is None or peers else 0
-    return wire.from_plain(skeleton, lambda payload: tensors[payload[0]]), sent, background
-
-
-class _Background:
-    """The pieces of a transfer streamed by a thread of their own while training goes on."""
-
-    def __init__(self, stream: _Stream, pieces: list[Piece]) -> None:
-        self.error: BaseException | None = None
-        self.finished_at: float | None = None
-        """When the last piece landed or left (monotonic)."""
-        self._thread = threading.Thread(target=self._run, args=(stream, pieces), name="elastrain-state", daemon=True)
-        self._thread.start()
-
-    def _run(self, stream: _Stream, pieces: list[Piece]) -> None:
-        try:
-            stream.run(pieces)
-            self.finished_at = time.monotonic()
-        except Exception as exc:  # a peer gone mid-transfer: the training thread hears of it in finish()
-            self.error = exc
-
-    def join(self, timeout_s: float) -> bool:
-        """Whether the pieces all arrived (or left) within ``timeout_s`` without an error."""
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive() and self.error is None
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
-
-def canonical_device(device: torch.device) -> torch.device:
-    """``device`` as tensors report theirs: accelerate's CPU device is ``cpu:0``, a CPU tensor's is ``cpu`` (the
-    two compare unequal, and a receiver's own tensors would not be received into)."""
-    if device.type == "cpu":
-        return torch.device("cpu")
-    if device.index is None and device.type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _destination(
-    s: _TensorSlot, targets: Mapping[str, torch.Tensor], device: torch.device, pool: ReceivePool | None
-) -> tuple[torch.Tensor, bool]:
-    """Where a receiver receives slot ``s``: its own tensor at that path when it fits, else one of ``pool``'s
-    (touched while it waited), else new memory; whether it is untouched new memory."""
-    mine = targets.get(s.path)
-    if (
-        mine is not None
-        and tuple(mine.shape) == s.shape
-        and mine.dtype == s.dtype
-        and mine.device == device
-        and mine.is_contiguous()
-    ):
-        return mine.detach(), False
-    pooled = pool.take(s.shape, s.dtype, device) if pool is not None else None
-    if pooled is not None:
-        tensor, touched = pooled
-        return tensor, not touched
-    return torch.empty(s.shape, dtype=s.dtype, device=device), True
 
 
 def _tensors_by_path(tree: Any) -> dict[str, torch.Tensor]:
@@ -345,7 +61,7 @@ class Transfer:
         self,
         sent: int,
         started: float,
-        background: _Background | None,
+        background: Background | None,
         on_received: Callable[[], None] | None,
         receivers: str | None,
     ) -> None:
@@ -442,7 +158,7 @@ def send_state(
         "optimizer": optimizer.state_dict(),
         "objects": {name: obj.state_dict() for name, obj in objects.items()},
     }
-    state, sent, background = _send_tree(
+    state, sent, background = send_tree(
         tree if mine else None,
         src,
         device,
@@ -476,9 +192,3 @@ def _finished(transfer: Transfer) -> Transfer:
 
 def _optimizer_state(path: str) -> bool:
     return path.startswith("optimizer/")
-
-
-def pieces_of(pieces: list[Piece]) -> Iterator[int]:
-    """The tensor indices a list of pieces carries, in order (for tests)."""
-    for p in pieces:
-        yield from ([p.own] if p.own is not None else p.packed)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from elastrain.live.receive_pool import ReceivePool, state_tensors_per_parameter
-from elastrain.live.transfer import canonical_device
+from elastrain.live.stream import canonical_device
 
 
 class Odd(torch.optim.SGD):

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elastrain.errors import WireFormatError
-from elastrain.live.transfer import Piece, _TensorSlot, pieces_of, plan_pieces
+from elastrain.live.pieces import Piece, TensorSlot, pieces_of, plan_pieces
 
 MIB = 1 << 20
 
@@ -74,9 +74,9 @@ def test_every_byte_travels_once_in_pieces_no_larger_than_the_limit(sizes: list[
 )
 def test_a_malformed_placeholder_from_a_peer_is_refused(payload: object) -> None:
     with pytest.raises(WireFormatError):
-        _TensorSlot.parse(payload)
+        TensorSlot.parse(payload)
 
 
 def test_a_placeholder_is_parsed() -> None:
-    slot = _TensorSlot.parse([3, [2, 5], "bfloat16", "model/w"])
+    slot = TensorSlot.parse([3, [2, 5], "bfloat16", "model/w"])
     assert (slot.index, slot.shape, slot.path, slot.nbytes) == (3, (2, 5), "model/w", 20)

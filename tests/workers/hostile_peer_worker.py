@@ -21,7 +21,7 @@ import torch.distributed as dist
 from elastrain import wire
 from elastrain.checkpoint.group import Group
 from elastrain.errors import WireFormatError
-from elastrain.live.transfer import broadcast_tree
+from elastrain.live.stream import broadcast_tree
 
 
 class Hostile:

@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from elastrain.live import transfer
+from elastrain.live import pieces, transfer
 from elastrain.live.receive_pool import ReceivePool
 
 
@@ -73,7 +73,7 @@ def main() -> None:
     mode, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    transfer.PIECE_BYTES, transfer.OWN_PIECES_BYTES = 1 << 20, 256 << 10  # many pieces, several in flight
+    pieces.PIECE_BYTES, pieces.OWN_PIECES_BYTES = 1 << 20, 256 << 10  # many pieces, several in flight
     torch.manual_seed(rank)
     model = Mixed(8192 if mode == "broken" else 700)  # broken: 64 MB of optimizer state still to come
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
