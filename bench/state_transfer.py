@@ -23,7 +23,10 @@ step times), the median step time before it, the bytes the state transfer moved 
 ``event=state_sent`` line; "held up": the part of it before training went on), and, measured in the same run
 between two processes on this box, the rate of a warm
 1 GiB gloo broadcast (one piece, and 16 MiB pieces) and of a raw loopback socket, with the transfer's ratio to
-the best gloo rate.
+the best gloo rate. In the same two processes, before the jobs, it measures ``send_state`` alone for the Session
+model of each size (``--no-idle-rates`` skips it): into the receiver's own tensors, into memory made ready by a
+receive pool, and into new memory, so the transfer's own rate is read apart from what a job's other processes
+take from this machine's two cores.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = {
@@ -210,18 +214,21 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) 
     }
 
 
-def wire_rates() -> dict[str, float]:
+def wire_rates(state_sizes: str) -> dict[str, Any]:
+    """The box's gloo and socket rates, and send_state's own rate for the Session model of each of ``state_sizes``
+    (millions of parameters, comma-separated), between two processes with nothing else running."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    peer = subprocess.Popen([sys.executable, WIRE, "--rank", "1", "--port", str(port)], env=env)
+    extra = ["--state-sizes", state_sizes] if state_sizes else []
+    peer = subprocess.Popen([sys.executable, WIRE, "--rank", "1", "--port", str(port), *extra], env=env)
     try:
         out = subprocess.run(
-            [sys.executable, WIRE, "--rank", "0", "--port", str(port)],
-            env=env, capture_output=True, text=True, timeout=300, check=True,
+            [sys.executable, WIRE, "--rank", "0", "--port", str(port), *extra],
+            env=env, capture_output=True, text=True, timeout=900, check=True,
         )  # fmt: skip
     finally:
         peer.wait(timeout=60)
-    rates: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    rates: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return rates
 
 
@@ -234,14 +241,20 @@ def main() -> None:
         "--transfer", default="overlap,blocking", help="the Session's transfer: overlapping the next step, or before it"
     )
     p.add_argument("--timeout-s", type=float, default=600.0, help="bound on each phase of each run")
+    p.add_argument("--no-idle-rates", action="store_true", help="skip send_state's own rate between two idle processes")
     a = p.parse_args()
-    rates = wire_rates()
+    rates = wire_rates(a.sizes if "session" in a.workloads.split(",") and not a.no_idle_rates else "")
     best = max(rates["gloo_one_piece"], rates["gloo_16mib_pieces"])
     print(
         f"box: gloo broadcast 1 GiB {rates['gloo_one_piece']:.2f} GB/s in one piece, "
         f"{rates['gloo_16mib_pieces']:.2f} GB/s in 16 MiB pieces; raw loopback socket {rates['raw_socket']:.2f} GB/s",
         flush=True,
     )
+    for params, by_dest in rates.get("send_state", {}).items():
+        into = ", ".join(
+            f"into {dest} {gbs:.2f} GB/s ({gbs / best:.0%})" for dest, gbs in by_dest.items() if dest != "bytes"
+        )
+        print(f"send_state alone, {params}M ({by_dest['bytes'] / 1e9:.2f} GB), % of gloo: {into}", flush=True)
     header = (
         "workload  scenario  transfer  params  step before  step after  longest gap  stall  state moved  transfer   "
         "rate  vs gloo  held up  rolled back"
