@@ -1,10 +1,13 @@
-"""Checkpoint bench: what a save and a load cost, next to the disk's limit and torch.save.
+"""Checkpoint bench: what a save and a load cost, next to the disk's own rates and torch.save.
 
     python bench/checkpoint.py                 # 2 ranks, 8 x Linear(2048, 2048) + AdamW = 403 MB
     python bench/checkpoint.py --hidden 512    # a quick, smaller run
 
 Ranks are started with torch.multiprocessing (gloo on CPU); the model is FSDP2-sharded. Times are
-medians over --repeats; every save goes to a fresh step directory, fsynced, with CRC-32s.
+medians over --repeats; every save goes to a fresh step directory, fsynced, with CRC-32s. The disk's own
+rates are measured in the same run, every rank at once with its share of the checkpoint's bytes: a write
+and fsync, and a read of that file with its pages dropped from the page cache first (``posix_fadvise``
+``DONTNEED``). The restore is measured the same way, cold, its files' pages dropped before it reads them.
 
 It also prints the bytes read per save and per restore (all ranks, from /proc/self/io ``rchar``):
 elastrain's method (CRC-32s computed while writing, checked while loading) against the method it
@@ -71,13 +74,14 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def disk_write(path: Path, nbytes: int) -> float:
-    """Seconds for every rank to write and fsync its share of ``nbytes`` at once."""
+def disk_rates(path: Path, nbytes: int) -> tuple[float, float]:
+    """Seconds for every rank to write and fsync its share of ``nbytes`` at once, then to read it back cold."""
     share = nbytes // dist.get_world_size()
     block = os.urandom(8 << 20)
+    file = path / f"disk-{dist.get_rank()}.bin"
 
     def write() -> None:
-        with open(path / f"disk-{dist.get_rank()}.bin", "wb") as f:
+        with open(file, "wb") as f:
             left = share
             while left > 0:
                 f.write(block[: min(left, len(block))])
@@ -85,9 +89,28 @@ def disk_write(path: Path, nbytes: int) -> float:
             f.flush()
             os.fsync(f.fileno())
 
-    t = timed(write)
-    os.remove(path / f"disk-{dist.get_rank()}.bin")
-    return t
+    def read() -> None:
+        buf = bytearray(8 << 20)
+        with open(file, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+    wrote = timed(write)
+    drop_cached(file)
+    read_s = timed(read)
+    os.remove(file)
+    return wrote, read_s
+
+
+def drop_cached(path: Path) -> None:
+    """Drop a file's (or every file's under a folder) clean pages from the page cache: the next read is cold."""
+    for file in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def rchar() -> int:
@@ -277,14 +300,17 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict
     nbytes_t = torch.tensor([local * 4 * 3])  # parameters + exp_avg + exp_avg_sq, fp32
     dist.all_reduce(nbytes_t)
     nbytes = int(nbytes_t.item())
-    res: dict[str, list[float]] = {k: [] for k in ("disk", "sync", "stall", "async", "load", "torch_save")}
+    keys = ("disk", "disk_read", "sync", "stall", "async", "load", "torch_save")
+    res: dict[str, list[float]] = {k: [] for k in keys}
     # One checkpointer of each kind for all repeats, as in training (the staging buffers are reused).
     sync_ck = Checkpointer(root / "sync", keep_last=1, async_save=False, interval_seconds=math.inf)
     async_ck = Checkpointer(root / "async", keep_last=1, interval_seconds=math.inf)
     for ck in (sync_ck, async_ck):
         ck.register(model=model, optimizer=opt)
     for step in range(1, args.repeats + 1):
-        res["disk"].append(disk_write(root, nbytes))
+        wrote, read = disk_rates(root, nbytes)
+        res["disk"].append(wrote)
+        res["disk_read"].append(read)
         res["sync"].append(timed(lambda s=step: sync_ck.save(s, blocking=True)))  # type: ignore[misc]
         dist.barrier()
         t0 = time.perf_counter()
@@ -297,6 +323,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict
         with Checkpointer(root / "async", keep_last=1) as ck:
             ck.register(model=model, optimizer=opt)
             os.system("sync")
+            drop_cached(root / "async")
             res["load"].append(timed(ck.restore))
 
         def torch_save() -> None:
@@ -384,11 +411,16 @@ def main() -> None:
     print(f"medians of {args.repeats}; every save fsynced and CRC-32-checked; load includes verification\n")
     rows = [
         ("disk write (limit)", r["disk"], f"{mb / r['disk'] / 1e3:.2f} GB/s"),
+        ("disk read, cold (limit)", r["disk_read"], f"{mb / r['disk_read'] / 1e3:.2f} GB/s"),
         ("sync save", sync, f"{mb / sync / 1e3:.2f} GB/s, {sync / r['disk']:.2f}x disk"),
         ("async save: stall", r["stall"], f"{100 * r['stall'] / sync:.1f}% of sync save (target <= 10%)"),
         ("  + next step's wait", r["step_wait"], "optimizer.step() waiting for the overlapped copy"),
         ("async save: total", r["async"], f"{r['async'] / sync:.2f}x sync save"),
-        ("load (restore)", r["load"], f"{mb / r['load'] / 1e3:.2f} GB/s"),
+        (
+            "load (restore), cold",
+            r["load"],
+            f"{mb / r['load'] / 1e3:.2f} GB/s, {r['load'] / r['disk_read']:.2f}x disk read",
+        ),
         ("torch.save from rank 0", r["torch_save"], f"{r['torch_save'] / sync:.2f}x sync save"),
     ]
     for name, secs, note in rows:

@@ -10,6 +10,13 @@ transfer receives into them (:func:`elastrain.live.transfer.send_state`, ``pool=
 own tensors, not views of a larger block. The thread never holds the worker up: when the round comes first, the
 transfer stops it and touches the rest piece by piece. What the transfer does not use is freed with the pool.
 
+The same goes for the gradients of a new member's first backward (``gradients=True``): written for the first time
+in that backward, on this machine their page faults made a joiner's first step seconds slower at 250M parameters,
+and the running workers wait for it at the step's all-reduce. After the optimizer's tensors, the thread gives each
+parameter that has no gradient a zeroed one (made and written in one go, then set: a parameter's ``grad`` is None
+or zeros, never unwritten memory); the first backward accumulates into it (0 + g is g, exactly). A parameter the
+thread did not reach before the round keeps ``None`` and gets its gradient in that backward, as it would have.
+
 Only for optimizers whose state is known: torch's Adam family keeps two tensors per parameter, shaped like it
 (``exp_avg`` and ``exp_avg_sq``; Adamax ``exp_inf``). For any other optimizer the pool is empty and the state is
 received into new memory, touched piece by piece just before its piece arrives.
@@ -48,38 +55,49 @@ class ReceivePool:
     """Tensors by shape, dtype and device, each handed out once (:meth:`take`), touched by a thread of their own
     until the transfer needs them (:meth:`stop`): the wait for a round is never made longer by it."""
 
-    def __init__(self, tensors: list[torch.Tensor] | None = None, touch: bool = False) -> None:
+    def __init__(
+        self,
+        tensors: list[torch.Tensor] | None = None,
+        touch: bool = False,
+        gradients: list[torch.Tensor] | None = None,
+    ) -> None:
         self._free: dict[_Key, list[_Pooled]] = defaultdict(list)
         self._order = [_Pooled(t, touched=not touch) for t in tensors or []]
+        self._gradients = list(gradients or []) if touch else []
+        """Parameters given a zeroed gradient by the thread, after the tensors (those that have none by then)."""
         for pooled in self._order:
             t = pooled.tensor
             self._free[_key(tuple(t.shape), t.dtype, t.device)].append(pooled)
         self._stop = threading.Event()
+        self._setting = threading.Lock()
+        """Held while a gradient is set: once :meth:`stop` has it, no parameter gets one any more."""
         self._thread: threading.Thread | None = None
-        if touch and self._order:
+        if touch and (self._order or self._gradients):
             self._thread = threading.Thread(target=self._touch_all, name="elastrain-receive-pool", daemon=True)
             self._thread.start()
 
     @classmethod
-    def for_optimizer(cls, optimizer: torch.optim.Optimizer) -> ReceivePool:
+    def for_optimizer(cls, optimizer: torch.optim.Optimizer, gradients: bool = False) -> ReceivePool:
         """Tensors for the state ``optimizer`` will receive, touched from now on. Empty for an optimizer that holds
-        state already (it receives into its own) or whose state is not known."""
+        state already (it receives into its own) or whose state is not known. ``gradients``: its parameters'
+        gradients made too (the first backward's), after the tensors (a loop whose first backward comes after
+        the pool is stopped: the Session's)."""
         if optimizer.state:
             return cls()
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        return cls.for_parameters(params, type(optimizer))
+        return cls.for_parameters(params, type(optimizer), gradients)
 
     @classmethod
-    def for_parameters(cls, params: list[torch.Tensor], optimizer_class: type) -> ReceivePool:
+    def for_parameters(cls, params: list[torch.Tensor], optimizer_class: type, gradients: bool = False) -> ReceivePool:
         """Tensors for the state an optimizer of ``optimizer_class`` over ``params`` will receive (an optimizer
         not made yet: the Trainer's), touched from now on; CPU parameters only (device memory has no pages to
-        touch)."""
+        touch). ``gradients``: see :meth:`for_optimizer`."""
         copies = state_tensors_per_parameter(optimizer_class)
         params = [p for p in params if p.device.type == "cpu" and p.requires_grad]
-        if copies == 0 or not params:
-            return cls()
         made = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params for _ in range(copies)]
-        return cls(made, touch=True)
+        if not made and not gradients:
+            return cls()
+        return cls(made, touch=True, gradients=params if gradients else None)
 
     def _touch_all(self) -> None:
         started = time.monotonic()
@@ -90,23 +108,41 @@ class ReceivePool:
             pooled.tensor.zero_()  # maps its pages (torch lets go of the GIL meanwhile)
             pooled.touched = True
             done += 1
+        grads = grad_bytes = 0
+        for param in self._gradients:
+            if self._stop.is_set():
+                break
+            if param.grad is None:
+                grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
+                with self._setting:
+                    if self._stop.is_set():  # the round came meanwhile: the loop owns the gradients now
+                        break
+                    param.grad = grad  # only once written: never unwritten memory in a gradient
+                grad_bytes += grad.numel() * grad.element_size()
+            grads += 1
         lifecycle(
             "receive_pool_touched",
             tensors=f"{done}/{len(self._order)}",
             bytes=sum(p.tensor.numel() * p.tensor.element_size() for p in self._order[:done]),
+            gradients=f"{grads}/{len(self._gradients)}" if self._gradients else None,
+            gradient_bytes=grad_bytes if self._gradients else None,
             took_s=round(time.monotonic() - started, 3),
         )
 
     def ready(self, timeout_s: float) -> bool:
-        """Wait (at most ``timeout_s``) for the thread to touch every tensor; whether it did."""
+        """Wait (at most ``timeout_s``) for the thread to touch every tensor (and make every gradient); whether
+        it did."""
         if self._thread is not None:
             self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                return False
         return all(p.touched for p in self._order)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """The transfer starts: the touching ends after the tensor at hand (bounded wait); what it did not reach
         is touched piece by piece as it is received."""
-        self._stop.set()
+        with self._setting:
+            self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():  # a tensor so large that touching it outlasts the bound: leave it be
@@ -139,6 +175,7 @@ class ReceivePool:
         self.stop()
         self._free.clear()
         self._order = []
+        self._gradients = []
 
 
 @dataclass

@@ -34,8 +34,9 @@ class Handover:
         self._pool: ReceivePool | None = None
 
     def prepare(self, optimizer: torch.optim.Optimizer) -> None:
-        """A warm worker, while it waits for its first round: memory for the optimizer state it will receive."""
-        self._pool = ReceivePool.for_optimizer(optimizer)
+        """A warm worker, while it waits for its first round: memory for the optimizer state it will receive, and
+        the gradients of its first backward (``World.enter`` stops the pool before any step)."""
+        self._pool = ReceivePool.for_optimizer(optimizer, gradients=True)
 
     def drop_pool(self) -> None:
         """The state comes from elsewhere (a checkpoint) or not at all: the memory made ready is freed."""

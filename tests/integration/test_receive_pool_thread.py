@@ -55,3 +55,46 @@ def test_take_before_the_transfer_stopped_the_thread_is_an_error() -> None:
             pool.take((1 << 20,), torch.float32, torch.device("cpu"))
     finally:
         pool.close()
+
+
+def test_gradients_are_made_zeroed_for_the_first_backward_and_it_adds_into_them_exactly() -> None:
+    torch.manual_seed(0)
+    model, twin = _model([5, 7, 3]), _model([5, 7, 3])
+    twin.load_state_dict(model.state_dict())
+    kept = torch.full_like(model[0].bias, 2.0)
+    model[0].bias.grad = kept  # a gradient the script made itself stays as it is
+    pool = ReceivePool.for_optimizer(torch.optim.AdamW(model.parameters()), gradients=True)
+    assert pool.ready(timeout_s=60.0), "the thread did not make every gradient"
+    pool.stop()
+    assert model[0].bias.grad is kept
+    made = [p for p in model.parameters() if p is not model[0].bias]
+    assert all(p.grad is not None and p.grad.shape == p.shape and p.grad.count_nonzero() == 0 for p in made)
+    model[0].bias.grad = None
+    x = torch.randn(4, 5)
+    model(x).square().sum().backward()
+    twin(x).square().sum().backward()
+    for mine, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)  # type: ignore[arg-type]
+
+
+def test_once_stopped_no_parameter_gets_a_gradient_and_none_holds_unwritten_memory() -> None:
+    for _ in range(5):
+        model = _model([64] * 12)
+        pool = ReceivePool.for_optimizer(torch.optim.AdamW(model.parameters()), gradients=True)
+        pool.stop()  # at once: the thread may have made none, some or all of them
+        given = [p.grad for p in model.parameters()]
+        assert all(g is None or g.count_nonzero() == 0 for g in given)
+        pool.close()
+        assert [p.grad for p in model.parameters()] == given, "a gradient was set after stop()"
+
+
+def test_gradients_only_when_asked_and_for_an_optimizer_of_unknown_state_too() -> None:
+    model = _model([3, 4])
+    pool = ReceivePool.for_optimizer(torch.optim.AdamW(model.parameters()))
+    assert pool.ready(timeout_s=60.0)
+    pool.close()
+    assert all(p.grad is None for p in model.parameters())
+    pool = ReceivePool.for_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), gradients=True)
+    assert pool.left() == [] and pool.ready(timeout_s=60.0)
+    pool.close()
+    assert all(p.grad is not None and p.grad.count_nonzero() == 0 for p in model.parameters())

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from base64 import b64encode
 from collections.abc import Callable, Iterator
@@ -14,8 +13,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from support.rendezvous_nodes import FAST, eventually, handler, rendezvous_all
 from torch.distributed import HashStore
-from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastrain.env import RDZV_SECRET_FILE
 from elastrain.errors import RendezvousError, RendezvousSecretError, RendezvousStateCorruptError
@@ -25,7 +25,6 @@ from elastrain.rendezvous.auth import RendezvousAuth, SignedStore
 from elastrain.rendezvous.backends.c10d import C10dBackend
 from elastrain.rendezvous.handler import ElastrainRendezvousHandler
 
-FAST = {"heartbeat_interval": "0.05", "heartbeat_timeout": "0.5", "last_call_timeout": "5"}
 SECRET = b"0123456789abcdef0123456789abcdef"
 STATE_KEY = "torch.rendezvous.unit"
 
@@ -43,34 +42,7 @@ def secret_file(tmp_path: Path, secret: bytes = SECRET) -> str:
 
 
 def node(store: HashStore, max_nodes: int, **conf: str) -> ElastrainRendezvousHandler:
-    params = RendezvousParameters(
-        backend="c10d", endpoint="127.0.0.1:0", run_id="unit", min_nodes=1, max_nodes=max_nodes, **{**FAST, **conf}
-    )
-    return ElastrainRendezvousHandler(C10dBackend(store, "unit"), store, params)
-
-
-def rendezvous_all(nodes: list[ElastrainRendezvousHandler]) -> list[RendezvousInfo]:
-    out: list[RendezvousInfo | None] = [None] * len(nodes)
-
-    def go(i: int) -> None:
-        out[i] = nodes[i].next_rendezvous()
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(nodes))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert all(o is not None for o in out), "a rendezvous did not complete"
-    return [o for o in out if o is not None]
-
-
-def eventually(pred: Callable[[], object], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
+    return handler(store, max_nodes, **conf)
 
 
 def stays(pred: Callable[[], object], seconds: float) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support.rendezvous_nodes import FAST, eventually, handler, rendezvous_all
 from torch.distributed import HashStore
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -17,39 +17,10 @@ from elastrain.errors import NodeLeftError
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.handler import ElastrainRendezvousHandler
 
-FAST = {"heartbeat_interval": "0.05", "heartbeat_timeout": "0.5", "last_call_timeout": "5"}
-
 
 def make_nodes(n: int, **conf: str) -> list[ElastrainRendezvousHandler]:
     store = HashStore()
-    params = RendezvousParameters(
-        backend="c10d", endpoint="127.0.0.1:0", run_id="unit", min_nodes=1, max_nodes=n, **{**FAST, **conf}
-    )
-    return [ElastrainRendezvousHandler(C10dRendezvousBackend(store, "unit"), store, params) for _ in range(n)]
-
-
-def rendezvous_all(nodes: list[ElastrainRendezvousHandler]) -> list[RendezvousInfo]:
-    out: list[RendezvousInfo | None] = [None] * len(nodes)
-
-    def go(i: int) -> None:
-        out[i] = nodes[i].next_rendezvous()
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(nodes))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert all(o is not None for o in out), "a rendezvous did not complete"
-    return [o for o in out if o is not None]
-
-
-def eventually(pred: Callable[[], object], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
+    return [handler(store, n, C10dRendezvousBackend, **conf) for _ in range(n)]
 
 
 def test_nodes_form_one_round_with_fresh_worker_store_info() -> None:
@@ -213,11 +184,8 @@ class CountingBackend(C10dRendezvousBackend):
 
 def counted_nodes(n: int, **conf: str) -> tuple[list[ElastrainRendezvousHandler], CountingBackend]:
     store = HashStore()
-    params = RendezvousParameters(
-        backend="c10d", endpoint="127.0.0.1:0", run_id="unit", min_nodes=1, max_nodes=n, **{**FAST, **conf}
-    )
     backend = CountingBackend(store, "unit")
-    return [ElastrainRendezvousHandler(backend, store, params) for _ in range(n)], backend
+    return [handler(store, n, lambda _store, _run_id: backend, **conf) for _ in range(n)], backend
 
 
 def test_survivors_rejoin_through_keys_and_one_compare_and_set_forms_the_round() -> None:
