@@ -12,7 +12,7 @@ transfer stops it and touches the rest piece by piece. What the transfer does no
 
 The same goes for the gradients of a new member's first backward (``gradients=True``): written for the first time
 in that backward, on this machine their page faults made a joiner's first step seconds slower at 250M parameters,
-and the running workers wait for it at the step's all-reduce. After the optimizer's tensors, the thread gives each
+and the running workers wait for it at the step's all-reduce. Before the optimizer's tensors, the thread gives each
 parameter that has no gradient a zeroed one (made and written in one go, then set: a parameter's ``grad`` is None
 or zeros, never unwritten memory); the first backward accumulates into it (0 + g is g, exactly). A parameter the
 thread did not reach before the round keeps ``None`` and gets its gradient in that backward, as it would have.
@@ -101,13 +101,8 @@ class ReceivePool:
 
     def _touch_all(self) -> None:
         started = time.monotonic()
-        done = 0
-        for pooled in self._order:
-            if self._stop.is_set():
-                break
-            pooled.tensor.zero_()  # maps its pages (torch lets go of the GIL meanwhile)
-            pooled.touched = True
-            done += 1
+        # The gradients first: a new member's first backward writes them on the step's path, while the optimizer's
+        # state is received during that step (streamed) or before it, and touched piece by piece if not reached.
         grads = grad_bytes = 0
         for param in self._gradients:
             if self._stop.is_set():
@@ -120,6 +115,13 @@ class ReceivePool:
                     param.grad = grad  # only once written: never unwritten memory in a gradient
                 grad_bytes += grad.numel() * grad.element_size()
             grads += 1
+        done = 0
+        for pooled in self._order:
+            if self._stop.is_set():
+                break
+            pooled.tensor.zero_()  # maps its pages (torch lets go of the GIL meanwhile)
+            pooled.touched = True
+            done += 1
         lifecycle(
             "receive_pool_touched",
             tensors=f"{done}/{len(self._order)}",

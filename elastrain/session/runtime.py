@@ -10,6 +10,7 @@ Either way the step's control flags ride on the last gradient bucket (:mod:`elas
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -45,6 +46,8 @@ class Runtime:
         self.sharded = ShardedModel(module, config.shard) if config.shard is not None else None
         """With ``shard=``: the model is sharded anew in every world (no DDP; its state comes from checkpoints)."""
         self._owns_group = False
+        self._replaced: list[weakref.ref[torch.nn.Module]] = []
+        """The DDP wrappers dropped since :meth:`replaced_alive` last answered (weakly: they may be gone)."""
 
     @property
     def backend(self) -> str:
@@ -122,7 +125,17 @@ class Runtime:
 
     def unwrap(self) -> None:
         """Drop the DDP wrapper (bound to a group being left)."""
+        if self.model is not self.module:
+            self._replaced.append(weakref.ref(self.model))
         self.model = self.module
+
+    def replaced_alive(self) -> bool:
+        """Whether a DDP wrapper dropped since the last call is still referenced (a broken collective's traceback
+        holds it in a cycle): its reducer's autograd hooks would fire in the next backward until it is collected.
+        A wrapper dropped with nothing referring to it is gone already (the reducer freed with it)."""
+        alive = any(ref() is not None for ref in self._replaced)
+        self._replaced = []
+        return alive
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """A sum over the current group; in live mode one the watchdog can give up (``GroupBrokenError``)."""
