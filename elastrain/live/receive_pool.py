@@ -15,7 +15,10 @@ in that backward, on this machine their page faults made a joiner's first step s
 and the running workers wait for it at the step's all-reduce. Before the optimizer's tensors, the thread gives each
 parameter that has no gradient a zeroed one (made and written in one go, then set: a parameter's ``grad`` is None
 or zeros, never unwritten memory); the first backward accumulates into it (0 + g is g, exactly). A parameter the
-thread did not reach before the round keeps ``None`` and gets its gradient in that backward, as it would have.
+thread did not reach before the round keeps ``None`` and gets its gradient in that backward, as it would have. When
+the state comes from a checkpoint instead, the gradients are taken back (:meth:`ReceivePool.take_back_gradients`):
+torch's ``get_state_dict`` makes an empty optimizer's state (for the checkpoint to load into) only while no
+parameter has a gradient.
 
 Only for optimizers whose state is known: torch's Adam family keeps two tensors per parameter, shaped like it
 (``exp_avg`` and ``exp_avg_sq``; Adamax ``exp_inf``). For any other optimizer the pool is empty and the state is
@@ -64,7 +67,9 @@ class ReceivePool:
         self._free: dict[_Key, list[_Pooled]] = defaultdict(list)
         self._order = [_Pooled(t, touched=not touch) for t in tensors or []]
         self._gradients = list(gradients or []) if touch else []
-        """Parameters given a zeroed gradient by the thread, after the tensors (those that have none by then)."""
+        """Parameters to give a zeroed gradient, before the tensors (those that have none by then)."""
+        self._given: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """(parameter, gradient) the thread gave: :meth:`take_back_gradients` undoes it."""
         for pooled in self._order:
             t = pooled.tensor
             self._free[_key(tuple(t.shape), t.dtype, t.device)].append(pooled)
@@ -113,6 +118,7 @@ class ReceivePool:
                     if self._stop.is_set():  # the round came meanwhile: the loop owns the gradients now
                         break
                     param.grad = grad  # only once written: never unwritten memory in a gradient
+                    self._given.append((param, grad))
                 grad_bytes += grad.numel() * grad.element_size()
             grads += 1
         done = 0
@@ -164,6 +170,17 @@ class ReceivePool:
         pooled = free.pop()
         return pooled.tensor, pooled.touched
 
+    def take_back_gradients(self) -> None:
+        """The state comes from a checkpoint, not a peer: the gradients the thread gave are set back to None (torch's
+        ``get_state_dict`` builds an empty optimizer's state with a zero-gradient step only while no parameter has a
+        gradient, and a checkpoint's optimizer state loads into that). A gradient changed since is left alone."""
+        self.stop()
+        with self._setting:
+            for param, grad in self._given:
+                if param.grad is grad:
+                    param.grad = None
+            self._given = []
+
     def left(self) -> list[torch.Tensor]:
         """The tensors not handed out yet."""
         return [p.tensor for ps in self._free.values() for p in ps]
@@ -178,6 +195,7 @@ class ReceivePool:
         self._free.clear()
         self._order = []
         self._gradients = []
+        self._given = []
 
 
 @dataclass

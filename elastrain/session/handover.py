@@ -39,8 +39,11 @@ class Handover:
         self._pool = ReceivePool.for_optimizer(optimizer, gradients=True)
 
     def drop_pool(self) -> None:
-        """The state comes from elsewhere (a checkpoint) or not at all: the memory made ready is freed."""
+        """The state comes from elsewhere (a checkpoint) or not at all: the memory made ready is freed, and the
+        gradients it gave are taken back (a checkpoint's optimizer state loads into a state torch builds only
+        while no parameter has a gradient)."""
         if self._pool is not None:
+            self._pool.take_back_gradients()
             self._pool.close()
         self._pool = None
 

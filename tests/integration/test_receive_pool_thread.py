@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from elastrain.live.receive_pool import ReceivePool
 
@@ -98,3 +99,19 @@ def test_gradients_only_when_asked_and_for_an_optimizer_of_unknown_state_too() -
     assert pool.left() == [] and pool.ready(timeout_s=60.0)
     pool.close()
     assert all(p.grad is not None and p.grad.count_nonzero() == 0 for p in model.parameters())
+
+
+def test_taken_back_gradients_let_torch_build_the_optimizer_state_a_checkpoint_loads_into() -> None:
+    model = _model([4, 6, 2])
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    pool = ReceivePool.for_optimizer(sgd, gradients=True)
+    assert pool.ready(timeout_s=60.0)
+    mine = torch.ones_like(model[1].bias)
+    model[1].bias.grad = mine  # changed since the pool gave it: not the pool's any more
+    pool.take_back_gradients()
+    pool.close()
+    assert model[1].bias.grad is mine
+    model[1].bias.grad = None
+    assert all(p.grad is None for p in model.parameters())
+    _, optim_state = get_state_dict(model, sgd)
+    assert all("momentum_buffer" in s for s in optim_state["state"].values()) and optim_state["state"]
