@@ -24,6 +24,17 @@ import torch.distributed as dist
 from elastrain.log import lifecycle
 
 
+def has_loss_at(history: list[dict[str, Any]], step: int) -> bool:
+    """Pure: whether a Trainer's log history holds the training loss logged at ``step`` (looked for from the end)."""
+    for entry in reversed(history):
+        at = entry.get("step")
+        if at == step and "loss" in entry:
+            return True
+        if isinstance(at, int) and at < step:
+            return False
+    return False
+
+
 class LostLog:
     """This rank's loss since the Trainer last logged, and the step it last logged."""
 
@@ -40,9 +51,13 @@ class LostLog:
             self.window = step_loss if self.window is None else self.window + step_loss
 
     def logged(self, trainer: Any) -> None:
-        """After the Trainer's log call (it may have logged, or not): a new window once it did."""
+        """After the Trainer's log call (it may have logged, or not): a new window once it did.
+
+        The Trainer marks the step logged (``_globalstep_last_logged``) before two more collectives (``store_flos``,
+        then the log itself); a peer lost between them leaves the mark without the log line. So the window is
+        closed only when the history holds that step's loss: else the next world logs it (:meth:`relog`)."""
         last = int(trainer._globalstep_last_logged)
-        if last > self.logged_at:
+        if last > self.logged_at and has_loss_at(trainer.state.log_history, last):
             self.logged_at, self.window = last, None
 
     def relog(self, trainer: Any, device: torch.device, own_step: int, kept_state: bool) -> None:
@@ -63,7 +78,7 @@ class LostLog:
         total, members, since_sum = noted.tolist()
         args, history = trainer.args, trainer.state.log_history
         due = args.logging_strategy == "steps" and step > 0 and step % int(trainer.state.logging_steps) == 0
-        if not due or members == 0 or any(h.get("step") == step and "loss" in h for h in history):
+        if not due or members == 0 or has_loss_at(history, step):
             return
         since = round(since_sum / members)
         loss = total / members / max(step - since, 1)
