@@ -195,9 +195,14 @@ def add_argument_flags(tree: ast.Module) -> set[str]:
     flags: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+            negatable = any(
+                kw.arg == "action" and ast.unparse(kw.value).endswith("BooleanOptionalAction") for kw in node.keywords
+            )
             for arg in node.args:
                 if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith("-"):
                     flags.add(arg.value)
+                    if negatable and arg.value.startswith("--"):
+                        flags.add("--no-" + arg.value[2:])  # argparse.BooleanOptionalAction's other half
     return flags
 
 
