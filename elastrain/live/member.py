@@ -10,6 +10,7 @@ for the script's own reads (torch's RANK, WORLD_SIZE, GROUP_RANK, MASTER_*).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -27,8 +28,12 @@ from elastrain.env import (
 )
 from elastrain.errors import ElastrainError
 from elastrain.live.group import TrainingGroup
+from elastrain.live.receive_pool import ReceivePool
 from elastrain.live.watchdog import Watchdog
 from elastrain.log import lifecycle
+
+READY_LIMIT_S = 60.0
+"""The longest a warm worker spends making its memory ready before it says it is warm."""
 
 
 class LiveError(ElastrainError):
@@ -84,20 +89,31 @@ class LiveMember:
     def wait_notice(self, after_round: int, timeout_s: float) -> RegroupNotice | None:
         return self.channel.wait_newer(after_round, timeout_s)
 
-    def await_round(self, poll_s: float = 1.0, while_waiting: Callable[[], None] | None = None) -> WorkerEnv:
-        """A warm worker (built while its node was not in a round): say so, and wait for the first notice.
+    def await_round(self, poll_s: float = 1.0, prepare: Callable[[], ReceivePool | None] | None = None) -> WorkerEnv:
+        """A warm worker (built while its node was not in a round): make ready, say so, and wait for the first notice.
 
-        The agent joins the rendezvous only now, so the job trains on meanwhile; the wait ends with the
-        notice, or with the agent (it starts this worker the usual way, or stops it, if it gives up).
-        ``while_waiting``: run once, after the announcement (the rendezvous goes on meanwhile)."""
+        ``prepare``: the memory this worker will receive its state into (:mod:`elastrain.live.receive_pool`),
+        made and touched before the worker says it is warm (bounded by :data:`READY_LIMIT_S`): the agent joins the
+        rendezvous only then, so the job trains on meanwhile, and the running workers never wait for a joiner's
+        page faults (the state received into half-touched memory moved at a third of the wire's rate here, and
+        the joiner's first step held the world's). The wait ends with the notice, or with the agent (it starts
+        this worker the usual way, or stops it, if it gives up)."""
+        started = time.monotonic()
+        if prepare is not None and (pool := prepare()) is not None:
+            ready = pool.ready(READY_LIMIT_S)
+            lifecycle(
+                "worker_memory_ready" if ready else "worker_memory_not_ready",
+                level=logging.INFO if ready else logging.WARNING,
+                local_rank=self.env.local_rank,
+                bytes=pool.bytes,
+                took_s=round(time.monotonic() - started, 3),
+                why=None if ready else f"not touched within {READY_LIMIT_S:.0f} s: the rest is touched as it arrives",
+            )
         self.channel.announce_warm(self.env.local_rank, os.getpid())
         agent = int(os.environ.get(AGENT_PID, "0") or 0)
-        started = time.monotonic()
         lifecycle(
             "worker_warm", local_rank=self.env.local_rank, why="built before its node joined: waiting for a round"
         )
-        if while_waiting is not None:
-            while_waiting()
         while (notice := self.channel.wait_newer(self.round, poll_s)) is None:
             if agent and not _alive(agent):
                 raise LiveError(f"the agent (pid {agent}) ended before this warm worker was given a round")

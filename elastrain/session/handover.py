@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from elastrain.env import WorkerEnv
+from elastrain.live import heap
 from elastrain.live.member import LiveMember
 from elastrain.live.receive_pool import ReceivePool
 from elastrain.live.transfer import Transfer, TransferFailedError, send_state
@@ -33,10 +34,13 @@ class Handover:
         self._live: LiveMember | None = None
         self._pool: ReceivePool | None = None
 
-    def prepare(self, optimizer: torch.optim.Optimizer) -> None:
-        """A warm worker, while it waits for its first round: memory for the optimizer state it will receive, and
-        the gradients of its first backward (``World.enter`` stops the pool before any step)."""
+    def prepare(self, optimizer: torch.optim.Optimizer) -> ReceivePool:
+        """A warm worker, before it waits for its first round: memory for the optimizer state it will receive, and
+        the gradients of its first backward, being touched (``World.enter`` stops the pool before any step), and the
+        heap its first steps allocate from (:mod:`elastrain.live.heap`)."""
         self._pool = ReceivePool.for_optimizer(optimizer, gradients=True)
+        heap.grow_for(p for group in optimizer.param_groups for p in group["params"])  # meanwhile, on this thread
+        return self._pool
 
     def drop_pool(self) -> None:
         """The state comes from elsewhere (a checkpoint) or not at all: the memory made ready is freed, and the

@@ -32,6 +32,7 @@ from elastrain.data import ElasticSampler
 from elastrain.env import WorkerEnv
 from elastrain.live.group import GroupBrokenError
 from elastrain.live.member import LiveMember
+from elastrain.live.receive_pool import ReceivePool
 from elastrain.live.transfer import TransferFailedError
 from elastrain.log import configure, lifecycle
 from elastrain.metrics import EventsFile
@@ -164,11 +165,12 @@ class Session:
         return self.world.segment
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def _prepare_to_receive(self) -> None:
-        """A warm worker's wait: the memory for the optimizer state it will receive, touched now (CPU, and a
-        model whose state travels: a sharded one's never does)."""
+    def _prepare_to_receive(self) -> ReceivePool | None:
+        """A warm worker, before it waits: the memory for the optimizer state it will receive, being touched (CPU,
+        and a model whose state travels: a sharded one's never does)."""
         if self.runtime.device.type == "cpu" and self.runtime.sharded is None:
-            self.world.handover.prepare(self.optimizer)
+            return self.world.handover.prepare(self.optimizer)
+        return None
 
     def start(self) -> Session:
         """Everything up to the first step; ``with Session(...)`` calls it."""
@@ -178,7 +180,7 @@ class Session:
         configure()
         started = time.monotonic()
         if Runtime.live_mode(self.env):
-            self.env = self.runtime.start_live(self.env, while_waiting=self._prepare_to_receive)
+            self.env = self.runtime.start_live(self.env, prepare=self._prepare_to_receive)
             live = self.runtime.live
             if live is not None:  # every rank moves at one agreed step boundary
                 self._flags.add(REGROUP_FLAG, lambda: live.pending_notice() is not None)

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastrain.env import WorkerEnv
 from elastrain.live.member import LiveMember
+from elastrain.live.receive_pool import ReceivePool
 from elastrain.live.sharded import ShardedModel, parameter_names, repoint_optimizer
 from elastrain.session.config import RuntimeConfig
 from elastrain.step_flags import StepFlags, flagged_allreduce
@@ -71,14 +72,14 @@ class Runtime:
         self.refresh()
         self.module.to(self.device)
 
-    def start_live(self, env: WorkerEnv, while_waiting: Callable[[], None] | None = None) -> WorkerEnv:
-        """Live mode: wait for a round if started warm (running ``while_waiting`` once meanwhile), join it; the
+    def start_live(self, env: WorkerEnv, prepare: Callable[[], ReceivePool | None] | None = None) -> WorkerEnv:
+        """Live mode: wait for a round if started warm (its memory made ready first: ``prepare``), join it; the
         worker's environment in that round."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.live = LiveMember(env, self.backend)
         if env.warm:  # built while the job trained without this node: now it may join a round
-            env = self.live.await_round(while_waiting=while_waiting)
+            env = self.live.await_round(prepare=prepare)
         self.live.join_first()
         self.distributed = self._owns_group = True
         self.refresh()

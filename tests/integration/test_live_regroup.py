@@ -194,6 +194,10 @@ def test_a_joining_node_gets_the_state_by_broadcast_and_nobody_restarts(tmp_path
     # Warm join: c's worker was built (imports, model, data) and waiting before c asked for a round.
     warm, joined = c.events("workers_warm"), c.events("rendezvous_joined")
     assert warm and joined and float(warm[0]["t"]) <= float(joined[0]["t"]), detail
+    # ... and its memory made ready (the receive pool touched, the heap grown) before it said it was warm.
+    ready, said = c.events("worker_memory_ready"), c.events("worker_warm")
+    assert ready and said and float(ready[0]["t"]) <= float(said[0]["t"]), detail
+    assert c.events("heap_grown"), detail
     assert c.events("worker_warm_joined"), detail
     regrouped = [e for n in (a, b) for e in n.events("regrouped")]
     assert regrouped and regrouped[0]["receivers"] == "1", detail  # c received model + optimizer + train state

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 from elastrain.env import WorkerEnv
 from elastrain.live.member import LiveMember
+from elastrain.live.receive_pool import ReceivePool
 from elastrain.log import lifecycle
 from elastrain.session.regroup import REGROUP_FLAG
 from elastrain.step_flags import StepFlags
@@ -71,9 +72,9 @@ class TrainerMembership:
     def joined(self) -> bool:
         return self.member is not None and self.member.group.round is not None
 
-    def join(self, backend: str, while_waiting: Callable[[], None] | None = None) -> None:
+    def join(self, backend: str, prepare: Callable[[], ReceivePool | None] | None = None) -> None:
         """Join the round this worker was started into (collective over its members); no-op once joined.
-        ``while_waiting``: a warm worker runs it once while it waits for its first round."""
+        ``prepare``: a warm worker's memory for the state it will receive, made ready before it waits."""
         if self.member is None:
             self.member = LiveMember(self.env, backend)
             member = self.member
@@ -81,7 +82,7 @@ class TrainerMembership:
             # Before the interpreter finalises: the watchdog stopped, left groups freed (pytorch#179291).
             atexit.register(member.close)
         if self.warm:
-            self.env = self.member.await_round(while_waiting=while_waiting)
+            self.env = self.member.await_round(prepare=prepare)
             self.warm = False
         if self.member.group.round is None:
             self.member.join_first()

@@ -25,6 +25,7 @@ from elastrain.control import RegroupNotice
 from elastrain.env import WorkerEnv
 from elastrain.integrations.trainer.membership import TrainerMembership
 from elastrain.integrations.trainer.memory import Held
+from elastrain.live import heap
 from elastrain.live.agreement import Ballot, vote
 from elastrain.live.receive_pool import ReceivePool
 from elastrain.live.transfer import send_state
@@ -50,20 +51,23 @@ class TrainerWorld:
         provisional = m.warm
         args = self.trainer.args
         backend = "gloo" if args.use_cpu or not torch.cuda.is_available() else "nccl"
-        m.join(backend, while_waiting=self._prepare_to_receive if backend == "gloo" else None)
+        m.join(backend, prepare=self._prepare_to_receive if backend == "gloo" else None)
         if provisional or not first:
             self.reset_devices()
         return m.require().env
 
-    def _prepare_to_receive(self) -> None:
-        """A warm worker's wait: memory for the optimizer state it will receive, touched now (the optimizer
-        itself is made when the state arrives, as the Trainer would make it)."""
+    def _prepare_to_receive(self) -> ReceivePool:
+        """A warm worker, before it waits: memory for the optimizer state it will receive, being touched (the
+        optimizer itself is made when the state arrives, as the Trainer would make it), and the heap its first steps
+        allocate from (:mod:`elastrain.live.heap`)."""
         t = self.trainer
         if t.optimizer is not None:
             self._pool = ReceivePool.for_optimizer(unwrapped(t.optimizer))
-            return
-        optimizer_class, _ = t.get_optimizer_cls_and_kwargs(t.args, t.model)
-        self._pool = ReceivePool.for_parameters(list(t.model.parameters()), optimizer_class)
+        else:
+            optimizer_class, _ = t.get_optimizer_cls_and_kwargs(t.args, t.model)
+            self._pool = ReceivePool.for_parameters(list(t.model.parameters()), optimizer_class)
+        heap.grow_for(t.model.parameters())  # meanwhile, on this thread: what its first steps allocate from
+        return self._pool
 
     def reset_devices(self) -> None:
         """accelerate's view of the world, made again for the current process group (rank, size, device)."""
