@@ -48,6 +48,8 @@ AGENT_PID = "ELASTRAIN_AGENT_PID"
 RDZV_SECRET_FILE = "ELASTRAIN_RDZV_SECRET_FILE"
 # --trainer-integration: "1" makes the workers' bootstrap (elastrain/launcher/bootstrap) patch the HF Trainer.
 TRAINER_INTEGRATION = "ELASTRAIN_TRAINER_INTEGRATION"
+# Read by a live CPU worker, never set by elastrain: "0" leaves its allocator as glibc sets it (elastrain.live.heap).
+KEEP_HEAP = "ELASTRAIN_KEEP_HEAP"
 
 ALL_VARIABLES: tuple[str, ...] = (
     RUN_ID,

@@ -9,11 +9,14 @@ page faults in the joiner's first step and 0.8 s in its second, against none lat
 them at each step's all-reduce.
 
 So, in a worker that receives its state on CPU (live mode: a joiner, a spare, the first workers), elastrain asks
-glibc to keep what is freed (``mallopt``: chunks up to 32 MiB from the heap, not ``mmap``; the heap never trimmed)
-and, while the worker waits for its round, grows the heap by what a step needs beyond the state it holds and
-touches it, on the thread that trains (glibc gives each thread its own arena). That is what the worker's steps would
-map anyway; it is mapped before the worker asks to join, not while the world waits for it. A process whose allocator
-the user chose (``LD_PRELOAD``, ``MALLOC_*`` or ``GLIBC_TUNABLES`` set) or that is not on glibc is left as it is.
+glibc to keep what is freed (``mallopt``: every chunk from the heap, none from ``mmap``, which DDP's buckets of just
+over 32 MiB were, mapped anew with each world and each rebuild on every rank; the heap never trimmed) and, while the
+worker waits for its round, grows the heap by what a step needs beyond the state it holds and touches it, on the
+thread that trains (glibc gives each thread its own arena). That is what the worker's steps would map anyway; it is
+mapped before the worker asks to join, not while the world waits for it. What the process frees is kept for its
+next allocations, never given back to the kernel before it ends (as PyTorch's caching allocator does on a GPU). A
+process whose allocator the user chose (``LD_PRELOAD``, ``MALLOC_*`` or ``GLIBC_TUNABLES`` set), that sets
+``ELASTRAIN_KEEP_HEAP=0``, or that is not on glibc is left as it is.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from collections.abc import Iterable
 
 import torch
 
+from elastrain.env import KEEP_HEAP
 from elastrain.log import lifecycle
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_MMAP_MAX = -4
 MMAP_THRESHOLD = 32 * 1024 * 1024
 """glibc's largest mmap threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit): chunks up to it come from the heap."""
 _TRIM_NEVER = -1
@@ -39,7 +44,7 @@ _TRIM_NEVER = -1
 PIECE_BYTES = 16 * 1024 * 1024
 """The heap is grown in pieces below the mmap threshold, so that they come from the heap and coalesce there."""
 
-HEAP_PER_PARAMETER_BYTE = 2
+HEAP_PER_PARAMETER_BYTE = 3
 """The heap a warm worker maps ahead, per byte of its parameters: a step's gradient temporaries, DDP's buckets
 (built with each world, and again when DDP rebuilds them after its first iteration), the optimizer's intermediates."""
 
@@ -50,6 +55,8 @@ _decided = False
 
 def user_chose_allocator(environ: dict[str, str] | os._Environ[str]) -> str | None:
     """Pure: the environment variable by which the user chose or tuned the allocator, or None."""
+    if environ.get(KEEP_HEAP, "1") == "0":
+        return KEEP_HEAP
     if "malloc" in environ.get("LD_PRELOAD", "").lower():
         return "LD_PRELOAD"
     for name in sorted(environ):
@@ -74,7 +81,9 @@ def keep_freed_memory() -> bool:
         libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
         libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
         kept = (
-            libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_NEVER) == 1
+            libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+            and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_NEVER) == 1
+            and libc.mallopt(_M_MMAP_MAX, 0) == 1
         )
     except (OSError, AttributeError) as exc:
         lifecycle("heap_left_alone", level=logging.WARNING, why=f"mallopt failed: {exc!r}"[:200])

@@ -7,18 +7,18 @@ space (``bench/state_transfer.py``: 210 MB of AdamW state took 0.59 s of system 
 pages, and the stream moves at the wire's speed into memory already touched). So while it waits, the worker
 allocates the tensors its optimizer will hold, shaped like its parameters, a thread touches them, and the
 transfer receives into them (:func:`elastrain.live.transfer.send_state`, ``pool=``): they become the optimizer's
-own tensors, not views of a larger block. The thread never holds the worker up: when the round comes first, the
-transfer stops it and touches the rest piece by piece. What the transfer does not use is freed with the pool.
+own tensors, not views of a larger block. The worker says it is warm only once the thread is done (bounded:
+:meth:`elastrain.live.member.LiveMember.await_round`); should the round come first all the same, the transfer stops
+the thread and touches the rest piece by piece. What the transfer does not use is freed with the pool.
 
 The same goes for the gradients of a new member's first backward (``gradients=True``): written for the first time
 in that backward, on this machine their page faults made a joiner's first step seconds slower at 250M parameters,
-and the running workers wait for it at the step's all-reduce. Before the optimizer's tensors, the thread gives each
-parameter that has no gradient a zeroed one (made and written in one go, then set: a parameter's ``grad`` is None
-or zeros, never unwritten memory); the first backward accumulates into it (0 + g is g, exactly). A parameter the
-thread did not reach before the round keeps ``None`` and gets its gradient in that backward, as it would have. When
-the state comes from a checkpoint instead, the gradients are taken back (:meth:`ReceivePool.take_back_gradients`):
-torch's ``get_state_dict`` makes an empty optimizer's state (for the checkpoint to load into) only while no
-parameter has a gradient.
+and the running workers wait for it at the step's all-reduce. So the pool gives each parameter that has no gradient
+a zeroed one, on the calling thread (the training thread: glibc gives each thread its own arena, and the gradients,
+freed by the loop's ``zero_grad``, are what that thread's next backward allocates its own from); the first backward
+accumulates into it (0 + g is g, exactly). When the state comes from a checkpoint instead, the gradients are taken
+back (:meth:`ReceivePool.take_back_gradients`): torch's ``get_state_dict`` makes an empty optimizer's state (for the
+checkpoint to load into) only while no parameter has a gradient.
 
 Only for optimizers whose state is known: torch's Adam family keeps two tensors per parameter, shaped like it
 (``exp_avg`` and ``exp_avg_sq``; Adamax ``exp_inf``). For any other optimizer the pool is empty and the state is
@@ -56,7 +56,7 @@ def state_tensors_per_parameter(optimizer_class: type) -> int:
 
 class ReceivePool:
     """Tensors by shape, dtype and device, each handed out once (:meth:`take`), touched by a thread of their own
-    until the transfer needs them (:meth:`stop`): the wait for a round is never made longer by it."""
+    until the transfer needs them (:meth:`stop`; a warm worker waits for it, bounded, before it says it is warm)."""
 
     def __init__(
         self,
@@ -66,18 +66,19 @@ class ReceivePool:
     ) -> None:
         self._free: dict[_Key, list[_Pooled]] = defaultdict(list)
         self._order = [_Pooled(t, touched=not touch) for t in tensors or []]
-        self._gradients = list(gradients or []) if touch else []
-        """Parameters to give a zeroed gradient, before the tensors (those that have none by then)."""
         self._given: list[tuple[torch.Tensor, torch.Tensor]] = []
-        """(parameter, gradient) the thread gave: :meth:`take_back_gradients` undoes it."""
+        """(parameter, gradient) the pool gave: :meth:`take_back_gradients` undoes it."""
+        for param in (gradients or []) if touch else []:
+            if param.grad is None:
+                grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
+                param.grad = grad
+                self._given.append((param, grad))
         for pooled in self._order:
             t = pooled.tensor
             self._free[_key(tuple(t.shape), t.dtype, t.device)].append(pooled)
         self._stop = threading.Event()
-        self._setting = threading.Lock()
-        """Held while a gradient is set: once :meth:`stop` has it, no parameter gets one any more."""
         self._thread: threading.Thread | None = None
-        if touch and (self._order or self._gradients):
+        if touch and self._order:
             self._thread = threading.Thread(target=self._touch_all, name="elastrain-receive-pool", daemon=True)
             self._thread.start()
 
@@ -106,21 +107,6 @@ class ReceivePool:
 
     def _touch_all(self) -> None:
         started = time.monotonic()
-        # The gradients first: a new member's first backward writes them on the step's path, while the optimizer's
-        # state is received during that step (streamed) or before it, and touched piece by piece if not reached.
-        grads = grad_bytes = 0
-        for param in self._gradients:
-            if self._stop.is_set():
-                break
-            if param.grad is None:
-                grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
-                with self._setting:
-                    if self._stop.is_set():  # the round came meanwhile: the loop owns the gradients now
-                        break
-                    param.grad = grad  # only once written: never unwritten memory in a gradient
-                    self._given.append((param, grad))
-                grad_bytes += grad.numel() * grad.element_size()
-            grads += 1
         done = 0
         for pooled in self._order:
             if self._stop.is_set():
@@ -132,8 +118,8 @@ class ReceivePool:
             "receive_pool_touched",
             tensors=f"{done}/{len(self._order)}",
             bytes=sum(p.tensor.numel() * p.tensor.element_size() for p in self._order[:done]),
-            gradients=f"{grads}/{len(self._gradients)}" if self._gradients else None,
-            gradient_bytes=grad_bytes if self._gradients else None,
+            gradients=len(self._given) or None,
+            gradient_bytes=sum(g.numel() * g.element_size() for _, g in self._given) or None,
             took_s=round(time.monotonic() - started, 3),
         )
 
@@ -149,8 +135,7 @@ class ReceivePool:
     def stop(self, timeout_s: float = 30.0) -> None:
         """The transfer starts: the touching ends after the tensor at hand (bounded wait); what it did not reach
         is touched piece by piece as it is received."""
-        with self._setting:
-            self._stop.set()
+        self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():  # a tensor so large that touching it outlasts the bound: leave it be
@@ -175,11 +160,10 @@ class ReceivePool:
         ``get_state_dict`` builds an empty optimizer's state with a zero-gradient step only while no parameter has a
         gradient, and a checkpoint's optimizer state loads into that). A gradient changed since is left alone."""
         self.stop()
-        with self._setting:
-            for param, grad in self._given:
-                if param.grad is grad:
-                    param.grad = None
-            self._given = []
+        for param, grad in self._given:
+            if param.grad is grad:
+                param.grad = None
+        self._given = []
 
     def left(self) -> list[torch.Tensor]:
         """The tensors not handed out yet."""
@@ -194,7 +178,6 @@ class ReceivePool:
         self.stop()
         self._free.clear()
         self._order = []
-        self._gradients = []
         self._given = []
 
 

@@ -19,6 +19,8 @@ from elastrain.live.heap import user_chose_allocator
         ({"MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_ARENA_MAX": "2"}, "MALLOC_ARENA_MAX"),
         ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}, "GLIBC_TUNABLES"),
         ({"MALLOC_CONF": "background_thread:true"}, "MALLOC_CONF"),
+        ({"ELASTRAIN_KEEP_HEAP": "0"}, "ELASTRAIN_KEEP_HEAP"),
+        ({"ELASTRAIN_KEEP_HEAP": "1"}, None),
     ],
 )
 def test_an_allocator_the_user_chose_or_tuned_is_named(environ: dict[str, str], chosen: str | None) -> None:
