@@ -48,6 +48,13 @@ class Agreement:
     def from_checkpoint(self) -> bool:
         return self.source is None
 
+    def holders(self, world_size: int) -> tuple[int, ...]:
+        """The members that hold the agreed state already (the source among them): all but those that receive it."""
+        if self.source is None:
+            return ()
+        needy = set(self.ahead) | set(self.receivers)
+        return tuple(r for r in range(world_size) if r not in needy)
+
 
 def decide(ballots: list[Ballot]) -> Agreement:
     """Pure: the agreement for the members' ballots (index = rank)."""

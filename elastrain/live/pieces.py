@@ -3,7 +3,8 @@
 Pure, the same on every rank: a tensor of at least :data:`OWN_PIECES_BYTES` travels in pieces of its own of at most
 :data:`PIECE_BYTES`, sent from and received into its own memory; small tensors are packed in order into shared
 pieces. :class:`TensorSlot` is a tensor's placeholder in the skeleton the source sends first, checked as it is
-parsed (it came from a peer). The stream that moves the pieces is :mod:`elastrain.live.stream`.
+parsed (it came from a peer). :func:`assign_senders` spreads the pieces over the ranks that hold the state. The
+stream that moves the pieces is :mod:`elastrain.live.stream`.
 """
 
 from __future__ import annotations
@@ -81,6 +82,25 @@ def plan_pieces(sizes: list[int], piece_bytes: int | None = None, own_bytes: int
     if run:
         pieces.append(Piece(None, packed=tuple(run)))
     return pieces
+
+
+def assign_senders(pieces: list[Piece], shared: list[bool], senders: tuple[int, ...]) -> list[int]:
+    """Pure: the rank that sends each piece. ``senders[0]`` is the source; the others hold the same state (helpers).
+    A piece whose tensors are all ``shared`` (by index: the same bytes on every sender, the model and the optimizer)
+    goes to the senders in turn; any other piece (a rank's own objects) comes from the source. The same on every rank.
+    """
+    if not senders:
+        raise ValueError("assign_senders needs at least the source")
+    out: list[int] = []
+    turn = 0
+    for piece in pieces:
+        indices = [piece.own] if piece.own is not None else list(piece.packed)
+        if all(shared[i] for i in indices):
+            out.append(senders[turn % len(senders)])
+            turn += 1
+        else:
+            out.append(senders[0])
+    return out
 
 
 def pieces_of(pieces: list[Piece]) -> Iterator[int]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from elastrain import wire
 from elastrain.errors import WireFormatError
-from elastrain.live.pieces import Piece, TensorSlot, plan_pieces
+from elastrain.live.pieces import Piece, TensorSlot, assign_senders, plan_pieces
 from elastrain.live.receive_pool import ReceivePool
 
 IN_FLIGHT = 4
@@ -41,8 +41,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class Stream:
     """The pieces of one transfer from ``src`` to ``peers``, with at most :data:`IN_FLIGHT` on the wire.
 
-    ``peers`` None: every rank of the group (one broadcast per piece); a tuple of ranks: the source sends each
-    piece to each of them (``isend``/``irecv``), and the other ranks take no part."""
+    ``peers`` None: every rank of the group (one broadcast per piece); a tuple of ranks: each piece's sender
+    (``senders``, by piece number; None: ``src`` sends them all) sends it to each of them (``isend``/``irecv``),
+    and the other ranks take no part."""
 
     def __init__(
         self,
@@ -52,13 +53,15 @@ class Stream:
         rank: int,
         peers: tuple[int, ...] | None,
         fresh: frozenset[int] = frozenset(),
+        senders: list[int] | None = None,
     ) -> None:
         self.src = src
         self.tensors = tensors
         self.device = device
         self.rank = rank
-        self.receiving = rank != src
+        self.receiving = rank != src if peers is None else rank in peers
         self.peers = peers
+        self.senders = senders
         self.touch = self.receiving and device.type == "cpu"
         """Whether new memory is written before it is received into (CPU: its pages are mapped then)."""
         self.fresh = fresh
@@ -66,21 +69,24 @@ class Stream:
         self._flight: deque[tuple[list[dist.Work], Piece, torch.Tensor]] = deque()
 
     def run(self, pieces: list[Piece]) -> None:
-        if self.peers is not None and self.rank != self.src and self.rank not in self.peers:
+        if self.peers is not None and self.rank != self.src and self.rank not in self.peers and self.senders is None:
             return
         for number, piece in enumerate(pieces):
+            sender = self.src if self.senders is None else self.senders[number]
+            if not self.receiving and sender != self.rank:
+                continue  # another holder of the state sends this one
             while len(self._flight) >= IN_FLIGHT:
                 self._land()
             buffer = self._buffer(piece)
-            self._flight.append((self._start(buffer, number % _TAGS), piece, buffer))
+            self._flight.append((self._start(buffer, sender, number % _TAGS), piece, buffer))
         while self._flight:
             self._land()
 
-    def _start(self, buffer: torch.Tensor, tag: int) -> list[dist.Work]:
+    def _start(self, buffer: torch.Tensor, sender: int, tag: int) -> list[dist.Work]:
         if self.peers is None:
             works = [dist.broadcast(buffer, src=self.src, async_op=True)]
         elif self.receiving:
-            works = [dist.irecv(buffer, src=self.src, tag=tag)]
+            works = [dist.irecv(buffer, src=sender, tag=tag)]
         else:
             works = [dist.isend(buffer, dst=peer, tag=tag) for peer in self.peers]
         if any(w is None for w in works):
@@ -136,17 +142,23 @@ def send_tree(
     receivers: tuple[int, ...] | None,
     later: Callable[[str], bool] | None,
     pool: ReceivePool | None = None,
+    helpers: tuple[int, ...] = (),
+    shared: Callable[[str], bool] | None = None,
 ) -> tuple[Any, int, Background | None]:
     """:func:`broadcast_tree`, with the tensors whose path ``later`` accepts streamed by a background thread
     (returned; None when there are none or this rank takes no part): the tree comes back at once, those
-    tensors filled when the thread is done."""
+    tensors filled when the thread is done.
+
+    ``helpers`` (with ``receivers``): ranks that hold the same tensors as ``src`` at the paths ``shared`` accepts,
+    given as ``targets`` (their own, by path); they send their share of those pieces
+    (:func:`~elastrain.live.pieces.assign_senders`), so that the sending takes as many processes (and, across
+    machines, links) as there are holders. A helper's tree comes back None."""
     rank = dist.get_rank()
     device = canonical_device(device)
     sources: list[torch.Tensor] = []
 
     def slot(t: torch.Tensor, path: tuple[str, ...]) -> list[Any]:
-        t = t.detach()
-        sources.append(t if t.device == device and t.is_contiguous() else t.to(device).contiguous())
+        sources.append(_sendable(t, device))
         return [len(sources) - 1, list(t.shape), wire.dtype_name(t.dtype), wire.path_key(path)]
 
     data: bytes | None = None
@@ -165,22 +177,56 @@ def send_tree(
     if [s.index for s in slots] != list(range(len(slots))):
         raise WireFormatError("the state's tensor placeholders are not numbered 0, 1, 2, ...")
     peers = None if receivers is None else tuple(sorted(set(receivers) - {src}))
-    if peers is not None and rank != src and rank not in peers:
+    helpers = tuple(h for h in helpers if h != src and h not in (peers or ())) if peers else ()
+    helping = rank in helpers
+    if peers is not None and rank != src and rank not in peers and not helping:
         return None, 0, None
     tensors, fresh = sources, frozenset[int]()
-    if rank != src:
+    sharable = [bool(helpers) and shared is not None and shared(s.path) for s in slots]
+    if helping:
+        tensors = [_held(s, targets or {}, device) if ok else _NOTHING for s, ok in zip(slots, sharable, strict=True)]
+    elif rank != src:
         placed = [_destination(s, targets or {}, device, pool) for s in slots]
         tensors = [t for t, _ in placed]
         fresh = frozenset(i for i, (_, new) in enumerate(placed) if new)
     deferred = [later is not None and later(s.path) for s in slots]
+    senders = (src, *helpers)
+
+    def stream(pieces: list[Piece]) -> Stream:
+        by = assign_senders(pieces, sharable, senders) if helpers else None
+        return Stream(src, tensors, device, rank, peers, fresh, by)
+
     now = plan_pieces([0 if d else s.nbytes for s, d in zip(slots, deferred, strict=True)])
-    Stream(src, tensors, device, rank, peers, fresh).run(now)
+    stream(now).run(now)
     background = None
     if any(deferred):
         rest = plan_pieces([s.nbytes if d else 0 for s, d in zip(slots, deferred, strict=True)])
-        background = Background(Stream(src, tensors, device, rank, peers, fresh), rest)
+        background = Background(stream(rest), rest)
+    if helping:
+        return None, 0, background
     sent = sum(s.nbytes for s in slots) if peers is None or peers else 0
     return wire.from_plain(skeleton, lambda payload: tensors[payload[0]]), sent, background
+
+
+_NOTHING = torch.empty(0, dtype=torch.uint8)
+"""A helper's stand-in for a tensor only the source sends."""
+
+
+def _sendable(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    t = t.detach()
+    return t if t.device == device and t.is_contiguous() else t.to(device).contiguous()
+
+
+def _held(s: TensorSlot, own: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A helper's own tensor at slot ``s``'s path, to send from: the same shape and dtype as the source's, or the
+    members do not hold the same state (raised: the transfer fails, loudly)."""
+    mine = own.get(s.path)
+    if mine is None or tuple(mine.shape) != s.shape or mine.dtype != s.dtype:
+        found = "none" if mine is None else f"{tuple(mine.shape)} {mine.dtype}"
+        raise WireFormatError(
+            f"a helper of the state transfer holds {found} at {s.path}, the source {s.shape} {s.dtype}"
+        )
+    return _sendable(mine, device)
 
 
 class Background:

@@ -59,9 +59,11 @@ class Handover:
         optimizer: torch.optim.Optimizer,
         statefuls: Mapping[str, Any],
         env: WorkerEnv,
+        helpers: tuple[int, ...] = (),
     ) -> int:
         """Collective: ``source``'s state to ``receivers``; the bytes sent to each. On gloo (and unless the script
-        said ``overlap_state_transfer=False``) the optimizer's state streams on while the next step runs."""
+        said ``overlap_state_transfer=False``) the optimizer's state streams on while the next step runs. ``helpers``:
+        the other members that hold the agreed state; each sends its share."""
         self.transfer = send_state(
             source,
             runtime.module,
@@ -71,6 +73,7 @@ class Handover:
             receivers=receivers,
             overlap=runtime.backend == "gloo" and runtime.config.overlap_state_transfer,
             pool=self._pool,
+            helpers=helpers,
         )
         self._pool = None
         self._timeout_s = env.collective_timeout_s or TRANSFER_TIMEOUT_S

@@ -118,7 +118,8 @@ class World:
             elif source is not None:
                 statefuls = _statefuls(self.state, self.feed, self.extra_state)
                 needy = agreement.ahead + agreement.receivers  # the others hold the agreed state already
-                sent = self.handover.start(source, needy, runtime, self.optimizer, statefuls, env)
+                holders = agreement.holders(world_size)  # each sends its share of the model and the optimizer
+                sent = self.handover.start(source, needy, runtime, self.optimizer, statefuls, env, holders)
             self.handover.drop_pool()
         runtime.wrap(agree_saves=self.checkpointer is not None, in_sync=source is not None)
         self.plan = plan(self.config.scaling, world_size, self.state.reference_world_size or world_size)

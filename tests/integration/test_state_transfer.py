@@ -54,6 +54,27 @@ def test_the_optimizer_state_streams_while_a_step_runs_and_lands_whole() -> None
     assert all(after[r]["in_place"] == "True" for r in range(WORLD)), after
 
 
+@pytest.mark.parametrize("mode", ["helped", "helped-overlap"])
+def test_the_members_that_hold_the_state_each_send_a_share_and_it_arrives_whole(mode: str) -> None:
+    lines = _run(mode)
+    before, after = lines["BEFORE"], lines["AFTER"]
+    assert before[0]["model"] == before[1]["model"] != before[2]["model"], before
+    assert after[2]["hash"] == before[0]["hash"] and after[2]["counter"] == "0", after  # objects: the source's
+    assert after[1]["hash"] == before[1]["hash"] and after[1]["counter"] == "10", "the helper's state changed"
+    assert after[0]["hash"] == before[0]["hash"], "the source's state changed"
+    assert all(after[r]["in_place"] == "True" for r in range(WORLD)), after
+    if mode == "helped-overlap":
+        assert all(after[r]["complete"] == "True" and after[r]["error"] == "none" for r in range(WORLD)), after
+
+
+def test_a_helper_sends_its_own_bytes() -> None:
+    """A control: a helper holding another state of the same shapes (never so after an agreement) leaves the receiver
+    with neither state: the helper's pieces are what it sent."""
+    lines = _run("helped-unlike")
+    before, after = lines["BEFORE"], lines["AFTER"]
+    assert after[2]["hash"] not in (before[0]["hash"], before[1]["hash"]), after
+
+
 def test_a_receiver_whose_optimizer_state_broke_off_says_its_state_is_not_whole() -> None:
     lines = _run("broken")
     after = lines["AFTER"]

@@ -53,6 +53,25 @@ def test_agreement_is_the_smallest_step_held_in_memory(ballots: list[Ballot], ex
     assert got.from_checkpoint is (expected.source is None)
 
 
+@pytest.mark.parametrize(
+    ("ballots", "holders"),
+    [
+        ([Ballot(False, 0), Ballot(False, 0)], ()),  # the checkpoint: nobody sends
+        ([Ballot(True, 7), Ballot(True, 7)], (0, 1)),
+        ([Ballot(True, 8), Ballot(True, 7)], (1,)),  # rank 0 rolls back: it receives
+        ([Ballot(False, 0), Ballot(True, 5), Ballot(True, 5)], (1, 2)),
+        ([Ballot(True, 4), Ballot(True, 5), Ballot(True, 4), Ballot(False, 0)], (0, 2)),
+        ([Ballot(True, 3), Ballot(True, 151), Ballot(True, 150), Ballot(False, 0)], (2,)),
+    ],
+)
+def test_the_holders_of_the_agreed_state_are_every_member_that_does_not_receive_it(
+    ballots: list[Ballot], holders: tuple[int, ...]
+) -> None:
+    got = decide(ballots)
+    assert got.holders(len(ballots)) == holders
+    assert got.source is None or got.source in holders
+
+
 def _notice(round_: int = 3, **over: object) -> RegroupNotice:
     fields: dict[str, object] = {
         "round": round_,

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elastrain.errors import WireFormatError
-from elastrain.live.pieces import Piece, TensorSlot, pieces_of, plan_pieces
+from elastrain.live.pieces import Piece, TensorSlot, assign_senders, pieces_of, plan_pieces
 
 MIB = 1 << 20
 
@@ -80,3 +80,46 @@ def test_a_malformed_placeholder_from_a_peer_is_refused(payload: object) -> None
 def test_a_placeholder_is_parsed() -> None:
     slot = TensorSlot.parse([3, [2, 5], "bfloat16", "model/w"])
     assert (slot.index, slot.shape, slot.path, slot.nbytes) == (3, (2, 5), "model/w", 20)
+
+
+@pytest.mark.parametrize(
+    ("pieces", "shared", "senders", "expected"),
+    [
+        ([Piece(0, 0, 4), Piece(0, 4, 8), Piece(1, 0, 4)], [True, True], (0,), [0, 0, 0]),
+        ([Piece(0, 0, 4), Piece(0, 4, 8), Piece(1, 0, 4)], [True, True], (2, 0), [2, 0, 2]),
+        # A rank's own object (not shared) comes from the source; the turn goes on with the next shared piece.
+        ([Piece(0, 0, 4), Piece(None, packed=(1, 2)), Piece(0, 4, 8)], [True, True, False], (1, 3), [1, 1, 3]),
+        (
+            [Piece(None, packed=(0, 1)), Piece(2, 0, 4), Piece(2, 4, 8), Piece(2, 8, 9)],
+            [True] * 3,
+            (0, 1, 2),
+            [0, 1, 2, 0],
+        ),
+    ],
+)
+def test_senders_by_table(
+    pieces: list[Piece], shared: list[bool], senders: tuple[int, ...], expected: list[int]
+) -> None:
+    assert assign_senders(pieces, shared, senders) == expected
+
+
+@given(
+    st.lists(st.integers(0, 5000), min_size=1, max_size=30),
+    st.lists(st.booleans(), min_size=30, max_size=30),
+    st.lists(st.integers(0, 7), min_size=1, max_size=4, unique=True),
+)
+def test_shared_pieces_are_spread_evenly_and_the_others_come_from_the_source(
+    sizes: list[int], shared: list[bool], senders: list[int]
+) -> None:
+    pieces = plan_pieces(sizes, piece_bytes=1024, own_bytes=300)
+    got = assign_senders(pieces, shared, tuple(senders))
+    assert len(got) == len(pieces) and set(got) <= set(senders)
+    turns = []
+    for piece, sender in zip(pieces, got, strict=True):
+        indices = [piece.own] if piece.own is not None else list(piece.packed)
+        if all(shared[i] for i in indices):
+            turns.append(sender)
+        else:
+            assert sender == senders[0]
+    counts = [turns.count(s) for s in senders]
+    assert max(counts) - min(counts) <= 1

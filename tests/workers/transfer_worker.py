@@ -7,9 +7,12 @@ the ranks run a collective of their own (a training step's), then finished. ``br
 rank 0 gone (``os._exit``) as soon as the call returns. ``pooled``: as ``receivers``, on accelerate's name for
 the CPU (``cpu:0``), with rank 2's optimizer state received into a pool it made beforehand
 (:class:`elastrain.live.receive_pool.ReceivePool`); it prints whether every tensor of its optimizer's state is one
-of the pool's (``pooled``). Each rank prints the hash of its state, whether its
-parameters stayed in their own memory, and the bytes the call returned; in the overlap modes also the model's
-hash when the call returned (before the optimizer's state arrived) and whether the transfer completed.
+of the pool's (``pooled``). ``helped``: ranks 0 and 1 hold the same model and optimizer state (rank 1 helps: it
+sends its share), rank 2 receives; ``helped-overlap``: the same with the optimizer's state streamed;
+``helped-unlike``: rank 1 helps but holds another state of the same shapes (what rank 2 gets shows it sent).
+Each rank prints the hash of its state, whether its parameters stayed in their own memory, and the bytes the call
+returned; in the overlap modes also the model's hash when the call returned (before the optimizer's state arrived)
+and whether the transfer completed.
 """
 
 from __future__ import annotations
@@ -74,11 +77,12 @@ def main() -> None:
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     pieces.PIECE_BYTES, pieces.OWN_PIECES_BYTES = 1 << 20, 256 << 10  # many pieces, several in flight
-    torch.manual_seed(rank)
+    helped = mode.startswith("helped")
+    torch.manual_seed(0 if mode in ("helped", "helped-overlap") and rank == 1 else rank)
     model = Mixed(8192 if mode == "broken" else 700)  # broken: 64 MB of optimizer state still to come
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     counter = Counter(rank * 10)
-    if rank == 0:
+    if rank == 0 or (helped and rank == 1):
         for step in range(2):
             g = torch.Generator().manual_seed(step)
             model(torch.randn(4, 1024, generator=g)).sum().backward()
@@ -89,14 +93,17 @@ def main() -> None:
         f"BEFORE rank={rank} hash={state_hash(model, optimizer, counter.state_dict())} model={model_hash(model)}",
         flush=True,
     )
-    if mode in ("overlap", "broken"):
+    if mode in ("overlap", "broken", "helped-overlap"):
         overlapped(mode, rank, model, optimizer, counter, own)
         return
-    receivers = (2,) if mode in ("receivers", "pooled") else None
+    receivers = (2,) if mode in ("receivers", "pooled") or helped else None
+    helpers = (0, 1) if helped else ()
     pool = ReceivePool.for_optimizer(optimizer) if mode == "pooled" and rank == 2 else None
     made = {t.data_ptr() for t in (pool.left() if pool is not None else [])}
     device = torch.device("cpu", 0) if mode == "pooled" else torch.device("cpu")
-    sent = transfer.send_state(0, model, optimizer, {"counter": counter}, device, receivers, pool=pool).sent
+    sent = transfer.send_state(
+        0, model, optimizer, {"counter": counter}, device, receivers, pool=pool, helpers=helpers
+    ).sent
     in_place = all(p.data_ptr() == own[name] for name, p in model.named_parameters())
     moments = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()]
     pooled = bool(made) and len(moments) == len(made) and all(v.data_ptr() in made for v in moments)
@@ -112,15 +119,16 @@ def overlapped(
     mode: str, rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, counter: Counter, own: dict
 ) -> None:
     cpu = torch.device("cpu")
-    pending = transfer.send_state(0, model, optimizer, {"counter": counter}, cpu, (2,), overlap=True)
+    helpers = (0, 1) if mode == "helped-overlap" else ()
+    pending = transfer.send_state(0, model, optimizer, {"counter": counter}, cpu, (2,), overlap=True, helpers=helpers)
     if mode == "broken" and rank == 0:
         os._exit(0)  # the source is gone with the optimizer's state still on its way
     arrived = model_hash(model)  # the model is in place before the optimizer's state
-    if mode == "overlap":
+    if mode in ("overlap", "helped-overlap"):
         total = torch.ones(1)
         dist.all_reduce(total)  # a collective of the training step while the optimizer's state streams
     try:  # broken: gloo fails a receive from a dead sender at once, or never (then this bound ends it)
-        pending.finish(60.0 if mode == "overlap" else 5.0)
+        pending.finish(5.0 if mode == "broken" else 60.0)
         error = "none"
     except transfer.TransferFailedError as exc:
         error = type(exc).__name__

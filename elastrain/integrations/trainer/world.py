@@ -105,6 +105,7 @@ class TrainerWorld:
             device,
             receivers=agreement.ahead + agreement.receivers,
             pool=pool,
+            helpers=agreement.holders(dist.get_world_size()),
         ).sent
         if self.rank == source:
             held.progress.snapshot()
