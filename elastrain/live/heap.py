@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import platform
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -38,22 +39,18 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
 MMAP_THRESHOLD = 32 * 1024 * 1024
-"""glibc's largest mmap threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit): chunks up to it come from the heap."""
+"""glibc's largest mmap threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit), set so that glibc stops moving it."""
 _TRIM_NEVER = -1
 """``M_TRIM_THRESHOLD`` of -1: glibc never gives the heap's top back to the kernel (``man mallopt``)."""
 PIECE_BYTES = 16 * 1024 * 1024
-"""The heap is grown in pieces below the mmap threshold, so that they come from the heap and coalesce there."""
+"""The heap is grown in pieces of this size, allocated back to back so that, freed, they coalesce."""
 
 HEAP_PER_PARAMETER_BYTE = 3
 """The heap a warm worker maps ahead, per byte of its parameters: a step's gradient temporaries, DDP's buckets
 (built with each world, and again when DDP rebuilds them after its first iteration), the optimizer's intermediates."""
 
-_libc: ctypes.CDLL | None = None
-"""glibc, once :func:`keep_freed_memory` has tuned it."""
-_decided = False
 
-
-def user_chose_allocator(environ: dict[str, str] | os._Environ[str]) -> str | None:
+def user_chose_allocator(environ: Mapping[str, str]) -> str | None:
     """Pure: the environment variable by which the user chose or tuned the allocator, or None."""
     if environ.get(KEEP_HEAP, "1") == "0":
         return KEEP_HEAP
@@ -66,16 +63,18 @@ def user_chose_allocator(environ: dict[str, str] | os._Environ[str]) -> str | No
 
 
 def keep_freed_memory() -> bool:
-    """Ask glibc's malloc to serve chunks up to :data:`MMAP_THRESHOLD` from the heap and never to trim it (once per
-    process); whether it is so. Not on another C library, nor when the user chose the allocator."""
-    global _libc, _decided
-    if _decided:
-        return _libc is not None
-    _decided = True
+    """Ask glibc's malloc (once per process) to take every chunk from the heap, none from ``mmap``, and never to trim
+    the heap; whether it is so. Not on another C library, nor when the user chose the allocator."""
+    return _tuned_libc() is not None
+
+
+@functools.cache
+def _tuned_libc() -> ctypes.CDLL | None:
+    """glibc, tuned as :func:`keep_freed_memory` says (once: cached); None where it is left alone."""
     chosen = user_chose_allocator(os.environ)
     if chosen is not None or platform.libc_ver()[0] != "glibc":
         lifecycle("heap_left_alone", why=f"{chosen} is set" if chosen else "not glibc")
-        return False
+        return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
@@ -87,12 +86,11 @@ def keep_freed_memory() -> bool:
         )
     except (OSError, AttributeError) as exc:
         lifecycle("heap_left_alone", level=logging.WARNING, why=f"mallopt failed: {exc!r}"[:200])
-        return False
+        return None
     if not kept:
         lifecycle("heap_left_alone", level=logging.WARNING, why="mallopt refused the settings")
-        return False
-    _libc = libc
-    return True
+        return None
+    return libc
 
 
 def grow_for(params: Iterable[torch.Tensor]) -> int:
@@ -106,9 +104,7 @@ def grow(nbytes: int) -> int:
     """Map ``nbytes`` of heap on the calling thread (allocated in pieces, written, freed: glibc keeps them for this
     thread's next allocations); the bytes mapped (0 when the heap is not kept: freed pieces would go back to the
     kernel)."""
-    if nbytes <= 0 or not keep_freed_memory():
-        return 0
-    libc = _libc
+    libc = _tuned_libc() if nbytes > 0 else None
     if libc is None:
         return 0
     started = time.monotonic()

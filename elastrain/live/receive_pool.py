@@ -86,8 +86,8 @@ class ReceivePool:
     def for_optimizer(cls, optimizer: torch.optim.Optimizer, gradients: bool = False) -> ReceivePool:
         """Tensors for the state ``optimizer`` will receive, touched from now on. Empty for an optimizer that holds
         state already (it receives into its own) or whose state is not known. ``gradients``: its parameters'
-        gradients made too (the first backward's), before the tensors (for a loop whose first backward comes after
-        the pool is stopped: the Session's)."""
+        gradients made too (the first backward's), at once on the calling thread (for a loop whose first backward
+        comes after the pool is stopped: the Session's)."""
         if optimizer.state:
             return cls()
         params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -69,12 +69,10 @@ class Stream:
         self._flight: deque[tuple[list[dist.Work], Piece, torch.Tensor]] = deque()
 
     def run(self, pieces: list[Piece]) -> None:
-        if self.peers is not None and self.rank != self.src and self.rank not in self.peers and self.senders is None:
-            return
         for number, piece in enumerate(pieces):
             sender = self.src if self.senders is None else self.senders[number]
             if not self.receiving and sender != self.rank:
-                continue  # another holder of the state sends this one
+                continue  # another holder of the state sends this one (or this rank takes no part)
             while len(self._flight) >= IN_FLIGHT:
                 self._land()
             buffer = self._buffer(piece)
