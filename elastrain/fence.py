@@ -279,6 +279,12 @@ _HELD: dict[str, int] = {}
 (``--live``) descends from it, and claims the next one only if no other world took it first."""
 
 
+def disown_claims() -> None:
+    """This process's state in memory was dropped (its node was left behind: the job trained on in worlds it
+    was not in): its next world descends from none of its earlier ones, and claims afresh, as new workers do."""
+    _HELD.clear()
+
+
 @dataclass(frozen=True)
 class WorkerClaim:
     """A world of workers claiming its checkpoint root (the workers' own fence)."""

@@ -190,7 +190,8 @@ class LiveCoordination:
             previous_world_size=old_world_size,
             announced_at=time.time(),
             no_departure=self._membership.kept_every_member,
-            superseded=host.phase is Phase.LEFT_BEHIND,
+            # Left behind: told while running (this round superseded, evicted) or found in forming the new round.
+            superseded=host.phase is Phase.LEFT_BEHIND or self._membership.left_behind,
         )
         if host.phase is Phase.LEFT_BEHIND:
             host.phase = Phase.RUNNING  # dealt with: the notice says so

@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
+from elastrain import fence
 from elastrain.control import RegroupChannel, RegroupNotice
 from elastrain.env import (
     AGENT_PID,
@@ -125,6 +126,8 @@ class LiveMember:
         """Acknowledge ``notice``, leave the current group, and join the notice's; the new WorkerEnv."""
         started = time.monotonic()
         self._adopt(notice)
+        if notice.superseded:  # its state is dropped: the new world claims its checkpoint roots afresh
+            fence.disown_claims()
         self.group.leave()
         if self._watchdog is not None:
             self._watchdog.watch_round(notice.round)

@@ -39,6 +39,12 @@ class Membership(Protocol):
         ...
 
     @property
+    def left_behind(self) -> bool:
+        """Whether the round just formed does not directly follow this node's last one: rounds were formed
+        without it, the job may have trained on in them, and its workers' state in memory is a superseded world's."""
+        ...
+
+    @property
     def membership_grace_s(self) -> float:
         """How long after a worker failure a departed peer can take to show up (0: no grace)."""
         ...
@@ -87,6 +93,10 @@ class TorchMembership:
     @property
     def kept_every_member(self) -> bool:
         return False
+
+    @property
+    def left_behind(self) -> bool:
+        return False  # torch's handlers number no rounds the agent can compare
 
     @property
     def membership_grace_s(self) -> float:

@@ -79,7 +79,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self._addr = node_address(params)
         self._round = -1
         self._members: tuple[str, ...] = ()  # of the round this node last joined
-        self._kept_every_member = False
+        self._continuity = st.Continuity(kept_every_member=False, left_behind=False)
+        self._redirected = False  # since the last round: it left its lineage's store for a winner's
         self._decided: st.Change | None = None
         self._decision_fresh = False
         self._probe = liveness.ProbeListener(binding.listen_host(self._addr))
@@ -142,11 +143,13 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         else:
             raise RendezvousTimeoutError("no round settled after 1000 attempts (the membership kept changing)")
         # Only a round that directly follows this node's last one can have kept its members: a node that missed
-        # rounds (cut off, then back) was left behind, whoever the new round holds.
-        follows = self._round >= 0 and state.round == self._round + 1
+        # rounds (cut off, superseded, then back) was left behind, whoever the new round holds.
+        self._continuity = st.continuity(
+            self.node_id, self._round, self._members, state.round, state.members, self._redirected
+        )
+        self._redirected = False
         self._round = state.round
         self._conn.joined = True
-        self._kept_every_member = follows and self.node_id in self._members and set(self._members) <= set(state.members)
         self._members = state.members
         master = state.nodes[state.members[0]]
         rank = state.members.index(self.node_id)
@@ -164,6 +167,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             self._conn.switch(backend, store, address)
             self._beat.forget()
             self._fencing.forget()
+        self._redirected = True  # its world lost the claim: another one trained on
         lifecycle("redirected", node=self.node_id, store=address)
 
     def is_closed(self) -> bool:
@@ -214,7 +218,13 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         """Whether the round just formed holds every member of this node's previous round (nodes joined,
         none left): the same answer on every node of both rounds. A live regroup then moves at a step the
         workers agree on, finishing the step in flight (see :class:`elastrain.control.RegroupNotice`)."""
-        return self._kept_every_member
+        return self._continuity.kept_every_member
+
+    @property
+    def left_behind(self) -> bool:
+        """Whether the round just formed does not directly follow this node's last one (see
+        :attr:`elastrain.rendezvous.state.Continuity.left_behind`): its workers' state in memory is dropped."""
+        return self._continuity.left_behind
 
     @property
     def membership_grace_s(self) -> float:

@@ -407,6 +407,37 @@ def supersede(state: RendezvousState, store: str) -> RendezvousState:
     return replace(state, superseded_by=store or "unknown")
 
 
+@dataclass(frozen=True)
+class Continuity:
+    """How the round a node just joined relates to the last one it was in."""
+
+    kept_every_member: bool
+    """The new round directly follows the node's last one and holds every member of it (nodes joined, none
+    left): the same answer on every node of both rounds."""
+    left_behind: bool
+    """The new round does not directly follow the node's last one: rounds were formed without this node (it was
+    cut off, frozen, or lost the fencing claim), and the job may have trained on in them, so the state its
+    workers hold in memory belongs to a world the job moved on from."""
+
+
+def continuity(
+    node: str,
+    last_round: int,
+    last_members: Iterable[str],
+    round_: int,
+    members: Iterable[str],
+    redirected: bool = False,
+) -> Continuity:
+    """Pure: :class:`Continuity` for ``node``, last in ``last_round`` (``-1``: none) with ``last_members``, now
+    in ``round_`` with ``members``. ``redirected``: it left its lineage's store for another world's since (its
+    world lost the fencing claim); that world numbers its own rounds, so no number there continues this one's."""
+    before, now = set(last_members), set(members)
+    if last_round < 0:
+        return Continuity(kept_every_member=False, left_behind=False)  # nothing held from an earlier round
+    follows = round_ == last_round + 1 and not redirected
+    return Continuity(kept_every_member=follows and node in before and before <= now, left_behind=not follows)
+
+
 def change_for(state: RendezvousState, node: str, my_round: int, max_nodes: int) -> Change | None:
     """Why ``node``, running round ``my_round``, must stop its workers and re-join; ``None`` if it need not.
 

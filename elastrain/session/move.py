@@ -68,12 +68,15 @@ def move_to_next_round(
     if notice.no_departure and cause is None:
         world.save_shards(notice.generation)
     world.leave()
+    dropped = False
     for attempt in range(1, MAX_ROUNDS_IN_A_ROW + 1):
+        # Left behind (cut off while the job trained on): this state is a superseded world's; receive. Once
+        # dropped, it stays dropped through the rounds tried after. A receiver whose transfer broke off holds no
+        # whole state: it receives again.
+        dropped = dropped or notice.superseded
         try:
             env = live.move_to(notice)
-            # Left behind (cut off while the job trained on): this state is a superseded world's; receive.
-            # A receiver whose transfer broke off holds no whole state: it receives again.
-            enter(env, not notice.superseded and world.handover.intact, started)
+            enter(env, not dropped and world.handover.intact, started)
             return True
         except (RuntimeError, dist.DistError, TimeoutError) as exc:
             # A member of the announced round failed too: wait for the round after it.

@@ -66,6 +66,7 @@ def test_silent_node_is_evicted_by_heartbeat_and_rejoins_as_newcomer() -> None:
         assert str(b.membership_change()) == "evicted: this node was evicted"
         a.next_rendezvous()
         assert a.elastrain_round == 1
+        assert (a.kept_every_member, a.left_behind) == (False, False)  # b left; a's own state is the job's
         # b comes back: it is a newcomer now, a sees it waiting, both form round 2.
         joined = threading.Thread(target=b.next_rendezvous)
         joined.start()
@@ -74,6 +75,9 @@ def test_silent_node_is_evicted_by_heartbeat_and_rejoins_as_newcomer() -> None:
         joined.join(timeout=10)
         assert info.world_size == 2
         assert a.elastrain_round == b.elastrain_round == 2
+        # a went on from round 1 (everyone in it kept); b missed round 1: its workers' state in memory is dropped.
+        assert (a.kept_every_member, a.left_behind) == (True, False)
+        assert (b.kept_every_member, b.left_behind) == (False, True)
     finally:
         a.shutdown()
         b.shutdown()

@@ -6,6 +6,8 @@ import json
 from dataclasses import replace
 
 import pytest
+from hypothesis import given
+from hypothesis.strategies import integers, sampled_from, sets
 
 from elastrain.errors import RendezvousStateCorruptError
 from elastrain.rendezvous import state as st
@@ -304,3 +306,49 @@ def test_a_rejoin_key_roundtrips_and_a_foreign_one_is_refused() -> None:
     for bad in (b'{"addr": "x"}', b'["x", 1, 2]', b'["x", "1", 2, 3]', b"null"):
         with pytest.raises(RendezvousStateCorruptError):
             st.decode_info(bad)
+
+
+@pytest.mark.parametrize(
+    ("last_round", "last_members", "round_", "members", "kept", "left_behind"),
+    [
+        (-1, (), 0, ("a", "b"), False, False),  # its first round: nothing held from before
+        (3, ("a", "b"), 4, ("a", "b", "c"), True, False),  # a node joined, none left
+        (3, ("a", "b"), 4, ("a",), False, False),  # b left: the next round, but not every member kept
+        (3, ("a", "b"), 4, ("b", "a"), True, False),  # the same members, ranks reordered
+        (3, ("a", "b"), 5, ("a", "b"), False, True),  # round 4 was formed without it: the job may have trained on
+        (0, ("a", "b", "c"), 2, ("a",), False, True),  # superseded, redirected, then alone after the winner died
+        (3, ("a", "b"), 3, ("a", "b"), False, True),  # never the same round twice: not taken for a continuation
+    ],
+)
+def test_continuity_of_a_nodes_rounds(
+    last_round: int,
+    last_members: tuple[str, ...],
+    round_: int,
+    members: tuple[str, ...],
+    kept: bool,
+    left_behind: bool,
+) -> None:
+    got = st.continuity("a", last_round, last_members, round_, members)
+    assert got == st.Continuity(kept_every_member=kept, left_behind=left_behind)
+
+
+@pytest.mark.parametrize("round_", [0, 4, 5, 9])
+def test_a_node_redirected_to_a_winning_worlds_store_was_left_behind_whatever_that_world_numbers_its_round(
+    round_: int,
+) -> None:
+    got = st.continuity("a", 3, ("a", "b"), round_, ("a", "b"), redirected=True)
+    assert got == st.Continuity(kept_every_member=False, left_behind=True)
+
+
+@given(
+    last_round=integers(min_value=-1, max_value=20),
+    gap=integers(min_value=1, max_value=5),
+    last_members=sets(sampled_from("abcde")),
+    members=sets(sampled_from("abcde")),
+)
+def test_a_round_that_keeps_every_member_is_never_one_a_node_was_left_behind_by(
+    last_round: int, gap: int, last_members: set[str], members: set[str]
+) -> None:
+    got = st.continuity("a", last_round, last_members, last_round + gap, members | {"a"})
+    assert not (got.kept_every_member and got.left_behind)
+    assert got.left_behind == (last_round >= 0 and gap != 1)

@@ -113,6 +113,20 @@ def test_a_world_that_goes_on_in_place_claims_after_its_own_and_loses_to_another
         proto(tmp_path).claim()  # a regroup of the first lineage finds generation 2 taken: it must not go on
 
 
+def test_a_process_that_dropped_its_state_claims_afresh_instead_of_losing_to_the_world_that_trained_on(
+    tmp_path: Path,
+) -> None:
+    first = proto(tmp_path)
+    first.claim()  # this node's world, generation 0
+    fence._HELD.clear()
+    proto(tmp_path).claim()  # the job trained on without it: another world took generation 1
+    fence._HELD[str(tmp_path)] = 0
+    fence.disown_claims()  # left behind: its state dropped (it restores the newest checkpoint)
+    back = proto(tmp_path)
+    back.claim()
+    assert back.generation == 2  # a world of its own, after the one that trained on: not a stale descendant
+
+
 def test_a_root_where_no_claim_can_be_written_fails_naming_it(tmp_path: Path) -> None:
     (tmp_path / "root").write_text("not a directory")
     with pytest.raises(CheckpointSaveError, match=r"cannot claim this world's fencing generation in .*root"):
