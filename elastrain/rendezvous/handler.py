@@ -81,6 +81,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self._members: tuple[str, ...] = ()  # of the round this node last joined
         self._continuity = st.Continuity(kept_every_member=False, left_behind=False)
         self._redirected = False  # since the last round: it left its lineage's store for a winner's
+        self._formed_at = time.monotonic()  # when this node's last round formed
         self._decided: st.Change | None = None
         self._decision_fresh = False
         self._probe = liveness.ProbeListener(binding.listen_host(self._addr))
@@ -144,10 +145,12 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             raise RendezvousTimeoutError("no round settled after 1000 attempts (the membership kept changing)")
         # Only a round that directly follows this node's last one can have kept its members: a node that missed
         # rounds (cut off, superseded, then back) was left behind, whoever the new round holds.
+        silent = self._beat.silent_since(self._formed_at)
         self._continuity = st.continuity(
-            self.node_id, self._round, self._members, state.round, state.members, self._redirected
+            self.node_id, self._round, self._members, state.round, state.members, self._redirected, silent
         )
         self._redirected = False
+        self._formed_at = time.monotonic()
         self._round = state.round
         self._conn.joined = True
         self._members = state.members

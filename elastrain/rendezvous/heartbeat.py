@@ -84,8 +84,15 @@ class Heartbeat:
         self._probe_all = False
         self._judged_last: str | None = None
         self._watch = FailureWatch(node_id)
+        self._pulse = liveness.Pulse(settings.heartbeat_interval_s, settings.heartbeat_timeout_s)
+
+    def silent_since(self, since: float) -> bool:
+        """Whether this node was frozen (or starved) for a heartbeat timeout after ``since`` (monotonic), while it
+        beat: its peers may have judged it dead and gone on without it."""
+        return self._pulse.silent_since(since, time.monotonic())
 
     def start(self) -> None:
+        self._pulse.start()
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop.clear()
@@ -96,6 +103,7 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
+        self._pulse.stop()
 
     def forget(self) -> None:
         """This node moved to another world's store: what it observed of this one's nodes no longer counts."""

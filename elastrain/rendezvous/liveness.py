@@ -9,6 +9,9 @@
   thread wakes up much later than it asked to (the process was frozen or starved of CPU), or a read of
   the store itself took that long, its view of the others' heartbeats is stale and proves nothing.
   The time it spends probing or evicting is its own work, not a stall.
+* A node knows when it was silent long enough for its peers to judge it dead (:class:`Pulse`: a thread that
+  only sleeps, so a wake-up far later than asked means the process was frozen, never that a store call hung):
+  the job may have trained on without it.
 """
 
 from __future__ import annotations
@@ -124,3 +127,47 @@ class TickClock:
 
     def stalled_within(self, now: float, window_s: float) -> bool:
         return now - self.stalled_at < window_s
+
+
+class Pulse:
+    """A thread of this process that only sleeps and wakes: when it wakes ``silent_s`` or more after its last
+    wake-up, the process was frozen (SIGSTOP, a paused VM) or starved that long, and its heartbeat with it. It
+    touches no store, so a hung store call never reads as a freeze (a heartbeat tick can hang in one)."""
+
+    def __init__(self, interval_s: float, silent_s: float) -> None:
+        self._interval_s = interval_s
+        self._silent_s = silent_s
+        self._last: float | None = None
+        self.silent_at = -1e18
+        """When the process last came back from such a gap (monotonic)."""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._last = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="elastrain-pulse", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2)
+        self._last = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self.woke(time.monotonic())
+
+    def woke(self, now: float) -> None:
+        """A wake-up at ``now``."""
+        if self._last is not None and now - self._last >= self._silent_s:
+            self.silent_at = now
+        self._last = now
+
+    def silent_since(self, since: float, now: float) -> bool:
+        """Whether the process was silent for ``silent_s`` after ``since``: a gap it came back from, or one it is
+        in (thawed, the pulse not yet awake)."""
+        return self.silent_at > since or (self._last is not None and now - self._last >= self._silent_s)

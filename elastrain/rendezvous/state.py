@@ -427,15 +427,20 @@ def continuity(
     round_: int,
     members: Iterable[str],
     redirected: bool = False,
+    silent: bool = False,
 ) -> Continuity:
     """Pure: :class:`Continuity` for ``node``, last in ``last_round`` (``-1``: none) with ``last_members``, now
     in ``round_`` with ``members``. ``redirected``: it left its lineage's store for another world's since (its
-    world lost the fencing claim); that world numbers its own rounds, so no number there continues this one's."""
+    world lost the fencing claim); that world numbers its own rounds, so no number there continues this one's.
+    ``silent``: its heartbeat stopped for a heartbeat timeout since (frozen): its peers may have judged it dead
+    and trained on in a lineage of their own (its store died meanwhile, so it never saw their rounds); unless the
+    new round kept every member, it was left behind."""
     before, now = set(last_members), set(members)
     if last_round < 0:
         return Continuity(kept_every_member=False, left_behind=False)  # nothing held from an earlier round
     follows = round_ == last_round + 1 and not redirected
-    return Continuity(kept_every_member=follows and node in before and before <= now, left_behind=not follows)
+    kept = follows and node in before and before <= now
+    return Continuity(kept_every_member=kept, left_behind=not follows or (silent and not kept))
 
 
 def change_for(state: RendezvousState, node: str, my_round: int, max_nodes: int) -> Change | None:

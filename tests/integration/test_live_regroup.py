@@ -247,6 +247,63 @@ def test_a_frozen_node_is_evicted_and_the_survivors_get_out_of_their_collective_
     assert len(done) == 2 and len({d["hash"] for d in done}) == 1, detail
 
 
+def test_a_node_frozen_while_the_job_trained_on_whose_store_then_died_carries_on_from_the_newest_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """b is frozen whole (agent and worker); a (the store host) evicts it, trains on alone and commits, then is
+    SIGKILLed whole. b thaws into a dead store: it fails over, forms a round alone, and never saw a's rounds. Its
+    state in memory is a superseded world's: it must drop it, restore a's newest checkpoint and claim the root
+    afresh (the workers fence it: no --checkpoint-dir), not keep it and lose the root's claim to a dead world."""
+    env = {
+        "LW_MAX_STEPS": "100000",
+        "LW_SLEEP": "0.05",
+        "LW_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+        "LW_SAVE_EVERY": "3",
+        "LW_STOP_FILE": str(tmp_path / "stop"),
+    }
+    port = free_port()
+    a = Node("a", tmp_path, port, "1:2", env, last_call_s=BOUND)  # hosts the c10d store
+    time.sleep(0.3)
+    b = Node("b", tmp_path, port, "1:2", env, last_call_s=BOUND)
+
+    def steps(n: Node, ws: str) -> list[dict[str, str]]:
+        return [s for s in n.lines("LW_STEP") if s["ws"] == ws]
+
+    with reaped(a.proc, b.proc):
+        try:
+            wait_for(lambda: len(steps(b, "2")) >= 3, BOUND, what="two nodes training")
+            frozen = kill_tree(b.proc.pid, signal.SIGSTOP)
+            frozen_at = int(b.lines("LW_STEP")[-1]["step"])
+            wait_for(lambda: len(steps(a, "1")) >= 8, BOUND, what="a to train on alone past a checkpoint")
+            kill_tree(a.proc.pid)
+            a.proc.wait(timeout=BOUND)
+            a_last = int(a.lines("LW_STEP")[-1]["step"])
+            for pid in frozen:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            wait_for(lambda: len(steps(b, "1")) >= 3, BOUND, what="b to train on alone")
+            (tmp_path / "stop.tmp").write_text(str(int(b.lines("LW_STEP")[-1]["step"]) + 3))
+            (tmp_path / "stop.tmp").replace(tmp_path / "stop")
+            b.proc.wait(timeout=BOUND)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n" + a.dump() + "\n" + b.dump()) from None
+    detail = a.dump() + "\n" + b.dump()
+    assert b.proc.returncode == 0, detail
+    assert not b.events("world_superseded") and len(b.lines("LW_START")) == 1, detail  # in place, not restarted
+    (started,) = [e for e in b.events("regroup_started") if e["round"].endswith("->1")]
+    assert started["state"].startswith("dropped"), detail
+    (restored,) = b.events("checkpoint_restored")
+    committed = [int(e["step"]) for e in a.events("checkpoint_committed")]
+    assert int(restored["step"]) == max(committed) > frozen_at, detail  # the job's newest, not b's own
+    # b goes on from a's state at that step, bit for bit, and trains the steps a had made after it as a did (both
+    # alone at world size 1, the same data).
+    a_hash = {s["step"]: s["hash"] for s in a.lines("LW_STEP")}
+    (agreed,) = [x for x in b.lines("LW_AGREED") if x["ws"] == "1"]
+    assert agreed["step"] == restored["step"] and agreed["hash"] == a_hash[agreed["step"]], detail
+    again = [s for s in steps(b, "1") if int(s["step"]) <= a_last]
+    assert all(a_hash[s["step"]] == s["hash"] for s in again), detail
+
+
 def test_a_worker_that_does_not_answer_the_notice_is_restarted_into_the_round_and_gets_the_state(
     tmp_path: Path,
 ) -> None:

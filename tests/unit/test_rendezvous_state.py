@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis.strategies import integers, sampled_from, sets
 
 from elastrain.errors import RendezvousStateCorruptError
+from elastrain.rendezvous import liveness
 from elastrain.rendezvous import state as st
 
 INFO = st.NodeInfo("127.0.0.1", 1000, 2000, 3000)
@@ -352,3 +353,30 @@ def test_a_round_that_keeps_every_member_is_never_one_a_node_was_left_behind_by(
     got = st.continuity("a", last_round, last_members, last_round + gap, members | {"a"})
     assert not (got.kept_every_member and got.left_behind)
     assert got.left_behind == (last_round >= 0 and gap != 1)
+
+
+@pytest.mark.parametrize(
+    ("round_", "members", "left_behind"),
+    [
+        (4, ("a",), True),  # its store died while it was frozen: it formed "round 4" alone, maybe beside a world
+        (4, ("a", "b", "c"), False),  # every member kept (a node joined): nobody went on without it
+        (6, ("a", "b"), True),  # rounds formed without it anyway
+    ],
+)
+def test_a_node_silent_for_a_heartbeat_timeout_was_left_behind_unless_its_round_kept_every_member(
+    round_: int, members: tuple[str, ...], left_behind: bool
+) -> None:
+    got = st.continuity("a", 3, ("a", "b"), round_, members, silent=True)
+    assert got.left_behind is left_behind
+
+
+def test_the_pulse_tells_a_freeze_as_long_as_a_heartbeat_timeout_from_a_late_wake_up() -> None:
+    pulse = liveness.Pulse(interval_s=0.25, silent_s=5.0)
+    assert not pulse.silent_since(0.0, 100.0)  # not started: no gap
+    pulse.woke(100.0)
+    pulse.woke(100.3)
+    pulse.woke(102.0)  # 1.7 s late (a loaded machine): not silent long enough to be judged dead
+    assert not pulse.silent_since(0.0, 102.0)
+    pulse.woke(108.0)  # frozen for 6 s
+    assert pulse.silent_since(100.0, 108.0) and not pulse.silent_since(108.0, 108.1)
+    assert pulse.silent_since(108.0, 113.5)  # due since 108.25 and not awake: a process not yet thawed
