@@ -54,6 +54,7 @@ from elastrain.integrations.trainer.errors import TrainerIntegrationError
 from elastrain.integrations.trainer.lost_log import LostLog
 from elastrain.integrations.trainer.membership import TrainerMembership
 from elastrain.integrations.trainer.memory import DataPosition, Held
+from elastrain.integrations.trainer.placement import canonical_cpu_device
 from elastrain.integrations.trainer.rescale import TrainerBatch
 from elastrain.integrations.trainer.world import TrainerWorld
 from elastrain.log import lifecycle
@@ -196,6 +197,7 @@ class ElasticTrainer:
         agreed = world.agree_state()
         self.lost_log.relog(self.trainer, self.trainer.args.device, own_step, kept_state=agreed)
         tune_ddp(self.trainer.accelerator, in_sync=agreed)  # the DDP that train() builds for this world
+        canonical_cpu_device(self.trainer.accelerator)  # prepare() moves no state already in place
         if not agreed:
             return self._restore(asked, first)
         self.batch.replan(self.held.position.global_batch)
