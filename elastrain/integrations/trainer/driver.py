@@ -294,6 +294,8 @@ class ElasticTrainer:
             held.scheduler.apply(self.trainer.lr_scheduler)
         held.scheduler.target = self.trainer.lr_scheduler
         self.boundaries.sync_on(model)
+        if self.world is not None:
+            self.world.collection.wrapped()
 
     def note_failure(self, exc: BaseException) -> None:
         note_if_collective_failure(self.env, exc)

@@ -12,9 +12,9 @@ committed checkpoint instead (the driver's restore).
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from elastrain.collective_failure import is_collective_failure
 from elastrain.control import RegroupNotice
 from elastrain.env import WorkerEnv
+from elastrain.integrations.trainer.collection import MoveCollection
 from elastrain.integrations.trainer.membership import TrainerMembership
 from elastrain.integrations.trainer.memory import Held
 from elastrain.live import heap
@@ -40,6 +41,8 @@ class TrainerWorld:
         self.membership = membership
         self.held = held
         self._pool: ReceivePool | None = None
+        self.collection = MoveCollection()
+        """The collections at a move: the driver says when the next world's model is wrapped."""
 
     @property
     def rank(self) -> int:
@@ -174,10 +177,12 @@ class TrainerWorld:
         if t.optimizer is not None:
             t.optimizer.zero_grad(set_to_none=True)
         t.model.zero_grad(set_to_none=True)
+        wrapper = weakref.ref(t.model_wrapped) if t.model_wrapped is not t.model else None
         t.model_wrapped = t.model
         if t._created_lr_scheduler:
             t.lr_scheduler = None  # the Trainer makes its own again, whose state the kept one replaces
-        gc.collect()  # the old DDP wrapper's reducer (and its autograd hooks) must be gone before a backward
+        # The old DDP wrapper's reducer (and its autograd hooks) must be gone before a backward.
+        self.collection.leave(t.accelerator, wrapper)
 
 
 def unwrapped(optimizer: Any) -> Any:
