@@ -49,6 +49,7 @@ from elastrain.rendezvous.auth import RendezvousAuth, SignedStore
 from elastrain.rendezvous.claim import Fencing
 from elastrain.rendezvous.connection import STORE_ERRORS, Connection, FixedStores, StoreFactory, StoreSwitched
 from elastrain.rendezvous.heartbeat import Heartbeat, linger_until_seen
+from elastrain.rendezvous.history import RoundHistory
 from elastrain.rendezvous.pacing import Backoff, Throttled
 from elastrain.rendezvous.rounds import RoundLost, Rounds, Superseded
 from elastrain.rendezvous.settings import HandlerSettings, node_address
@@ -77,11 +78,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self._settings = s = settings or HandlerSettings.from_params(params)
         self.node_id = f"{socket.gethostname()}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
         self._addr = node_address(params)
-        self._round = -1
-        self._members: tuple[str, ...] = ()  # of the round this node last joined
-        self._continuity = st.Continuity(kept_every_member=False, left_behind=False)
-        self._redirected = False  # since the last round: it left its lineage's store for a winner's
-        self._formed_at = time.monotonic()  # when this node's last round formed
+        self._history = RoundHistory(self.node_id)
         self._decided: st.Change | None = None
         self._decision_fresh = False
         self._probe = liveness.ProbeListener(binding.listen_host(self._addr))
@@ -111,7 +108,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
     @property
     def elastrain_round(self) -> int:
         """The job-wide round of the last completed rendezvous (identical on every node)."""
-        return self._round
+        return self._history.round
 
     def get_run_id(self) -> str:
         return str(self._params.run_id)
@@ -143,17 +140,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
                 store_backoff.sleep()
         else:
             raise RendezvousTimeoutError("no round settled after 1000 attempts (the membership kept changing)")
-        # Only a round that directly follows this node's last one can have kept its members: a node that missed
-        # rounds (cut off, superseded, then back) was left behind, whoever the new round holds.
-        silent = self._beat.silent_since(self._formed_at)
-        self._continuity = st.continuity(
-            self.node_id, self._round, self._members, state.round, state.members, self._redirected, silent
-        )
-        self._redirected = False
-        self._formed_at = time.monotonic()
-        self._round = state.round
+        self._history.formed(state, self._beat.silent_since)  # kept every member, or left behind?
         self._conn.joined = True
-        self._members = state.members
         master = state.nodes[state.members[0]]
         rank = state.members.index(self.node_id)
         prefix = f"elastrain/{self.get_run_id()}/round{state.round}/"
@@ -170,7 +158,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             self._conn.switch(backend, store, address)
             self._beat.forget()
             self._fencing.forget()
-        self._redirected = True  # its world lost the claim: another one trained on
+        self._history.redirected()  # its world lost the claim: another one trained on
         lifecycle("redirected", node=self.node_id, store=address)
 
     def is_closed(self) -> bool:
@@ -204,7 +192,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
     @property
     def round(self) -> int | None:
         """:class:`~elastrain.rendezvous.api.Membership`'s name for :attr:`elastrain_round`."""
-        return self._round
+        return self._history.round
 
     @property
     def generation(self) -> int | None:
@@ -221,13 +209,12 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         """Whether the round just formed holds every member of this node's previous round (nodes joined,
         none left): the same answer on every node of both rounds. A live regroup then moves at a step the
         workers agree on, finishing the step in flight (see :class:`elastrain.control.RegroupNotice`)."""
-        return self._continuity.kept_every_member
+        return self._history.continuity.kept_every_member
 
     @property
     def left_behind(self) -> bool:
-        """Whether the round just formed does not directly follow this node's last one (see
-        :attr:`elastrain.rendezvous.state.Continuity.left_behind`): its workers' state in memory is dropped."""
-        return self._continuity.left_behind
+        """:attr:`elastrain.rendezvous.state.Continuity.left_behind` of the round just formed."""
+        return self._history.continuity.left_behind
 
     @property
     def membership_grace_s(self) -> float:
@@ -243,7 +230,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         """Whether a worker failure cannot be judged yet: the store fails, or (bounded by a heartbeat timeout
         past the grace) a member of this round has not beaten since the failure. A peer frozen with ours, or
         the job gone on without us while we were frozen, shows up as an eviction, not as our failure."""
-        return self.store_failing or self._beat.peers_unseen(self._conn.cached, self._round)
+        return self.store_failing or self._beat.peers_unseen(self._conn.cached, self._history.round)
 
     def probe_peers(self) -> None:
         """Probe every peer at the next heartbeat tick (the agent calls this when its workers fail)."""
@@ -253,7 +240,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         """This node's workers failed: record it in the round (``echo``: they said a collective broke under
         them; see :func:`state.report_failure`) and probe every peer at the next heartbeat tick."""
         watch_s = self.membership_grace_s + self._settings.heartbeat_timeout_s
-        self._beat.report_failure(self._round, echo, watch_s)
+        self._beat.report_failure(self._history.round, echo, watch_s)
 
     def membership_change(self) -> st.Change | None:
         """Why this node's current round is over; the next ``num_nodes_waiting`` answers the same."""
@@ -262,10 +249,10 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         return change
 
     def _change(self) -> st.Change | None:
-        if self._round < 0:
+        if self._history.round < 0:
             return None
         fenced = self._fencing.change()
-        return fenced if fenced is not None else self._rounds.change(self._round)
+        return fenced if fenced is not None else self._rounds.change(self._history.round)
 
     def leave(self, reason: str, kind: st.Departure = st.Departure.LEFT) -> None:
         """Announce that this node leaves (survivors re-form at once) and stop its heartbeat; bounded."""
@@ -292,7 +279,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         elif error:  # the others will evict us by heartbeat instead
             lifecycle("node_leave_unannounced", level=logging.WARNING, node=self.node_id, error=repr(error[0])[:200])
         else:
-            lifecycle("node_left", node=self.node_id, reason=reason, kind=kind.value, round=self._round)
+            lifecycle("node_left", node=self.node_id, reason=reason, kind=kind.value, round=self._history.round)
             if self._conn.hosted_here:
                 self._linger()
 
