@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -157,6 +158,9 @@ class ElasticTrainer:
             except Exception as exc:
                 if not self._is_regroup_cause(exc):
                     raise
+                # The finished frames of train() let go of what they held (the old DDP wrapper, so the move collects
+                # it at once); the traceback keeps its lines for a re-raise.
+                traceback.clear_frames(exc.__traceback__)
                 cause = exc
             else:
                 self._finished()
