@@ -40,8 +40,9 @@ class Membership(Protocol):
 
     @property
     def left_behind(self) -> bool:
-        """Whether the round just formed does not directly follow this node's last one: rounds were formed
-        without it, the job may have trained on in them, and its workers' state in memory is a superseded world's."""
+        """Whether this node was left behind by the round just formed (it skipped rounds, was redirected to a
+        winning world's store, or was frozen for a heartbeat timeout and lost a member): the job may have trained on
+        without it, and its workers' state in memory is a superseded world's."""
         ...
 
     @property

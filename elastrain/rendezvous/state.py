@@ -415,9 +415,10 @@ class Continuity:
     """The new round directly follows the node's last one and holds every member of it (nodes joined, none
     left): the same answer on every node of both rounds."""
     left_behind: bool
-    """The new round does not directly follow the node's last one: rounds were formed without this node (it was
-    cut off, frozen, or lost the fencing claim), and the job may have trained on in them, so the state its
-    workers hold in memory belongs to a world the job moved on from."""
+    """The new round does not directly follow the node's last one (rounds were formed without it, or it was
+    redirected to a winning world's store), or the node was frozen for a heartbeat timeout and the new round did
+    not keep every member: the job may have trained on without it, so the state its workers hold in memory
+    belongs to a world the job moved on from."""
 
 
 def continuity(
