@@ -241,12 +241,21 @@ class TrainingGroup:
         return out
 
     def comm_hook(
-        self, state: object, bucket: GradBucket, flags: StepFlags | None = None
+        self,
+        state: object,
+        bucket: GradBucket,
+        flags: StepFlags | None = None,
+        contributors: int | None = None,
+        idle: bool = False,
     ) -> torch.futures.Future[torch.Tensor]:
         """DDP's gradient average over the current group, as a future :meth:`abort` can fail; ``flags``
-        ride on the step's last bucket (:mod:`elastrain.step_flags`)."""
+        ride on the step's last bucket (:mod:`elastrain.step_flags`). ``contributors``: how many members contribute
+        gradients to this step (None: all; see :mod:`elastrain.session.catch_up`); an ``idle`` member adds zeros."""
         tensor = bucket.buffer()
-        tensor.div_(dist.get_world_size())
+        if idle:
+            tensor.zero_()
+        else:
+            tensor.div_(contributors or dist.get_world_size())
         if flags is None or not carries_flags(flags, bucket):
             return self._hand_out(all_reduce_pieces(tensor), tensor)
         packed = flags.pack(tensor)

@@ -141,6 +141,7 @@ def send_state(
     overlap: bool = False,
     pool: ReceivePool | None = None,
     helpers: tuple[int, ...] = (),
+    defer_model: bool = False,
 ) -> Transfer:
     """Make the ``module``, ``optimizer`` and ``objects`` (``Stateful``s) of ``receivers`` (None: every rank)
     equal to rank ``src``'s. Every rank of the group calls it. ``overlap``: the optimizer's state streams in
@@ -148,7 +149,9 @@ def send_state(
     ``pool``: a receiver's memory made ready for the optimizer's state (:mod:`elastrain.live.receive_pool`);
     closed here. ``helpers`` (with ``receivers``): other ranks that hold the same model and optimizer state as
     ``src`` (the agreed step's, :meth:`~elastrain.live.agreement.Agreement.holders`); they send their share of it.
-    A rank that neither receives nor helps keeps its own state."""
+    A rank that neither receives nor helps keeps its own state. ``defer_model`` (with ``overlap``): the model's
+    tensors stream in the background too (receivers that sit the next step out: :mod:`elastrain.session.catch_up`);
+    only the ``objects`` arrive before it returns."""
     rank = dist.get_rank()
     mine = rank == src
     started = time.monotonic()
@@ -166,7 +169,7 @@ def send_state(
         device,
         targets=None if mine else _tensors_by_path(tree),
         receivers=receivers,
-        later=_optimizer_state if overlap else None,
+        later=(_model_or_optimizer_state if defer_model else _optimizer_state) if overlap else None,
         pool=pool,
         helpers=helpers,
         shared=_held_alike,
@@ -178,13 +181,21 @@ def send_state(
         pool.close()  # what the state did not take
     on_received: Callable[[], None] | None = None
     if not mine:
-        if not _in_place(state["model"], own_model):
-            with torch.no_grad():
-                module.load_state_dict(state["model"])
+
+        def load_model() -> None:
+            if not _in_place(state["model"], own_model):
+                with torch.no_grad():
+                    module.load_state_dict(state["model"])
+
+        model_later = defer_model and background is not None
+        if not model_later:
+            load_model()
         for name, obj in objects.items():
             obj.load_state_dict(state["objects"][name])
 
         def on_received() -> None:
+            if model_later:
+                load_model()
             optimizer.load_state_dict(state["optimizer"])
 
     to = "all" if receivers is None else ",".join(map(str, sorted(set(receivers) - {src})))
@@ -199,6 +210,10 @@ def _finished(transfer: Transfer) -> Transfer:
 
 def _optimizer_state(path: str) -> bool:
     return path.startswith("optimizer/")
+
+
+def _model_or_optimizer_state(path: str) -> bool:
+    return path.startswith(("model/", "optimizer/"))
 
 
 def _held_alike(path: str) -> bool:

@@ -77,9 +77,12 @@ class RuntimeConfig:
     """``shard(module, mesh)``: shard the model (FSDP2's ``fully_shard`` calls) instead of wrapping it in DDP. The
     session calls it in every world, on that world's mesh (:mod:`elastrain.live.sharded`); pass the model unsharded."""
     overlap_state_transfer: bool = True
-    """Live mode on gloo: a member that receives the state starts the next step once the model has arrived, and
-    the optimizer's state streams in while that step's forward and backward run (:mod:`elastrain.live.transfer`).
-    False: the whole state arrives before the step (nothing to share the CPU or the wire with)."""
+    """Live mode on gloo: the members that receive the state (a joiner, a promoted spare, a member rolled back) sit
+    the new world's first step out while the whole state streams to them, and the members that hold it compute that
+    step alone (:mod:`elastrain.session.catch_up`; a rank that sits a step out runs no micro-batch of it). Where DDP
+    syncs more than gradients (module buffers broadcast, ``find_unused_parameters``, ``static_graph``), the model
+    arrives before the step and only the optimizer's state streams while it runs. False: the whole state arrives
+    before the step (nothing to share the CPU or the wire with)."""
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ change of world size the next step takes the next unseen samples, split for the 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,6 +32,8 @@ class Feed:
         self._loader: DataLoader[Any] | None = None
         self._steps: Iterator[RankStep] | None = None  # the current loader's epoch, step by step
         self._batches: Iterator[Any] | None = None
+        self.idle = False
+        """This rank takes no sample in the next step (it sits it out: :mod:`elastrain.session.catch_up`)."""
 
     def build(self, batch_plan: BatchPlan, rank: int) -> ElasticSampler:
         """The sampler, at the start of the data (a checkpoint or a peer then moves it to its position)."""
@@ -49,12 +52,14 @@ class Feed:
             raise SessionError("the session is not started: use `with Session(...) as session:` or session.start()")
         return self.sampler
 
-    def replan(self, batch_plan: BatchPlan, rank: int | None = None) -> None:
-        """A new batch plan (and rank); the next step starts over from the committed position."""
+    def replan(self, batch_plan: BatchPlan, rank: int | None = None, idle: bool = False) -> None:
+        """A new batch plan (and rank); the next step starts over from the committed position. ``idle``: this rank
+        takes no sample of the steps (the plan's ranks are the others)."""
         sampler = self.require_sampler()
         sampler.plan = batch_plan
         if rank is not None:
             sampler.rank = rank
+        self.idle = idle
         self.reset()
 
     def reset(self) -> None:
@@ -64,6 +69,9 @@ class Feed:
     def next(self) -> tuple[RankStep, list[Any]]:
         """The next step's plan for this rank and its micro-batches' data, on the device."""
         sampler = self.require_sampler()
+        if self.idle:  # the step's range, to commit as the others do; no loader, no data
+            planned = next(sampler.steps(sampler.position))
+            return dataclasses.replace(planned, micro_batches=()), []
         rank_step = next(self._steps, None) if self._steps is not None else None
         if rank_step is None:
             # A new epoch (or the first step): the loader and the step plan start from the same committed position.

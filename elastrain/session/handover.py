@@ -60,10 +60,12 @@ class Handover:
         statefuls: Mapping[str, Any],
         env: WorkerEnv,
         helpers: tuple[int, ...] = (),
+        defer_model: bool = False,
     ) -> int:
         """Collective: ``source``'s state to ``receivers``; the bytes sent to each. On gloo (and unless the script
         said ``overlap_state_transfer=False``) the optimizer's state streams on while the next step runs. ``helpers``:
-        the other members that hold the agreed state; each sends its share."""
+        the other members that hold the agreed state; each sends its share. ``defer_model``: the receivers sit the
+        next step out (:mod:`elastrain.session.catch_up`), so the model's state streams on with the optimizer's."""
         self.transfer = send_state(
             source,
             runtime.module,
@@ -74,6 +76,7 @@ class Handover:
             overlap=runtime.backend == "gloo" and runtime.config.overlap_state_transfer,
             pool=self._pool,
             helpers=helpers,
+            defer_model=defer_model,
         )
         self._pool = None
         self._timeout_s = env.collective_timeout_s or TRANSFER_TIMEOUT_S
@@ -85,15 +88,17 @@ class Handover:
         """Whether this worker holds its world's whole state: not a receiver whose transfer broke off."""
         return self.transfer is None or self.transfer.intact
 
-    def settle(self) -> None:
+    def settle(self) -> bool:
         """Before the optimizer's state is read or changed (its step, a save): the rest of the transfer, waited for
-        (bounded by the collective timeout, and given up when the agent announces a new round: a peer left).
-        Raises :class:`~elastrain.live.transfer.TransferFailedError` when it broke off."""
-        if self.transfer is not None and not self.transfer.complete:
-            live = self._live
-            self.transfer.finish(
-                self._timeout_s, give_up=None if live is None else lambda: live.pending_notice() is not None
-            )
+        (bounded by the collective timeout, and given up when the agent announces a new round: a peer left);
+        whether a received optimizer state was loaded just now (its parameter groups are the sender's: the LR of
+        the sender's last step). Raises :class:`~elastrain.live.transfer.TransferFailedError` when it broke off."""
+        transfer = self.transfer
+        if transfer is None or transfer.complete:
+            return False
+        live = self._live
+        transfer.finish(self._timeout_s, give_up=None if live is None else lambda: live.pending_notice() is not None)
+        return transfer.receiving
 
     def give_up(self) -> None:
         """The world is left (its group gone): what has not arrived by now never will."""

@@ -254,11 +254,12 @@ class Session:
                 # An announced change (a node joins, or leaves before our collective broke).
                 self.moves.regroup(self.env, None, wait=True)
             self.moves.collect_garbage()
+            self.world.finish_catch_up()  # the step the new members sat out is done: all train from here
         self._flags.begin_step()
         rank_step, datas = self.feed.next()
         try:
             reduce = self.runtime.all_reduce if self.distributed else None
-            scales = self.feed.loss_scales(rank_step, datas, self.world_size, reduce)
+            scales = self.feed.loss_scales(rank_step, datas, rank_step.world_size, reduce)  # the ranks computing it
         except GroupBrokenError as exc:
             self.collective_broke(exc, None, group_error=True)
             return self.next_step()  # re-planned for the new world, from the agreed data position
@@ -280,8 +281,9 @@ class Session:
         if step is not self._current:
             raise SessionError(f"optimizer_step() of step {step.number}, but the current step is another one")
         sampler = self.feed.require_sampler()
-        try:
-            self.world.handover.settle()  # the optimizer's state sent or received in full before its step changes it
+        try:  # the optimizer's state sent or received in full before its step changes it
+            if self.world.handover.settle():  # received: its parameter groups carry the sender's last LR
+                self.lr.apply(self.plan, self.state)  # this step's, set again (nothing when the script sets it)
         except TransferFailedError as exc:
             self.collective_broke(exc, step, group_error=True)
             return
@@ -312,6 +314,13 @@ class Session:
         """A collective failed: in live mode, regroup (giving ``step`` up), else raise ``exc``
         (:meth:`LiveMoves.collective_broke <elastrain.session.move.LiveMoves.collective_broke>`)."""
         self.moves.collective_broke(self.env, exc, step, group_error)
+
+    def sit_out(self, step: Step) -> None:
+        """This rank's part of the gradient sync of a step it sits out (:mod:`elastrain.session.catch_up`)."""
+        try:
+            self.runtime.sit_out()
+        except (GroupBrokenError, RuntimeError) as exc:
+            self.collective_broke(exc, step, group_error=True)
 
     def _enter_round(self, env: WorkerEnv, has_state: bool, started: float) -> None:
         self.env = env

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
@@ -24,6 +25,7 @@ from elastrain.env import WorkerEnv
 from elastrain.live.member import LiveMember
 from elastrain.live.receive_pool import ReceivePool
 from elastrain.live.sharded import ShardedModel, parameter_names, repoint_optimizer
+from elastrain.session.catch_up import CatchUp, eligible, sync_idle
 from elastrain.session.config import RuntimeConfig
 from elastrain.step_flags import StepFlags, flagged_allreduce
 
@@ -46,6 +48,8 @@ class Runtime:
         """Set under ``--live true``: this process's membership of the current round."""
         self.sharded = ShardedModel(module, config.shard) if config.shard is not None else None
         """With ``shard=``: the model is sharded anew in every world (no DDP; its state comes from checkpoints)."""
+        self.catch_up: CatchUp | None = None
+        """The world's first step when its needy members sit it out (:mod:`elastrain.session.catch_up`)."""
         self._owns_group = False
         self._replaced: list[weakref.ref[torch.nn.Module]] = []
         """The DDP wrappers dropped since :meth:`replaced_alive` last answered (weakly: they may be gone)."""
@@ -118,17 +122,49 @@ class Runtime:
         # Lambdas: DDP rejects a hook whose annotations are strings (from __future__ import annotations).
         if self.live is not None:
             group = self.live.group
-            ddp.register_comm_hook(None, lambda state, bucket: group.comm_hook(state, bucket, flags))
+
+            def live_hook(state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+                share = self.catch_up  # this step's contributors, read when the bucket is ready
+                if share is None:
+                    return group.comm_hook(state, bucket, flags)
+                return group.comm_hook(state, bucket, flags, share.contributors, share.idle)
+
+            ddp.register_comm_hook(None, lambda state, bucket: live_hook(state, bucket))
         elif agree_saves:
             hook = flagged_allreduce(flags)
             ddp.register_comm_hook(None, lambda state, bucket: hook(state, bucket))
         self.model = ddp
 
+    def catch_up_for(self, holders: tuple[int, ...], needy: tuple[int, ...], agreed: int | None) -> CatchUp | None:
+        """Whether the ``needy`` members sit the world's first step (after step ``agreed``) out while the whole state
+        streams to them from the ``holders`` (:mod:`elastrain.session.catch_up`): the same answer on every member,
+        from the agreement and the script's settings only."""
+        config = self.config
+        if agreed is None or not (needy and holders and self.backend == "gloo" and config.overlap_state_transfer):
+            return None
+        if (
+            not config.ddp
+            or self.sharded is not None
+            or not eligible(self.module, ddp_kwargs(config.ddp_kwargs, in_sync=True))
+        ):
+            return None
+        return CatchUp(holders, self.rank, agreed)
+
+    def sit_out(self) -> None:
+        """An idle member's part of the step's gradient all-reduce (:func:`~elastrain.session.catch_up.sync_idle`);
+        nothing on a member that is not idle."""
+        if self.catch_up is None or not self.catch_up.idle:
+            return
+        if not isinstance(self.model, DistributedDataParallel):
+            raise RuntimeError("internal: a member sits a step out only in a DDP world")
+        sync_idle(self.model)
+
     def unwrap(self) -> None:
-        """Drop the DDP wrapper (bound to a group being left)."""
+        """Drop the DDP wrapper (bound to a group being left), and the catch-up of its world."""
         if self.model is not self.module:
             self._replaced.append(weakref.ref(self.model))
         self.model = self.module
+        self.catch_up = None
 
     def replaced_alive(self) -> bool:
         """Whether a DDP wrapper dropped since the last call is still referenced (a broken collective's traceback

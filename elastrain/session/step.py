@@ -84,6 +84,10 @@ class StepHost(Protocol):
     def collective_broke(self, exc: BaseException, step: Step | None, group_error: bool) -> None:
         """A collective failed: regroup (giving ``step`` up) or raise ``exc``."""
 
+    def sit_out(self, step: Step) -> None:
+        """A step without micro-batches on this rank: its part of the step's gradient sync (zeros), if it sits the
+        step out; nothing otherwise."""
+
     def finish_step(self, step: Step) -> None:
         """Apply the optimizer and commit ``step``."""
 
@@ -104,11 +108,13 @@ class Step:
         self.lr = lr
         """The learning rate of the first parameter group for this step (None: the session leaves LR alone)."""
         self.global_size = rank_step.global_size
-        # The world that computes it (a regroup may come after its gradient sync).
-        self._world_size, self._segment = session.world_size, session.segment
+        # The ranks that compute it (a regroup may come after its gradient sync): its plan's, which are the world's
+        # but in a world's first step that new members sit out (elastrain.session.catch_up).
+        self._world_size, self._segment = rank_step.world_size, session.segment
         self.loss_sum: torch.Tensor | float = 0.0
         """This rank's loss so far: the sum of its micro-batches' scaled losses (float64, on the device)."""
         self._loss_lost = False
+        self._sat_out = False
         self._done = False
         self.abandoned = False
         """True when a membership change (live mode) gave this step up: the loop's remaining calls are no-ops."""
@@ -122,6 +128,14 @@ class Step:
             # looked up each time, never held: a regroup replaces the DDP wrapper during the step.
             with self._sync_context(sync=i == last):
                 yield mb
+        self._sit_out()
+
+    def _sit_out(self) -> None:
+        """A rank with no micro-batches joins the step's gradient sync once (it sits the step out)."""
+        if self.micro_batches or self._sat_out or self.abandoned:
+            return
+        self._sat_out = True
+        self._session.sit_out(self)
 
     @property
     def done(self) -> bool:
@@ -169,7 +183,7 @@ class Step:
                 session.collective_broke(exc, None if self._done else self, group_error=True)
                 self._rolled_back()
                 return self._loss_is_lost()
-        return float(total.item()) / session.world_size
+        return float(total.item()) / self._world_size
 
     def _loss_is_lost(self) -> float:
         """NaN; a step that stands (not given up) logs no metrics, and says so."""
@@ -187,6 +201,7 @@ class Step:
         """Apply the optimizer, clear gradients, and commit the step (data cursor, state, checkpoint)."""
         if self._done:
             raise SessionError(f"optimizer_step() called twice for step {self.number}")
+        self._sit_out()  # a loop that never iterated the step
         self._done = True
         if not self.abandoned:
             self._session.finish_step(self)

@@ -93,12 +93,14 @@ class World:
         held = self.state.step
         self.restored = None
         self.handover.reset()
+        runtime.catch_up = catch_up = None
         source: int | None = None
         agreed_step: int | None = None
         sent = 0
         ahead: tuple[int, ...] = ()
         stale: tuple[int, ...] = ()
         receivers = 0
+        needy: tuple[int, ...] = ()
         if runtime.live is None:
             self.restored = self._restore()
         else:
@@ -119,13 +121,18 @@ class World:
                 statefuls = _statefuls(self.state, self.feed, self.extra_state)
                 needy = agreement.ahead + agreement.receivers  # the others hold the agreed state already
                 holders = agreement.holders(world_size)  # each sends its share of the model and the optimizer
-                sent = self.handover.start(source, needy, runtime, self.optimizer, statefuls, env, holders)
+                catch_up = runtime.catch_up_for(holders, needy, agreement.step)
+                sent = self.handover.start(
+                    source, needy, runtime, self.optimizer, statefuls, env, holders, defer_model=catch_up is not None
+                )
             self.handover.drop_pool()
         runtime.wrap(agree_saves=self.checkpointer is not None, in_sync=source is not None)
-        self.plan = plan(self.config.scaling, world_size, self.state.reference_world_size or world_size)
-        self.feed.replan(self.plan)  # the next step starts at the agreed position
+        runtime.catch_up = catch_up
         previous = self.state.world_size
-        changed = self.state.start(world_size, lr_scale=self.plan.lr_scale)
+        if catch_up is None:
+            size, changed = world_size, self._plan_for(world_size, rank)  # from the agreed position
+        else:  # the first step's workers: the holders alone, while the needy sit it out
+            size, changed = catch_up.contributors, self._plan_for(catch_up.contributors, catch_up.index, catch_up.idle)
         self.segment = _agree_on_segment(runtime)
         restored_step = agreed_step if agreed_step is not None else (self.restored.step if self.restored else 0)
         self.records.reopen(rank, env, self.segment, restored_step)
@@ -141,6 +148,7 @@ class World:
                 "ranks_ahead": ",".join(map(str, ahead)) or None,
                 "ranks_stale": ",".join(map(str, stale)) or None,  # held a superseded world's state: dropped
                 "receivers": receivers,
+                "sitting_out": None if catch_up is None else len(needy),  # the first step, while the state streams
                 "bytes": sent,
                 "checkpoint": self.restored.path if self.restored else None,  # no member held state (sharded)
                 "took_s": round(time.monotonic() - started, 3),
@@ -150,7 +158,30 @@ class World:
         else:
             extra = {} if runtime.live is None else {"state_from": None if source is None else f"rank {source}"}
             self.records.record_start(env, world_size, self.restored, self.state, sampler, **extra)
-        self._log_plan(previous, changed)
+        self._log_plan(previous, changed, size)
+
+    def finish_catch_up(self) -> None:
+        """At the step boundary after a catch-up's step (:mod:`elastrain.session.catch_up`): every member trains
+        from here on, on the full world's plan. Nothing otherwise, or while that step is not committed."""
+        catch_up = self.runtime.catch_up
+        if catch_up is None or self.state.step <= catch_up.after:
+            return
+        self.runtime.catch_up = None
+        world_size, previous = self.runtime.world_size, self.state.world_size
+        changed = self._plan_for(world_size, self.runtime.rank)
+        if self.runtime.rank != 0:
+            return
+        fields = {"step": self.state.step, "sat_out": world_size - catch_up.contributors, "world_size": world_size}
+        lifecycle("caught_up", **fields)
+        self.records.events.record("caught_up", **fields)
+        self._log_plan(previous, changed, world_size)
+
+    def _plan_for(self, size: int, rank: int, idle: bool = False) -> int | None:
+        """The batch plan of ``size`` workers from the next step on (this rank's part of it: ``rank``; none when
+        ``idle``), and the train state's start at that size: the previous size when it changed."""
+        self.plan = plan(self.config.scaling, size, self.state.reference_world_size or self.runtime.world_size)
+        self.feed.replan(self.plan, rank, idle=idle)
+        return self.state.start(size, lr_scale=self.plan.lr_scale)
 
     def _restore(self) -> RestoreInfo | None:
         """The newest checkpoint that loads, into the registered state (``None``: none, or no checkpointer)."""
@@ -182,12 +213,11 @@ class World:
             **self.extra_state,
         )
 
-    def _log_plan(self, previous: int | None, changed: int | None) -> None:
-        """Rank 0: the batch plan in force, and the world-size change and rescale events."""
+    def _log_plan(self, previous: int | None, changed: int | None, world_size: int) -> None:
+        """Rank 0: the batch plan of ``world_size`` workers in force, and the world-size change and rescale events."""
         if self.plan is None:
             return
         lr = self.lr.for_next_step(self.plan, self.state)
-        world_size = self.runtime.world_size
         self.records.plan_in_force(
             self.plan,
             world_size=f"{previous if previous is not None else 'none'}->{world_size}",

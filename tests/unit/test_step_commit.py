@@ -39,9 +39,18 @@ class _Session:
         self.regroup_to = regroup_to  # (new world size, agreed step) when finish_step regroups
         self.reduced: list[torch.Tensor] = []
         self.logged: list[tuple[int, dict[str, Any]]] = []
+        self.sat_out: list[Step] = []
+        self.holders: int | None = None  # a catch-up's first step: the ranks that compute it
+
+    @property
+    def contributors(self) -> int:
+        return self.holders if self.holders is not None else self.world_size
 
     def agreed_total(self, name: str) -> float | None:
         return self._flags.total(name) if self.distributed else None
+
+    def sit_out(self, step: Step) -> None:
+        self.sat_out.append(step)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         self.reduced.append(tensor)
@@ -101,3 +110,24 @@ def test_without_a_regroup_a_loss_no_sync_carried_is_summed_by_its_own_all_reduc
     step.loss_sum = torch.tensor(3.0, dtype=torch.float64)
     step.optimizer_step()
     assert step.mean_loss() == 1.5 and len(session.reduced) == 1
+
+
+def test_a_rank_without_micro_batches_sits_the_step_out_once_and_the_loss_is_the_contributors_mean() -> None:
+    session = _Session(world_size=3, total=6.0)
+    session.holders = 2  # two holders computed the step; this rank joined its gradient sync with zeros
+    rank_step = RankStep(range=SimpleNamespace(start=SimpleNamespace(epoch=0), size=12), micro_batches=(),
+                         world_size=2)  # type: ignore[arg-type]  # fmt: skip
+    step = Step(session, rank_step, [], lr=None)  # type: ignore[arg-type]
+    assert list(step) == [] and session.sat_out == [step]  # at the end of the (empty) micro-batch loop
+    step.optimizer_step()
+    assert session.sat_out == [step]  # once
+    assert step.mean_loss() == 3.0  # the holders' sum over the holders, not over the world
+
+
+def test_a_step_never_iterated_still_sits_out_before_its_optimizer_step() -> None:
+    session = _Session(world_size=3, total=6.0)
+    rank_step = RankStep(range=SimpleNamespace(start=SimpleNamespace(epoch=0), size=12), micro_batches=(),
+                         world_size=3)  # type: ignore[arg-type]  # fmt: skip
+    step = Step(session, rank_step, [], lr=None)  # type: ignore[arg-type]
+    step.optimizer_step()
+    assert session.sat_out == [step]

@@ -59,6 +59,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(4096, 16, generator=g), torch.randn(4096, 1, generator=g))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    decay = float(os.environ.get("LW_LR_DECAY_SAMPLES", "0"))
     session = Session(
         model,
         optimizer,
@@ -69,6 +70,7 @@ def main() -> None:
         save_every_steps=int(os.environ.get("LW_SAVE_EVERY", "1000000")),
         checkpoint_dir=os.environ.get("LW_CHECKPOINT_DIR") or None,  # default: elastrain-run --checkpoint-dir
         ddp_kwargs={"bucket_cap_mb": 0.005},  # several buckets: a death can fall between their all-reduces
+        lr_schedule=(lambda seen: 1.0 / (1.0 + seen / decay)) if decay else None,  # an LR that changes every step
     )
     dying = {"armed": False}
 
