@@ -145,6 +145,8 @@ def launch(
     finally:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
+        else:  # no liveness thread may be inside a store call when the interpreter finalises
+            membership_of(spec.rdzv_handler).stop_beating()
 
 
 def fencing_off_advice(backend: str) -> str:

@@ -76,6 +76,13 @@ class Membership(Protocol):
         """Announce this node's departure (``kind``: left, failed, or a setting error)."""
         ...
 
+    def stop_beating(self) -> None:
+        """End this node's liveness threads (bounded) and leave the rendezvous as it is: the agent is about to exit
+        without closing it (the job finished elsewhere, the node left or was signalled). A daemon thread still inside
+        a store call when the interpreter finalises is ended by ``pthread_exit`` through C++ frames that may not
+        unwind: the process aborts (``terminate called without an active exception``) after the job is done."""
+        ...
+
 
 class TorchMembership:
     """:class:`Membership` for torch's own handlers: neutral answers, and a log line where elastrain would act."""
@@ -127,6 +134,9 @@ class TorchMembership:
             reason=reason,
             why=f"torch's {self._handler.get_backend()} rendezvous cannot announce a leave; the others find out later",
         )
+
+    def stop_beating(self) -> None:
+        return None  # torch's handlers stop their own keep-alive in shutdown()
 
 
 def membership_of(handler: RendezvousHandler) -> Membership:

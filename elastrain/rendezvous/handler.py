@@ -283,6 +283,10 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             if self._conn.hosted_here:
                 self._linger()
 
+    def stop_beating(self) -> None:
+        """This node's liveness threads end (bounded), the rendezvous left as it is (see :class:`Membership`)."""
+        self._beat.stop()
+
     def _linger(self) -> None:
         linger_until_seen(self._beat, self._state, self.node_id, self._settings, self._quiet)
 
@@ -304,9 +308,6 @@ class ElastrainRendezvousHandler(RendezvousHandler):
 
     def _call(self, op: Callable[[], _T]) -> _T:
         return self._conn.call(op)
-
-    def _stop_heartbeat(self) -> None:
-        self._beat.stop()
 
 
 def create_handler(

@@ -103,6 +103,8 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
+            if self._thread.is_alive():  # inside a store call that has not answered: it ends with that call
+                lifecycle("heartbeat_stop_pending", level=logging.WARNING, node=self._node_id, waited_s=2)
         self._pulse.stop()
 
     def forget(self) -> None:

@@ -136,7 +136,7 @@ def test_a_node_without_the_secret_is_refused_with_one_line(
     with pytest.raises(RendezvousSecretError) as err:
         stranger.next_rendezvous()
     assert str(err.value).startswith("--rdzv-conf secret_file") and "\n" not in str(err.value)
-    stranger._stop_heartbeat()
+    stranger.stop_beating()
 
 
 def test_a_node_with_another_secret_is_refused_with_one_line(
@@ -146,7 +146,7 @@ def test_a_node_with_another_secret_is_refused_with_one_line(
     other = node(store, 3, secret_file=secret_file(tmp_path, b"another secret, 32 bytes long..."))
     with pytest.raises(RendezvousSecretError, match="another secret"):
         other.next_rendezvous()
-    other._stop_heartbeat()
+    other.stop_beating()
     assert a.membership_change() is None and b.membership_change() is None
 
 

@@ -61,7 +61,7 @@ def test_silent_node_is_evicted_by_heartbeat_and_rejoins_as_newcomer() -> None:
     a, b = make_nodes(2)
     try:
         rendezvous_all([a, b])
-        b._stop_heartbeat()  # b "freezes": its heartbeat stops, its process (probe) stays alive
+        b.stop_beating()  # b "freezes": its heartbeat stops, its process (probe) stays alive
         eventually(lambda: str(a.membership_change()).startswith("departed"))
         assert str(b.membership_change()) == "evicted: this node was evicted"
         a.next_rendezvous()
@@ -158,7 +158,7 @@ def test_twelve_of_sixteen_vanish_together_and_the_four_survivors_form_their_rou
         vanished = [by_id[n] for n in order[:12]]
         survivors = [by_id[n] for n in order[12:]]
         for h in vanished:  # gone at once: no heartbeat; killed: probes refused; cut off: probes unanswered
-            h._stop_heartbeat()
+            h.stop_beating()
             if how == "killed":
                 h._probe._sock.close()
         eventually(lambda: all(s.membership_change() is not None for s in survivors), timeout=60)
@@ -167,7 +167,7 @@ def test_twelve_of_sixteen_vanish_together_and_the_four_survivors_form_their_rou
         assert len({s.elastrain_round for s in survivors}) == 1
     finally:
         for h in nodes:
-            h._stop_heartbeat()
+            h.stop_beating()
 
 
 class CountingBackend(C10dRendezvousBackend):
@@ -246,7 +246,7 @@ def test_the_judge_folds_the_keys_when_the_last_member_is_evicted_instead_of_rej
         order = st.live_members(nodes[0]._read())
         by_id = {h.node_id: h for h in nodes}
         judge, second, silent, leaver = (by_id[n] for n in order)
-        silent._stop_heartbeat()  # about to vanish: no heartbeat, so only its probe keeps it in the round
+        silent.stop_beating()  # about to vanish: no heartbeat, so only its probe keeps it in the round
         leaver.leave("SIGTERM")
         eventually(lambda: judge.membership_change() is not None and second.membership_change() is not None)
         infos: list[RendezvousInfo] = []
@@ -265,7 +265,7 @@ def test_the_judge_folds_the_keys_when_the_last_member_is_evicted_instead_of_rej
         assert any("event=round_folded" in r.getMessage() and "by=judge" in r.getMessage() for r in caplog.records)
     finally:
         for h in nodes:
-            h._stop_heartbeat()
+            h.stop_beating()
 
 
 def test_a_world_that_loses_the_generation_claim_joins_the_winner(tmp_path: Path) -> None:
@@ -425,7 +425,7 @@ def test_a_store_call_into_a_network_cut_is_abandoned_and_later_calls_fail_fast(
     assert isinstance(a, ElastrainRendezvousHandler)
     try:
         rendezvous_all([a])
-        a._stop_heartbeat()
+        a.stop_beating()
         hole.drop.set()
         started = time.monotonic()
         with pytest.raises(TimeoutError):
