@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
 from torch.utils.data import TensorDataset
 
 from elastrain.session import Session
+
+
+def _say(line: str) -> None:
+    """One line in one write: the workers share the log (unbuffered), and print() writes the text and the newline apart,
+    so another process's line could land between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -42,10 +50,10 @@ def main() -> None:
                 step.backward(torch.nn.functional.mse_loss(session.model(x), y), mb)
             step.optimizer_step()
             if session.rank == 0:
-                print(f"STEP {step.number}", flush=True)
+                _say(f"STEP {step.number}")
             time.sleep(a.sleep)
     if session.rank == 0:
-        print("DONE", session.state.step, flush=True)
+        _say(f"DONE {session.state.step}")
 
 
 if __name__ == "__main__":
