@@ -142,11 +142,7 @@ class Runtime:
         config = self.config
         if agreed is None or not (needy and holders and self.backend == "gloo" and config.overlap_state_transfer):
             return None
-        if (
-            not config.ddp
-            or self.sharded is not None
-            or not eligible(self.module, ddp_kwargs(config.ddp_kwargs, in_sync=True))
-        ):
+        if not config.ddp or self.sharded is not None or not eligible(self.module, config.ddp_kwargs):
             return None
         return CatchUp(holders, self.rank, agreed)
 

@@ -26,6 +26,7 @@ from elastrain.errors import CheckpointSaveError, ElastrainError, StaleGeneratio
 from elastrain.live.agreement import Ballot, vote
 from elastrain.log import lifecycle
 from elastrain.scaling import BatchPlan, plan
+from elastrain.session.catch_up import CatchUp
 from elastrain.session.config import SessionConfig
 from elastrain.session.errors import SessionError
 from elastrain.session.feed import Feed
@@ -93,7 +94,7 @@ class World:
         held = self.state.step
         self.restored = None
         self.handover.reset()
-        runtime.catch_up = catch_up = None
+        catch_up: CatchUp | None = None
         source: int | None = None
         agreed_step: int | None = None
         sent = 0
