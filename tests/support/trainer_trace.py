@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.support.trainer_ledger import WRITER_DIR, Ledger
+from elastrain.log import parse_event_line
 from support.processes import PYTHON, REPO, elastrain_cmd, free_port, kill_tree, reaped, run, spawn, wait_logged
 
 SCRIPTS = REPO / "examples" / "hf"
@@ -88,7 +89,8 @@ class Event:
     """At step ``at`` (once the job trains ``world`` ranks), do ``action`` to node ``node``. ``wait`` does nothing
     but waits until the job trains ``world`` ranks again, after some step trained another number."""
 
-    action: str  # "kill" (SIGKILL the node: agent and workers), "term" (SIGTERM its agent), "start", "wait"
+    action: str  # "kill" (SIGKILL the node: agent and workers), "crash" (SIGKILL its workers only), "term" (SIGTERM
+    # its agent), "start", "wait"
     node: str
     at: int = 0
     world: int | None = None
@@ -189,6 +191,9 @@ def trace(
                 pace_file.write_text(f"{pace[1]:g}")  # few steps pass while it warms up
             elif ev.action == "kill":
                 kill_tree(procs[ev.node].pid, signal.SIGKILL)
+            elif ev.action == "crash":
+                for pid in _worker_pids(logs[max(k for k in logs if k.rstrip("0123456789") == ev.node)]):
+                    kill_tree(pid, signal.SIGKILL)
             elif ev.action == "term":
                 procs[ev.node].send_signal(signal.SIGTERM)
             elif ev.action != "wait":
@@ -200,6 +205,15 @@ def trace(
     keys = list(_by_log(procs, logs))
     return Run(out, texts, dict(zip(keys, codes, strict=True)), Ledger.read(out / "ledger"),
                time.monotonic() - started, done)  # fmt: skip
+
+
+def _worker_pids(log: Path) -> list[int]:
+    """The workers a node's agent started last (its ``workers_started`` line)."""
+    found = [parse_event_line(line) for line in log.read_text(errors="replace").splitlines()]
+    started = [e for e in found if e is not None and e.get("event") == "workers_started"]
+    if not started:
+        raise AssertionError(f"{log.name}: no workers started yet")
+    return [int(p) for p in started[-1]["pids"].split(",")]
 
 
 def _by_log(procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path]) -> dict[str, subprocess.Popen[bytes]]:

@@ -2,13 +2,16 @@
 
 The Trainer builds its process group through accelerate when the script first asks for a device
 (``TrainingArguments.device``). Under elastrain-run in live mode that group is the current round's
-:class:`~elastrain.live.group.TrainingGroup` instead (joined here, before accelerate looks, so
-accelerate adopts it), whose collectives a watchdog can give up and which a regroup replaces in place.
+:class:`~elastrain.live.group.TrainingGroup` instead, whose collectives a watchdog can give up and which a
+regroup replaces in place (accelerate adopts it: its view is made again once the worker joined).
 
-A *warm* worker (started before its node joined a round, so that the imports, the model and the data are
-ready when the node joins) has no round yet: the script runs to ``trainer.train()`` on a provisional
-one-process setup (:func:`provisional_environ`), and :meth:`TrainerMembership.enter_first_round` waits
-there for the agent's first notice.
+Every worker joins its first round in ``trainer.train()``, not before: the script runs to it on a
+provisional one-process setup (:func:`provisional_environ`). A *warm* worker (started before its node
+joined a round, so that the imports, the model and the data are ready when the node joins) has no round
+yet and waits there for the agent's first notice. A *cold* one (a worker restarted into a round whose other
+members train on in place) would otherwise meet them in its script's own setup collectives
+(``main_process_first``'s barriers around the dataset map), which they never run; instead they wait for it
+in the round's group join, bounded by the regroup timeout (which allows for a cold start).
 """
 
 from __future__ import annotations

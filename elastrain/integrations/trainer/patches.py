@@ -4,8 +4,8 @@ Every wrapper calls the original; with no driver attached (not under elastrain-r
 turned off) it is the original. Wrapped, for the transformers versions in :data:`~elastrain.integrations.
 trainer.hook.TESTED` only:
 
-* ``TrainingArguments._setup_devices``: in live mode the process group is the round's training group
-  (joined before accelerate looks); a warm worker sets up as one process until ``train()``;
+* ``TrainingArguments._setup_devices``: in live mode a worker sets up as one process until ``train()``, where it
+  joins its round's training group and accelerate's view is made again over it;
 * ``Trainer.__init__``: attaches the :class:`~elastrain.integrations.trainer.driver.ElasticTrainer`;
 * ``Trainer.train``: the driver's loop (resume, regroups);
 * ``Trainer.get_train_dataloader``: the stream's batches for this rank;
@@ -52,23 +52,19 @@ def patch_training_args(module: Any) -> None:
         membership = TrainerMembership.of_process()
         if membership is None:
             return original(self)
-        if membership.warm:
-            lifecycle("trainer_provisional", why="a warm worker sets up as one process until it is given a round")
+        if not membership.joined:
+            # Until train(): a warm worker has no round yet, and a cold one (a restarted worker) would meet the
+            # members that train on in the script's own setup collectives (main_process_first's barriers), which
+            # they never run. Each sets up alone and joins its round where training starts.
+            why = "a warm worker waits for a round" if membership.warm else "a cold worker joins its round"
+            lifecycle("trainer_provisional", why=why + ", as one process until train()")
             with provisional_environ():
                 return original(self)
-        backend = "gloo" if self.use_cpu or not _cuda() else "nccl"
-        membership.join(backend)
         return original(self)
 
     replacement = functools.cached_property(_setup_devices)
     replacement.__set_name__(cls, "_setup_devices")
     cls._setup_devices = replacement
-
-
-def _cuda() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
 
 
 def patch_trainer(module: Any) -> None:

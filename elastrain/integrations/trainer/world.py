@@ -49,9 +49,10 @@ class TrainerWorld:
         return dist.get_rank() if dist.is_initialized() else 0
 
     def join(self, first: bool) -> WorkerEnv:
-        """Join this worker's round (a warm worker waits for its first one here); accelerate then sees it."""
+        """Join this worker's round (a warm worker waits for its first one here); accelerate then sees it, made
+        again over the round's group if the worker set up as one process (every worker before its first round)."""
         m = self.membership
-        provisional = m.warm
+        provisional = not m.joined
         args = self.trainer.args
         backend = "gloo" if args.use_cpu or not torch.cuda.is_available() else "nccl"
         m.join(backend, prepare=self._prepare_to_receive if backend == "gloo" else None)
