@@ -53,7 +53,7 @@ from elastrain.integrations.trainer.dataloader import StreamLoader
 from elastrain.integrations.trainer.ddp_args import tune_ddp
 from elastrain.integrations.trainer.errors import TrainerIntegrationError
 from elastrain.integrations.trainer.lost_log import LostLog
-from elastrain.integrations.trainer.membership import TrainerMembership
+from elastrain.integrations.trainer.membership import TrainerMembership, restart_only
 from elastrain.integrations.trainer.memory import DataPosition, Held
 from elastrain.integrations.trainer.placement import canonical_cpu_device
 from elastrain.integrations.trainer.rescale import TrainerBatch
@@ -114,18 +114,18 @@ class ElasticTrainer:
     # -- settings --------------------------------------------------------------------------------
     def _live_supported(self) -> bool:
         t = self.trainer
-        why = None
-        if t.is_deepspeed_enabled or t.args.deepspeed:
-            why = "DeepSpeed"
-        elif t.is_fsdp_enabled or t.args.fsdp:
-            why = "FSDP"
-        elif t.args.auto_find_batch_size:
-            why = "auto_find_batch_size"
-        if why is not None:
-            lifecycle(
-                "trainer_restart_mode", level=logging.WARNING, why=f"{why}: membership changes restart the workers"
+        why = restart_only(t.args)
+        if why is None and (t.is_deepspeed_enabled or t.is_fsdp_enabled):
+            why = "DeepSpeed" if t.is_deepspeed_enabled else "FSDP"
+        if why is None:
+            return True
+        if self.membership is not None and not self.membership.joined:  # set up as one process, for a live Trainer
+            raise TrainerIntegrationError(
+                f"--live: the Trainer uses {why} (from accelerate's configuration), which cannot regroup in place, "
+                "but its arguments did not say so when it set up; run elastrain-run with --live false"
             )
-        return why is None
+        lifecycle("trainer_restart_mode", level=logging.WARNING, why=f"{why}: membership changes restart the workers")
+        return False
 
     @property
     def log(self) -> Callable[..., None]:

@@ -12,6 +12,10 @@ yet and waits there for the agent's first notice. A *cold* one (a worker restart
 members train on in place) would otherwise meet them in its script's own setup collectives
 (``main_process_first``'s barriers around the dataset map), which they never run; instead they wait for it
 in the round's group join, bounded by the regroup timeout (which allows for a cold start).
+
+A Trainer that cannot regroup in place (:func:`restart_only`: DeepSpeed, FSDP, ``auto_find_batch_size``) joins when
+the script first asks for a device, as in restart mode; a warm one ends there (``event=trainer_warm_unsupported``),
+and its agent starts the workers after the rendezvous from then on.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import atexit
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from elastrain.env import WorkerEnv
 from elastrain.live.member import LiveMember
@@ -27,6 +32,9 @@ from elastrain.live.receive_pool import ReceivePool
 from elastrain.log import lifecycle
 from elastrain.session.regroup import REGROUP_FLAG
 from elastrain.step_flags import StepFlags
+
+WARM_UNSUPPORTED_EXIT = 3
+"""A warm worker of a Trainer that cannot regroup in place ends with this: its agent starts it after the rendezvous."""
 
 # What tells accelerate (and torch) that a process is one of several: hidden while a warm worker sets up.
 _DISTRIBUTED_VARIABLES = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -40,6 +48,22 @@ def provisional_environ() -> Iterator[None]:
         yield
     finally:
         os.environ.update(saved)
+
+
+def restart_only(args: Any) -> str | None:
+    """Why a Trainer with these ``TrainingArguments`` cannot regroup in place (its workers restart at every change,
+    as under ``--live false``), or None. What accelerate reads: the arguments, or accelerate's own launch variables."""
+    if args.deepspeed or _env_true("ACCELERATE_USE_DEEPSPEED"):
+        return "DeepSpeed"
+    if args.fsdp or _env_true("ACCELERATE_USE_FSDP"):
+        return "FSDP"
+    if args.auto_find_batch_size:
+        return "auto_find_batch_size"
+    return None
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
 
 
 def live_mode(env: WorkerEnv) -> bool:

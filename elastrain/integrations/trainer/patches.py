@@ -5,7 +5,8 @@ turned off) it is the original. Wrapped, for the transformers versions in :data:
 trainer.hook.TESTED` only:
 
 * ``TrainingArguments._setup_devices``: in live mode a worker sets up as one process until ``train()``, where it
-  joins its round's training group and accelerate's view is made again over it;
+  joins its round's training group and accelerate's view is made again over it (a Trainer that cannot regroup in
+  place joins here, as in restart mode);
 * ``Trainer.__init__``: attaches the :class:`~elastrain.integrations.trainer.driver.ElasticTrainer`;
 * ``Trainer.train``: the driver's loop (resume, regroups);
 * ``Trainer.get_train_dataloader``: the stream's batches for this rank;
@@ -24,7 +25,12 @@ from typing import Any
 
 from elastrain.integrations.trainer.checkpoints import newest_committed
 from elastrain.integrations.trainer.driver import ElasticTrainer, driver_of
-from elastrain.integrations.trainer.membership import TrainerMembership, provisional_environ
+from elastrain.integrations.trainer.membership import (
+    WARM_UNSUPPORTED_EXIT,
+    TrainerMembership,
+    provisional_environ,
+    restart_only,
+)
 from elastrain.log import lifecycle
 
 _patched: set[tuple[int, str]] = set()  # (id of the class or module, attribute) already wrapped
@@ -52,7 +58,17 @@ def patch_training_args(module: Any) -> None:
         membership = TrainerMembership.of_process()
         if membership is None:
             return original(self)
-        if not membership.joined:
+        why_not_live = restart_only(self)
+        if why_not_live is not None and not membership.joined:
+            if membership.warm:  # it never waits for a round: end, so that the agent starts it after the rendezvous
+                lifecycle(
+                    "trainer_warm_unsupported",
+                    level=logging.WARNING,
+                    why=f"{why_not_live}: the Trainer restarts at every change; its workers start after the rendezvous",
+                )
+                raise SystemExit(WARM_UNSUPPORTED_EXIT)
+            membership.join("gloo" if self.use_cpu or not _cuda() else "nccl")
+        elif not membership.joined:
             # Until train(): a warm worker has no round yet, and a cold one (a restarted worker) would meet the
             # members that train on in the script's own setup collectives (main_process_first's barriers), which
             # they never run. Each sets up alone and joins its round where training starts.
@@ -65,6 +81,12 @@ def patch_training_args(module: Any) -> None:
     replacement = functools.cached_property(_setup_devices)
     replacement.__set_name__(cls, "_setup_devices")
     cls._setup_devices = replacement
+
+
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def patch_trainer(module: Any) -> None:
