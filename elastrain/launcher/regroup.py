@@ -276,8 +276,8 @@ class LiveCoordination:
                     "warm_start_unsupported",
                     level=logging.WARNING,
                     exit_codes=",".join(map(str, codes)),
-                    why="--live: a worker ended before it waited for its round (a script without Session); "
-                    "its workers now start after the rendezvous",
+                    why="--live: a worker ended before it waited for its round (a script that does not wait: no "
+                    "Session, or a Trainer that restarts at every change); its workers now start after the rendezvous",
                 )
                 host.phase = host.phase.stopped()
                 host.stop_workers(worker_group)
