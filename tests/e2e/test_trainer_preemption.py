@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support.processes import events_in
 from support.trainer_trace import (
     Event,
     Run,
@@ -25,8 +26,6 @@ from support.trainer_trace import (
     trace,
 )
 
-from elastrain.log import parse_event_line
-
 pytestmark = pytest.mark.slow
 SEED = int(os.environ.get("TRAINER_TRACE_SEED", random.randrange(1 << 20)))
 
@@ -34,11 +33,6 @@ SEED = int(os.environ.get("TRAINER_TRACE_SEED", random.randrange(1 << 20)))
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_assets(tmp_path_factory.mktemp("hf-assets"))
-
-
-def _events(log: str, name: str) -> list[dict[str, str]]:
-    found = [parse_event_line(line) for line in log.splitlines()]
-    return [e for e in found if e is not None and e.get("event") == name]
 
 
 def check(run: Run, ref: Run, w: Workload, sigkills: int, where: str, restarted: str = "") -> None:
@@ -56,8 +50,8 @@ def check(run: Run, ref: Run, w: Workload, sigkills: int, where: str, restarted:
     for name, log in run.logs.items():
         if restarted and name.startswith(restarted):
             continue
-        assert not _events(log, "workers_restarting"), f"{name}'s workers were restarted\n{detail}"
-        assert not _events(log, "regroup_fallback"), f"{name} fell back to a restart\n{detail}"
+        assert not events_in(log, "workers_restarting"), f"{name}'s workers were restarted\n{detail}"
+        assert not events_in(log, "regroup_fallback"), f"{name} fell back to a restart\n{detail}"
     # The loss the Trainer logs averages the steps of a logging window; a window in which the world changed logs
     # the steps since the change. The log of a window's last step s is written after s, so a world that changed at
     # s + 1 may write it too: a member killed between step s and its log takes its share of the window along, and
@@ -121,5 +115,5 @@ def test_a_trainer_worker_killed_alone_restarts_and_joins_the_live_world(assets:
     ref = reference(w, tmp_path / "ref")
     check(run, ref, w, sigkills=1, where=where, restarted="b")
     assert run.codes["a"] == 0 and run.codes["b"] == 0, run.dump()
-    assert _events(run.logs["b"], "workers_restarting"), f"{where}: b's workers were not restarted\n{run.dump()}"
+    assert events_in(run.logs["b"], "workers_restarting"), f"{where}: b's workers were not restarted\n{run.dump()}"
     assert run.ledger.world_sizes()[-1] == 2, f"{where}: world sizes {run.ledger.world_sizes()}"

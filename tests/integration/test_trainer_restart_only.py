@@ -12,16 +12,10 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from support.processes import events_in
 from support.trainer_trace import causal_lm, make_assets, reference
 
-from elastrain.log import parse_event_line
-
 pytestmark = pytest.mark.slow
-
-
-def _events(log: str, name: str) -> list[dict[str, str]]:
-    found = [parse_event_line(line) for line in log.splitlines()]
-    return [e for e in found if e is not None and e.get("event") == name]
 
 
 def test_a_restart_only_trainer_trains_as_one_world_under_the_live_default(tmp_path: Path) -> None:
@@ -29,8 +23,8 @@ def test_a_restart_only_trainer_trains_as_one_world_under_the_live_default(tmp_p
     w = dataclasses.replace(w, args=(*w.args, "--auto_find_batch_size"))
     run = reference(w, tmp_path / "run")  # one node of two workers, elastrain-run's defaults
     log = run.logs["ref"]
-    assert _events(log, "trainer_restart_mode"), log[-6000:]
-    assert _events(log, "warm_start_unsupported"), log[-6000:]
+    assert events_in(log, "trainer_restart_mode"), log[-6000:]
+    assert events_in(log, "warm_start_unsupported"), log[-6000:]
     assert run.ledger.last_step() == w.max_steps, log[-6000:]
     assert set(run.ledger.world_sizes()) == {2}, f"world sizes {run.ledger.world_sizes()}\n{log[-6000:]}"
     assert all(run.ledger.complete().values()), log[-6000:]

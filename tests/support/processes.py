@@ -78,6 +78,14 @@ def spawn(
     )
 
 
+def events_in(text: str, name: str) -> list[dict[str, str]]:
+    """The lifecycle lines named ``name`` in a log's text (agents' and workers')."""
+    from elastrain.log import parse_event_line
+
+    found = [parse_event_line(line) for line in text.splitlines()]
+    return [e for e in found if e is not None and e.get("event") == name]
+
+
 def descendants(pid: int) -> list[int]:
     try:
         return [c.pid for c in psutil.Process(pid).children(recursive=True)]
@@ -216,10 +224,7 @@ class LiveNode:
 
     def events(self, name: str) -> list[dict[str, str]]:
         """The agent's and worker's lifecycle lines named ``name``."""
-        from elastrain.log import parse_event_line
-
-        out = [parse_event_line(line) for line in self.text().splitlines()]
-        return [e for e in out if e is not None and e.get("event") == name]
+        return events_in(self.text(), name)
 
     def dump(self) -> str:
         return f"--- {self.name} ---\n" + self.text()[-6000:]

@@ -20,8 +20,18 @@ from pathlib import Path
 from typing import Any
 
 from bench.support.trainer_ledger import WRITER_DIR, Ledger
-from elastrain.log import parse_event_line
-from support.processes import PYTHON, REPO, elastrain_cmd, free_port, kill_tree, reaped, run, spawn, wait_logged
+from support.processes import (
+    PYTHON,
+    REPO,
+    elastrain_cmd,
+    events_in,
+    free_port,
+    kill_tree,
+    reaped,
+    run,
+    spawn,
+    wait_logged,
+)
 
 SCRIPTS = REPO / "examples" / "hf"
 LEDGER = WRITER_DIR  # the sample ledger module, imported by the scripts when LEDGER_DIR is set
@@ -209,8 +219,7 @@ def trace(
 
 def _worker_pids(log: Path) -> list[int]:
     """The workers a node's agent started last (its ``workers_started`` line)."""
-    found = [parse_event_line(line) for line in log.read_text(errors="replace").splitlines()]
-    started = [e for e in found if e is not None and e.get("event") == "workers_started"]
+    started = events_in(log.read_text(errors="replace"), "workers_started")
     if not started:
         raise AssertionError(f"{log.name}: no workers started yet")
     return [int(p) for p in started[-1]["pids"].split(",")]

@@ -53,17 +53,15 @@ def provisional_environ() -> Iterator[None]:
 def restart_only(args: Any) -> str | None:
     """Why a Trainer with these ``TrainingArguments`` cannot regroup in place (its workers restart at every change,
     as under ``--live false``), or None. What accelerate reads: the arguments, or accelerate's own launch variables."""
-    if args.deepspeed or _env_true("ACCELERATE_USE_DEEPSPEED"):
+    from accelerate.utils import parse_flag_from_env
+
+    if args.deepspeed or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
         return "DeepSpeed"
-    if args.fsdp or _env_true("ACCELERATE_USE_FSDP"):
+    if args.fsdp or parse_flag_from_env("ACCELERATE_USE_FSDP"):
         return "FSDP"
     if args.auto_find_batch_size:
         return "auto_find_batch_size"
     return None
-
-
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
 
 
 def live_mode(env: WorkerEnv) -> bool:

@@ -56,10 +56,10 @@ def patch_training_args(module: Any) -> None:
     @functools.wraps(original)
     def _setup_devices(self: Any) -> Any:
         membership = TrainerMembership.of_process()
-        if membership is None:
+        if membership is None or membership.joined:
             return original(self)
         why_not_live = restart_only(self)
-        if why_not_live is not None and not membership.joined:
+        if why_not_live is not None:
             if membership.warm:  # it never waits for a round: end, so that the agent starts it after the rendezvous
                 lifecycle(
                     "trainer_warm_unsupported",
@@ -68,15 +68,14 @@ def patch_training_args(module: Any) -> None:
                 )
                 raise SystemExit(WARM_UNSUPPORTED_EXIT)
             membership.join("gloo" if self.use_cpu or not _cuda() else "nccl")
-        elif not membership.joined:
-            # Until train(): a warm worker has no round yet, and a cold one (a restarted worker) would meet the
-            # members that train on in the script's own setup collectives (main_process_first's barriers), which
-            # they never run. Each sets up alone and joins its round where training starts.
-            why = "a warm worker waits for a round" if membership.warm else "a cold worker joins its round"
-            lifecycle("trainer_provisional", why=why + ", as one process until train()")
-            with provisional_environ():
-                return original(self)
-        return original(self)
+            return original(self)
+        # Until train(): a warm worker has no round yet, and a cold one (a restarted worker) would meet the members
+        # that train on in the script's own setup collectives (main_process_first's barriers), which they never run.
+        # Each sets up alone and joins its round where training starts.
+        why = "a warm worker waits for a round" if membership.warm else "a cold worker joins its round"
+        lifecycle("trainer_provisional", why=why + ", as one process until train()")
+        with provisional_environ():
+            return original(self)
 
     replacement = functools.cached_property(_setup_devices)
     replacement.__set_name__(cls, "_setup_devices")
