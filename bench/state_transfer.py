@@ -18,15 +18,18 @@ while the first step of the new world runs (the default), and the whole state mo
 (``overlap_state_transfer=False``: the transfer's own rate, nothing sharing the CPU or the wire with it). The
 Trainer's transfer is always whole before the step.
 
-It prints, per run: the running workers' longest gap between two completed steps around the change (rank 0's
-step times), the median step time before it, the bytes the state transfer moved and its rate (the source's
-``event=state_sent`` line; "held up": the part of it before training went on), and, measured in the same run
-between two processes on this box, the rate of a warm
-1 GiB gloo broadcast (one piece, and 16 MiB pieces) and of a raw loopback socket, with the transfer's ratio to
-the best gloo rate. In the same two processes, before the jobs, it measures ``send_state`` alone for the Session
-model of each size (``--no-idle-rates`` skips it): into the receiver's own tensors, into memory made ready by a
-receive pool, and into new memory, so the transfer's own rate is read apart from what a job's other processes
-take from this machine's two cores.
+It prints, per run: the running workers' longest gap between two completed steps around the change (rank 0's step
+times; from the moment the joining node is started, or the node killed), the same from the regroup on (a joiner's
+start-up, a Python process importing torch and building the model beside the running workers, takes CPU from them on
+this box that on a machine of its own it would not), each less the median step after the change ("stall"), the
+median step time before it, how many steps the transfer was spread over ("phases"), the bytes the state transfer
+moved and its rate (the source's ``event=state_sent`` line: the phases' own time on the wire; "held up": the part of
+it before training went on), and, measured in the same run between two processes on this box, the rate of a warm 1
+GiB gloo broadcast (one piece, and 16 MiB pieces) and of a raw loopback socket, with the transfer's ratio to the
+best gloo rate. In the same two processes, before the jobs, it measures ``send_state`` alone for the Session model
+of each size (``--no-idle-rates`` skips it): into the receiver's own tensors, into memory made ready by a receive
+pool, and into new memory, so the transfer's own rate is read apart from what a job's other processes take from this
+machine's two cores.
 """
 
 from __future__ import annotations
@@ -189,6 +192,13 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) 
     longest = max(across) if across else float("nan")
     after = sorted(across)[:-1] or across  # the new world's steps, the one across the change left out
     median_after = statistics.median(after) if after else float("nan")
+    # The same from the regroup on: what the membership change itself costs, apart from the joiner's start-up (a
+    # Python process importing torch and building the model beside the running workers on this box's two cores;
+    # on another machine it takes none of their CPU).
+    moved = [float(e["t"]) for n in job.nodes for e in n.events("regroup_started") if float(e["t"]) >= changed_at]
+    regroup_at = min(moved) if moved else changed_at
+    at_regroup = [g for g, end in gaps if end >= regroup_at]
+    longest_at_regroup = max(at_regroup) if at_regroup else float("nan")
     regrouped = [e for n in job.nodes for e in n.events("regrouped")]
     agreed = [e for n in job.nodes for e in n.events("trainer_state_agreed") if e.get("rank") == "0"]
     sent = [e for n in job.nodes for e in n.events("state_sent")]
@@ -201,6 +211,9 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) 
         "median_step_after_s": round(median_after, 3),
         "longest_gap_s": round(longest, 3),
         "stall_s": round(longest - median_after, 3),
+        "regroup_gap_s": round(longest_at_regroup, 3),
+        "regroup_stall_s": round(longest_at_regroup - median_after, 3),
+        "phases": int(sent[-1].get("phases", 1)) if sent else 0,
         "bytes": int(sent[-1]["bytes"]) if sent else 0,
         "transfer_s": float(sent[-1]["took_s"]) if sent else 0.0,
         "blocked_s": float(sent[-1].get("blocked_s", sent[-1]["took_s"])) if sent else 0.0,
@@ -256,8 +269,8 @@ def main() -> None:
         )
         print(f"send_state alone, {params}M ({by_dest['bytes'] / 1e9:.2f} GB), % of gloo: {into}", flush=True)
     header = (
-        "workload  scenario  transfer  params  step before  step after  longest gap  stall  state moved  transfer   "
-        "rate  vs gloo  held up  rolled back"
+        "workload  scenario  transfer  params  step before  step after  longest gap  stall  at regroup  stall  "
+        "state moved  phases  transfer   rate  vs gloo  held up  rolled back"
     )
     print(header, flush=True)
     results = []
@@ -275,7 +288,8 @@ def main() -> None:
         print(
             f"{workload:8}  {scenario:8}  {mode:8}  {r['params_m']:>5}M  {r['median_step_before_s']:>10.2f}s  "
             f"{r['median_step_after_s']:>9.2f}s  "
-            f"{r['longest_gap_s']:>10.2f}s  {r['stall_s']:>4.2f}s  {int(r['bytes']) / 1e9:>8.2f} GB  "
+            f"{r['longest_gap_s']:>10.2f}s  {r['stall_s']:>4.2f}s  {r['regroup_gap_s']:>9.2f}s  "
+            f"{r['regroup_stall_s']:>4.2f}s  {int(r['bytes']) / 1e9:>8.2f} GB  {r['phases']:>6}  "
             f"{r['transfer_s']:>7.2f}s  {r['gb_per_s']:>5.2f}  {float(r['gb_per_s']) / best:>6.0%}  "
             f"{r['blocked_s']:>6.2f}s  {r['rolled_back']}",
             flush=True,

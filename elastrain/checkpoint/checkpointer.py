@@ -35,6 +35,7 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -150,11 +151,17 @@ class Checkpointer:
         self.last_error: BaseException | None = None
         self._closed = False
         self._hold_after: int | None = None  # a requested save whose hold the caller deferred
+        self._before_save: Callable[[], object] | None = None
 
     def agree_through(self, flags: StepFlags) -> None:
         """Agree when to save through ``flags``, raised in each step's gradient all-reduce (the Session's DDP
         comm hook), instead of an all-reduce of our own per step; steps without a sync still use ours."""
         self._trigger.use_flags(flags)
+
+    def before_save(self, ready: Callable[[], object]) -> None:
+        """Call ``ready`` on every rank before a save reads the registered state (once the save's step directory is
+        prepared): the caller makes that state whole (a live catch-up's transfer still arriving in phases)."""
+        self._before_save = ready
 
     def continue_as(self, generation: int | None) -> None:
         """This world goes on as the newer ``generation``: every one of its members is a member of that world (nodes
@@ -234,6 +241,8 @@ class Checkpointer:
         if path is None:
             self._trigger.started(step)
             return False
+        if self._before_save is not None:
+            self._before_save()
         request = self._trigger.claim()
         t0 = time.perf_counter()
         self._log(

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from elastrain import wire
 from elastrain.errors import WireFormatError
+from elastrain.live.phases import LaterPhases
 from elastrain.live.pieces import Piece, TensorSlot, assign_senders, plan_pieces
 from elastrain.live.receive_pool import ReceivePool
 
@@ -128,7 +129,7 @@ def broadcast_tree(
     ``targets`` (a receiver's): tensors by path (:func:`elastrain.wire.path_key`) to receive into, where the
     shape, dtype and device match and the tensor is contiguous; other tensors are allocated. ``receivers``: the
     ranks that need the tensors (the others get the skeleton only, and ``None`` for the state); None: all."""
-    state, sent, _ = send_tree(tree, src, device, targets, receivers, later=None)
+    state, sent, _, _ = send_tree(tree, src, device, targets, receivers, later=None)
     return state, sent
 
 
@@ -142,10 +143,15 @@ def send_tree(
     pool: ReceivePool | None = None,
     helpers: tuple[int, ...] = (),
     shared: Callable[[str], bool] | None = None,
-) -> tuple[Any, int, Background | None]:
+    phases: Callable[[list[TensorSlot]], list[int]] | None = None,
+) -> tuple[Any, int, Background | None, LaterPhases | None]:
     """:func:`broadcast_tree`, with the tensors whose path ``later`` accepts streamed by a background thread
     (returned; None when there are none or this rank takes no part): the tree comes back at once, those
     tensors filled when the thread is done.
+
+    ``phases`` (with ``later``): each slot's phase (:func:`~elastrain.live.phases.plan_phases`, the same on every
+    rank); the background thread carries the deferred tensors of phase 0, and the :class:`LaterPhases` returned
+    (None: one phase, or this rank takes no part) the others, each when the caller starts it.
 
     ``helpers`` (with ``receivers``): ranks that hold the same tensors as ``src`` at the paths ``shared`` accepts,
     given as ``targets`` (their own, by path); they send their share of those pieces
@@ -178,7 +184,7 @@ def send_tree(
     helpers = tuple(h for h in helpers if h != src and h not in (peers or ())) if peers else ()
     helping = rank in helpers
     if peers is not None and rank != src and rank not in peers and not helping:
-        return None, 0, None
+        return None, 0, None, None
     tensors, fresh = sources, frozenset[int]()
     sharable = [bool(helpers) and shared is not None and shared(s.path) for s in slots]
     if helping:
@@ -194,16 +200,34 @@ def send_tree(
         by = assign_senders(pieces, sharable, senders) if helpers else None
         return Stream(src, tensors, device, rank, peers, fresh, by)
 
+    phase = phases(slots) if phases is not None and any(deferred) else [0] * len(slots)
+    if len(phase) != len(slots) or any(p != 0 for p, d in zip(phase, deferred, strict=True) if not d):
+        raise ValueError("internal: a phase plan must cover every slot, and put what is sent now in phase 0")
     now = plan_pieces([0 if d else s.nbytes for s, d in zip(slots, deferred, strict=True)])
     stream(now).run(now)
     background = None
     if any(deferred):
-        rest = plan_pieces([s.nbytes if d else 0 for s, d in zip(slots, deferred, strict=True)])
-        background = Background(stream(rest), rest)
+        first = [s.nbytes if d and p == 0 else 0 for s, d, p in zip(slots, deferred, phase, strict=True)]
+        rest = plan_pieces(first)
+        first_stream = stream(rest)
+        background = Background(lambda: first_stream.run(rest))
+    phased: LaterPhases | None = None
+    if max(phase, default=0) > 0:
+
+        def resolve(s: TensorSlot, current: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, bool]:
+            if rank == src or helping:  # the state it holds now, checked against the skeleton
+                return _held(s, current, device), False
+            return _destination(s, current, device, None)
+
+        def make_stream(pieces: list[Piece], held: list[torch.Tensor], new: frozenset[int]) -> Callable[[], None]:
+            by = assign_senders(pieces, sharable, senders) if helpers else None
+            return lambda: Stream(src, held, device, rank, peers, new, by).run(pieces)
+
+        phased = LaterPhases(slots, phase, rank != src and not helping, resolve, make_stream)
     if helping:
-        return None, 0, background
+        return None, 0, background, phased
     sent = sum(s.nbytes for s in slots) if peers is None or peers else 0
-    return wire.from_plain(skeleton, lambda payload: tensors[payload[0]]), sent, background
+    return wire.from_plain(skeleton, lambda payload: tensors[payload[0]]), sent, background, phased
 
 
 _NOTHING = torch.empty(0, dtype=torch.uint8)
@@ -222,7 +246,7 @@ def _held(s: TensorSlot, own: Mapping[str, torch.Tensor], device: torch.device) 
     if mine is None or tuple(mine.shape) != s.shape or mine.dtype != s.dtype:
         found = "none" if mine is None else f"{tuple(mine.shape)} {mine.dtype}"
         raise WireFormatError(
-            f"a helper of the state transfer holds {found} at {s.path}, the source {s.shape} {s.dtype}"
+            f"a sender of the state transfer holds {found} at {s.path}, the source sent {s.shape} {s.dtype}"
         )
     return _sendable(mine, device)
 
@@ -230,16 +254,17 @@ def _held(s: TensorSlot, own: Mapping[str, torch.Tensor], device: torch.device) 
 class Background:
     """The pieces of a transfer streamed by a thread of their own while training goes on."""
 
-    def __init__(self, stream: Stream, pieces: list[Piece]) -> None:
+    def __init__(self, run: Callable[[], None]) -> None:
         self.error: BaseException | None = None
+        self.started_at = time.monotonic()
         self.finished_at: float | None = None
         """When the last piece landed or left (monotonic)."""
-        self._thread = threading.Thread(target=self._run, args=(stream, pieces), name="elastrain-state", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(run,), name="elastrain-state", daemon=True)
         self._thread.start()
 
-    def _run(self, stream: Stream, pieces: list[Piece]) -> None:
+    def _run(self, run: Callable[[], None]) -> None:
         try:
-            stream.run(pieces)
+            run()
             self.finished_at = time.monotonic()
         except Exception as exc:  # a peer gone mid-transfer: the training thread hears of it in finish()
             self.error = exc

@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 from elastrain import wire
 from elastrain.live.group import GroupBrokenError
+from elastrain.live.phases import PER_PARAMETER, PHASE_BYTES, LaterPhases, parameter_groups, plan_phases
+from elastrain.live.pieces import TensorSlot
 from elastrain.live.receive_pool import ReceivePool
 from elastrain.live.stream import Background, send_tree
 from elastrain.log import lifecycle
@@ -57,7 +59,12 @@ class Transfer:
     The model, buffers and small state are in place when :func:`send_state` returns; the optimizer's state
     streams on while the next step's forward and backward run. :meth:`finish` must come before anything
     reads or changes the optimizer's state: its step (which would change the source's state mid-send), a
-    save, a state dict."""
+    save, a state dict.
+
+    A transfer in phases (a catch-up's: :mod:`elastrain.live.phases`) lands its first phase at the first
+    :meth:`finish`; each later one streams from :meth:`advance` (at a step boundary, on every rank of the
+    transfer) to the next :meth:`finish`. Until the last has landed, a receiver's parameters of the phases to come
+    are :meth:`waiting` (their state is not the agreed one yet) and its state is not :attr:`intact`."""
 
     def __init__(
         self,
@@ -66,6 +73,9 @@ class Transfer:
         background: Background | None,
         on_received: Callable[[], None] | None,
         receivers: str | None,
+        later: LaterPhases | None = None,
+        current: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+        waiting: list[list[torch.Tensor]] | None = None,
     ) -> None:
         self.sent = sent
         """Bytes of tensors sent to each receiver (0 on a rank that neither sent nor received)."""
@@ -79,22 +89,51 @@ class Transfer:
         """How long the transfer held training up: the part before :func:`send_state` returned."""
         self.complete = False
         self.failed = False
+        self._later = later
+        self._current = current
+        self._waiting = waiting or []
+        self.phases = later.count if later is not None else 1
+        """How many phases the transfer takes (each a step of a catch-up)."""
+        self.phase = 0
+        """The phase streaming, or the last landed."""
+        self._landed = False
+        self._streaming_s = 0.0
 
     @property
     def intact(self) -> bool:
-        """Whether this rank's state is whole: not a receiver whose optimizer state did not all arrive."""
-        return not (self.receiving and self.failed)
+        """Whether this rank's state is whole: not a receiver whose state did not all arrive (yet)."""
+        return not (self.receiving and (self.failed or not self.complete))
 
-    def finish(self, timeout_s: float, give_up: Callable[[], bool] | None = None) -> None:
+    def waiting(self) -> list[torch.Tensor]:
+        """A receiver's parameters whose state comes in a phase after the one landed: the optimizer's step must skip
+        them (their state would be the wrong step's)."""
+        if not self.receiving or self.complete:
+            return []
+        first = self.phase + 1 if self._landed else self.phase
+        return [p for group in self._waiting[first:] for p in group]
+
+    def advance(self) -> bool:
+        """At a step boundary, on every rank of the transfer: start the next phase once this one has landed;
+        whether one started."""
+        later, current = self._later, self._current
+        if later is None or current is None or self.failed or self.complete or not self._landed:
+            return False
+        self.phase += 1
+        self._landed = False
+        self._background = Background(later.start(self.phase, current()))
+        return True
+
+    def finish(self, timeout_s: float, give_up: Callable[[], bool] | None = None) -> bool:
         """Wait (at most ``timeout_s``, and only while ``give_up()`` says no: polled every
-        :data:`GIVE_UP_POLL_S`) for the rest of the transfer, then load the received optimizer state; raises
+        :data:`GIVE_UP_POLL_S`) for the phase on the wire, then load the received optimizer state; raises
         :class:`TransferFailedError` if it did not all arrive (this rank's optimizer state is then incomplete,
         :attr:`failed`). gloo does not always fail a receive whose sender died, so a live worker gives up when
-        its agent announces a new round. Once done, again is a no-op."""
+        its agent announces a new round. Once landed, again is a no-op (until :meth:`advance`). Whether a received
+        optimizer state was loaded now (its parameter groups are the sender's: the LR of the sender's last step)."""
         if self.failed:
             raise TransferFailedError("the optimizer state transfer failed before")
-        if self.complete:
-            return
+        if self.complete or self._landed:
+            return False
         background = self._background
         if background is not None:
             deadline = time.monotonic() + timeout_s
@@ -114,12 +153,20 @@ class Transfer:
                 else:
                     why = f"not done after {timeout_s:.0f} s"
                 raise TransferFailedError(f"the optimizer state did not all arrive: {why}") from background.error
-        if self._on_received is not None:
+            self._streaming_s += (background.finished_at or time.monotonic()) - (
+                self._started if self.phase == 0 else background.started_at
+            )
+        loaded = self.phase == 0 and self._on_received is not None
+        if loaded and self._on_received is not None:
             self._on_received()
+        elif self.receiving and self._later is not None and self._current is not None:
+            self._later.land(self._current())
+        self._landed = True
+        if self.phase + 1 < self.phases:
+            return loaded
         self.complete = True
         if self._receivers is not None:
-            done = self._background.finished_at if self._background is not None else None
-            took = (done or time.monotonic()) - self._started
+            took = self._streaming_s if self._background is not None else time.monotonic() - self._started
             lifecycle(
                 "state_sent",
                 receivers=self._receivers,
@@ -128,7 +175,10 @@ class Transfer:
                 gb_per_s=round(self.sent / max(took, 1e-9) / 1e9, 3),
                 blocked_s=round(self.blocked_s, 3),
                 overlapped=self._background is not None,
+                phases=self.phases,
+                spread_s=round(time.monotonic() - self._started, 3),
             )
+        return loaded
 
 
 def send_state(
@@ -142,6 +192,7 @@ def send_state(
     pool: ReceivePool | None = None,
     helpers: tuple[int, ...] = (),
     defer_model: bool = False,
+    phase_bytes: int = PHASE_BYTES,
 ) -> Transfer:
     """Make the ``module``, ``optimizer`` and ``objects`` (``Stateful``s) of ``receivers`` (None: every rank)
     equal to rank ``src``'s. Every rank of the group calls it. ``overlap``: the optimizer's state streams in
@@ -151,7 +202,9 @@ def send_state(
     ``src`` (the agreed step's, :meth:`~elastrain.live.agreement.Agreement.holders`); they send their share of it.
     A rank that neither receives nor helps keeps its own state. ``defer_model`` (with ``overlap``): the model's
     tensors stream in the background too (receivers that sit the next step out: :mod:`elastrain.session.catch_up`);
-    only the ``objects`` arrive before it returns."""
+    only the ``objects`` arrive before it returns; with a per-parameter optimizer, in phases of about
+    ``phase_bytes`` (:mod:`elastrain.live.phases`), the first streamed now, each next one from
+    :meth:`Transfer.advance`."""
     rank = dist.get_rank()
     mine = rank == src
     started = time.monotonic()
@@ -163,7 +216,13 @@ def send_state(
         "optimizer": optimizer.state_dict(),
         "objects": {name: obj.state_dict() for name, obj in objects.items()},
     }
-    state, sent, background = send_tree(
+    phased = defer_model and overlap and isinstance(optimizer, PER_PARAMETER)
+
+    def phases(slots: list[TensorSlot]) -> list[int]:
+        paths = [s.path for s in slots]
+        return plan_phases([s.nbytes for s in slots], parameter_groups(paths, module, optimizer), phase_bytes)
+
+    state, sent, background, later = send_tree(
         tree if mine else None,
         src,
         device,
@@ -173,9 +232,14 @@ def send_state(
         pool=pool,
         helpers=helpers,
         shared=_held_alike,
+        phases=phases if phased else None,
     )
+
+    def current() -> dict[str, torch.Tensor]:
+        return _tensors_by_path({"model": module.state_dict(), "optimizer": optimizer.state_dict()})
+
     if receivers is not None and not mine and rank not in receivers:  # its own state stays as it is
-        kept = Transfer(0, started, background, None, None)
+        kept = Transfer(0, started, background, None, None, later, current)
         return kept if background is not None else _finished(kept)
     if pool is not None:
         pool.close()  # what the state did not take
@@ -199,8 +263,24 @@ def send_state(
             optimizer.load_state_dict(state["optimizer"])
 
     to = "all" if receivers is None else ",".join(map(str, sorted(set(receivers) - {src})))
-    transfer = Transfer(sent, started, background, on_received, to if mine and sent else None)
+    waiting = _parameters_by_phase(later, module, optimizer) if later is not None and not mine else None
+    transfer = Transfer(sent, started, background, on_received, to if mine and sent else None, later, current, waiting)
     return transfer if background is not None else _finished(transfer)
+
+
+def _parameters_by_phase(
+    later: LaterPhases, module: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> list[list[torch.Tensor]]:
+    """The optimizer's parameters by the phase their state arrives in."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    phase_of: dict[int, int] = {}
+    for group, phase in zip(parameter_groups(later.paths, module, optimizer), later.plan, strict=True):
+        if group is not None:
+            phase_of[group] = max(phase, phase_of.get(group, 0))
+    out: list[list[torch.Tensor]] = [[] for _ in range(later.count)]
+    for index, phase in phase_of.items():
+        out[phase].append(params[index])
+    return out
 
 
 def _finished(transfer: Transfer) -> Transfer:

@@ -16,6 +16,9 @@ for every byte of it: a stall that grows with the model. With a catch-up (live m
 - from the next step on, the world is whole: every member trains on the plan of the full world
   (:meth:`~elastrain.session.world.World.finish_catch_up`).
 
+A larger state arrives in phases (:mod:`elastrain.live.phases`), a run of parameters per step: the needy sit out as
+many steps as there are phases, and each steps only the parameters whose state has arrived.
+
 :func:`eligible` says when the world's first step can run so: DDP's collectives in that step must be the gradient
 buckets and nothing else (no module buffers broadcast in the forward, no unused-parameter search, no static graph).
 Otherwise the state arrives before the step, as before.
@@ -33,14 +36,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 @dataclass(frozen=True)
 class CatchUp:
-    """The first step of a world whose needy members sit it out (the same on every member but for ``index``)."""
+    """The first steps of a world, which its needy members sit out (the same on every member but for ``index``)."""
 
     holders: tuple[int, ...]
     """The ranks that hold the agreed state: they compute the step."""
     rank: int
     """This member's rank."""
     after: int
-    """The agreed step: the step sat out is the next one."""
+    """The agreed step: the steps sat out are the next ones."""
+    steps: int = 1
+    """How many steps the needy sit out: the phases their state arrives in (:mod:`elastrain.live.phases`)."""
 
     @property
     def contributors(self) -> int:
@@ -74,8 +79,12 @@ def sync_idle(model: DistributedDataParallel) -> None:
     order, through the registered comm hook (which divides by the contributors and carries the step flags); the
     averaged result becomes each parameter's gradient (a view of its bucket). Afterwards the reducer counts every
     parameter as ready, so that the bucket rebuild at the next forward (a broadcast from rank 0) is joined as the
-    holders join it. Raises what the hook's futures raise (``GroupBrokenError``, a RuntimeError from gloo)."""
+    holders join it, in that forward or, sitting the next step out too, here. Raises what the hook's futures raise
+    (``GroupBrokenError``, a RuntimeError from gloo)."""
     reducer = model.reducer
+    # As DDP's own join shadowing: the holders' second forward rebuilds the buckets (a broadcast from rank 0),
+    # which a member that sits a second step out joins here (nothing in any other step).
+    reducer._rebuild_buckets()
     buckets = reducer._get_zeros_like_grad_buckets()
     futures = [reducer._run_comm_hook(bucket) for bucket in buckets]
     for bucket, future in zip(buckets, futures, strict=True):

@@ -20,6 +20,7 @@ import torch
 
 from elastrain.data import EpochEnd
 from elastrain.errors import CheckpointError
+from elastrain.live.phases import PHASE_BYTES
 from elastrain.live.sharded import ShardFn
 from elastrain.scaling import Policy, ScalingConfig, Schedule
 from elastrain.session.errors import SessionConfigError
@@ -83,6 +84,11 @@ class RuntimeConfig:
     syncs more than gradients (module buffers broadcast, ``find_unused_parameters``, ``static_graph``), the model
     arrives before the step and only the optimizer's state streams while it runs. False: the whole state arrives
     before the step (nothing to share the CPU or the wire with)."""
+    catch_up_phase_bytes: int = PHASE_BYTES
+    """About how many bytes of state each step of a catch-up carries: a larger state arrives over several steps
+    (at most :data:`~elastrain.live.phases.MAX_PHASES`), a run of parameters per step, and the members that receive
+    it sit them all out (:mod:`elastrain.live.phases`; torch's per-parameter optimizers only). The running workers'
+    CPU for the stream is then about the same per step for any model size."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,7 @@ class SessionConfig:
         _at_least("num_workers", data.num_workers, 0)
         _at_least("seed", data.seed, None)
         _at_least("save_every_steps", ckpt.save_every_steps, 1)
+        _at_least("catch_up_phase_bytes", self.runtime.catch_up_phase_bytes, 1)
         _at_least("keep_last", ckpt.keep_last, 1)
         for name, flag in (
             ("pin_memory", data.pin_memory),
@@ -200,6 +207,7 @@ class SessionConfig:
                 device=_device(s.get("device")),
                 shard=s.get("shard"),
                 overlap_state_transfer=bool(s.get("overlap_state_transfer", True)),
+                catch_up_phase_bytes=s.get("catch_up_phase_bytes", PHASE_BYTES),
             ),
         )
 
@@ -238,6 +246,7 @@ class SessionSettings(TypedDict, total=False):
     device: torch.device | str | None
     shard: ShardFn | None
     overlap_state_transfer: bool
+    catch_up_phase_bytes: int
 
 
 def _at_least(name: str, value: Any, low: int | None) -> None:

@@ -33,6 +33,7 @@ class Handover:
         self._timeout_s = TRANSFER_TIMEOUT_S
         self._live: LiveMember | None = None
         self._pool: ReceivePool | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
 
     def prepare(self, optimizer: torch.optim.Optimizer) -> ReceivePool:
         """A warm worker, before it waits for its first round: memory for the optimizer state it will receive, and
@@ -77,8 +78,10 @@ class Handover:
             pool=self._pool,
             helpers=helpers,
             defer_model=defer_model,
+            phase_bytes=runtime.config.catch_up_phase_bytes,
         )
         self._pool = None
+        self._optimizer = optimizer
         self._timeout_s = env.collective_timeout_s or TRANSFER_TIMEOUT_S
         self._live = runtime.live
         return self.transfer.sent
@@ -88,20 +91,47 @@ class Handover:
         """Whether this worker holds its world's whole state: not a receiver whose transfer broke off."""
         return self.transfer is None or self.transfer.intact
 
+    @property
+    def phases(self) -> int:
+        """How many steps the current transfer is spread over (:mod:`elastrain.live.phases`; 1 without one)."""
+        return 1 if self.transfer is None else self.transfer.phases
+
     def settle(self) -> bool:
-        """Before the optimizer's state is read or changed (its step, a save): the rest of the transfer, waited for
-        (bounded by the collective timeout, and given up when the agent announces a new round: a peer left);
-        whether a received optimizer state was loaded just now (its parameter groups are the sender's: the LR of
-        the sender's last step). Raises :class:`~elastrain.live.transfer.TransferFailedError` when it broke off."""
+        """Before the optimizer's state is read or changed (its step, a save): the phase of the transfer on the wire,
+        waited for (bounded by the collective timeout, and given up when the agent announces a new round: a peer
+        left); whether a received optimizer state was loaded just now (its parameter groups are the sender's: the
+        LR of the sender's last step). Raises :class:`~elastrain.live.transfer.TransferFailedError` when it broke
+        off. A receiver's parameters whose state comes in a later phase lose their gradient here: the optimizer's
+        step skips them."""
         transfer = self.transfer
         if transfer is None or transfer.complete:
             return False
         live = self._live
-        transfer.finish(self._timeout_s, give_up=None if live is None else lambda: live.pending_notice() is not None)
-        return transfer.receiving
+        loaded = transfer.finish(
+            self._timeout_s, give_up=None if live is None else lambda: live.pending_notice() is not None
+        )
+        for param in transfer.waiting():
+            param.grad = None
+        return loaded
+
+    def advance(self) -> None:
+        """At a step boundary of a catch-up, on every member: the transfer's next phase starts streaming (from the
+        state the senders hold now), if one is left and the last has landed."""
+        if self.transfer is not None and self.transfer.advance():
+            lifecycle("state_phase_started", phase=self.transfer.phase, phases=self.transfer.phases)
+
+    def flush(self) -> bool:
+        """Before the whole state is read (a save, the session's end), on every member: every phase left, sent now
+        and waited for; whether a received optimizer state was loaded (as :meth:`settle`)."""
+        loaded = self.settle()
+        while self.transfer is not None and not self.transfer.complete and self.transfer.advance():
+            loaded = self.settle() or loaded
+        return loaded
 
     def give_up(self) -> None:
-        """The world is left (its group gone): what has not arrived by now never will."""
+        """The world is left (its group gone): what has not arrived by now never will. A receiver's parameters whose
+        state was still to come lose the optimizer state loaded for them (memory the stream never wrote): nothing
+        steps from it, whatever the next world decides."""
         transfer = self.transfer
         if transfer is None or transfer.complete:
             return
@@ -111,6 +141,9 @@ class Handover:
             lifecycle(
                 "state_transfer_broken", level=logging.WARNING, receiving=transfer.receiving, error=str(exc)[:200]
             )
+        if self._optimizer is not None:
+            for param in transfer.waiting():
+                self._optimizer.state.pop(param, None)
 
     def reset(self) -> None:
         """Entering a new world: the last one's transfer is over (settled or given up)."""

@@ -160,6 +160,13 @@ class Session:
         return self.world.restored
 
     @property
+    def caught_up(self) -> bool:
+        """Whether this rank holds the world's whole state: False only on a member that receives a catch-up's state
+        in phases, until the last has landed (its model is partly its own until then: read it on a rank that is
+        caught up, or after the loop, which lands every phase left)."""
+        return self.world.handover.intact
+
+    @property
     def segment(self) -> str:
         """This world's segment of the records (one per entry into a world)."""
         return self.world.segment
@@ -236,11 +243,24 @@ class Session:
 
     def __iter__(self) -> Iterator[Step]:
         self.start()
-        while not self.should_stop:
-            step = self.next_step()
-            yield step
-            if not step.done:
-                raise SessionError(f"step {step.number} ended without step.optimizer_step()")
+        while True:
+            while not self.should_stop:
+                step = self.next_step()
+                yield step
+                if not step.done:
+                    raise SessionError(f"step {step.number} ended without step.optimizer_step()")
+            if self._state_whole():
+                return
+
+    def _state_whole(self) -> bool:
+        """At the loop's end (every rank): a catch-up's transfer still arriving in phases lands in full, so that the
+        script reads whole state after the loop; False when it broke off (the world regrouped: train on)."""
+        try:
+            self.world.handover.flush()
+        except TransferFailedError as exc:
+            self.collective_broke(exc, None, group_error=True)
+            return False
+        return True
 
     def next_step(self) -> Step:
         """The next step's micro-batches (already loaded) and LR; the loop calls it via ``for step in session``."""

@@ -8,6 +8,7 @@ segment of the records) and is the one place that builds and drops them, in the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -126,6 +127,8 @@ class World:
                 sent = self.handover.start(
                     source, needy, runtime, self.optimizer, statefuls, env, holders, defer_model=catch_up is not None
                 )
+                if catch_up is not None:  # the needy sit out as many steps as their state takes to arrive
+                    catch_up = dataclasses.replace(catch_up, steps=self.handover.phases)
             self.handover.drop_pool()
         runtime.wrap(agree_saves=self.checkpointer is not None, in_sync=source is not None)
         runtime.catch_up = catch_up
@@ -162,17 +165,26 @@ class World:
         self._log_plan(previous, changed, size)
 
     def finish_catch_up(self) -> None:
-        """At the step boundary after a catch-up's step (:mod:`elastrain.session.catch_up`): every member trains
-        from here on, on the full world's plan. Nothing otherwise, or while that step is not committed."""
+        """At each step boundary of a catch-up (:mod:`elastrain.session.catch_up`): the transfer's next phase starts,
+        and after its last step every member trains from here on, on the full world's plan. Nothing otherwise, or
+        while its first step is not committed."""
         catch_up = self.runtime.catch_up
         if catch_up is None or self.state.step <= catch_up.after:
+            return
+        if self.state.step < catch_up.after + catch_up.steps:
+            self.handover.advance()
             return
         self.runtime.catch_up = None
         world_size, previous = self.runtime.world_size, self.state.world_size
         changed = self._plan_for(world_size, self.runtime.rank)
         if self.runtime.rank != 0:
             return
-        fields = {"step": self.state.step, "sat_out": world_size - catch_up.contributors, "world_size": world_size}
+        fields = {
+            "step": self.state.step,
+            "sat_out": world_size - catch_up.contributors,
+            "steps": catch_up.steps,
+            "world_size": world_size,
+        }
         lifecycle("caught_up", **fields)
         self.records.events.record("caught_up", **fields)
         self._log_plan(previous, changed, world_size)
@@ -206,6 +218,7 @@ class World:
             env=env,  # this world's (a live regroup's is the new round's)
         )
         self.checkpointer.agree_through(self.flags)  # no all-reduce of its own per step
+        self.checkpointer.before_save(self.handover.flush)  # a catch-up's phases left: the whole state first
         self.checkpointer.register(
             model=self.runtime.module,
             optimizer=self.optimizer,
@@ -302,6 +315,8 @@ class World:
     def close(self, save: bool) -> None:
         """At the session's close: save the final step (unless ``save`` is false), then close the checkpointer
         (raises :class:`~elastrain.errors.CheckpointSaveError` if the last save failed)."""
+        if save:  # every phase of a catch-up's transfer left: the state is whole for the save and the script
+            self.handover.flush()
         if self.checkpointer is None:
             return
         self.handover.settle()  # a save reads the optimizer's state

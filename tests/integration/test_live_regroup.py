@@ -149,19 +149,27 @@ def test_sigkill_inside_backward_regroups_in_place_with_the_uninterrupted_state(
 
 
 @pytest.mark.parametrize(
-    "saving", [None, "launcher", "workers"], ids=["no-checkpoints", "a-save-every-step", "workers-fence"]
+    "saving",
+    [None, "launcher", "workers", "phases", "phases-saving"],
+    ids=["no-checkpoints", "a-save-every-step", "workers-fence", "state-in-phases", "state-in-phases-and-a-save"],
 )
 def test_a_joining_node_gets_the_state_by_broadcast_and_nobody_restarts(tmp_path: Path, saving: str | None) -> None:
     """``saving``: an asynchronous save at every step, so that one is in flight when the joiner's round claims the
     next fencing generation (its commit is then refused: given up by the old world, never a worker's death).
     ``workers``: the same into the Session's own checkpoint_dir, without --checkpoint-dir: the workers fence it,
-    and the regrouped world claims the generation after its own (the joiner knows none)."""
+    and the regrouped world claims the generation after its own (the joiner knows none). ``phases``: the state
+    arrives over three steps (``catch_up_phase_bytes``), which the joiner sits out; ``phases-saving``: and a save
+    every second step, which needs the whole state at once (every phase left is sent for it)."""
     env = {"LW_MAX_STEPS": "100000", "LW_SLEEP": "0.05", "LW_STOP_AT_WS": "3", "LW_EXTRA_STEPS": "15"}
     env["LW_LR_DECAY_SAMPLES"] = "500"  # the session sets the LR of every step: the joiner's first one too
     extra: tuple[str, ...] = ()
-    if saving is not None:
+    if saving in ("phases", "phases-saving"):
+        env["LW_PHASE_BYTES"] = "4096"
+    if saving in ("launcher", "workers"):
         env["LW_SAVE_EVERY"] = "1"
-    if saving == "launcher":
+    if saving == "phases-saving":
+        env["LW_SAVE_EVERY"] = "2"
+    if saving in ("launcher", "phases-saving"):
         extra = ("--checkpoint-dir", str(tmp_path / "ckpt"))
     if saving == "workers":
         env["LW_CHECKPOINT_DIR"] = str(tmp_path / "ckpt")
@@ -208,6 +216,19 @@ def test_a_joining_node_gets_the_state_by_broadcast_and_nobody_restarts(tmp_path
     assert len({x["hash"] for x in agreed}) == 1, detail
     done = [line for n in nodes for line in n.lines("LW_DONE")]
     assert len(done) == 3 and len({d["hash"] for d in done}) == 1 and len({d["step"] for d in done}) == 1, detail
+    caught_up = [e for n in nodes for e in n.events("caught_up")]
+    assert len(caught_up) == 1, detail
+    if saving == "phases":  # every phase after the first started at a step boundary of the catch-up
+        assert caught_up[0]["steps"] == "3", detail
+        assert len(c.events("state_phase_started")) == 2, detail
+        # The joiner's state is whole once the third phase has landed, in the third step it sat out.
+        whole = [s["whole"] for s in c.lines("LW_STEP")]
+        assert whole[:3] == ["0", "0", "1"] and set(whole[3:]) == {"1"}, detail
+    if saving == "phases-saving":  # a save in the catch-up sent what was left of the state at once
+        assert caught_up[0]["steps"] == "3" and len(c.events("state_phase_started")) <= 2, detail
+        committed = [int(e["step"]) for n in (a, b) for e in n.events("checkpoint_committed")]
+        after = int(caught_up[0]["step"]) - 3
+        assert any(after < step < after + 3 for step in committed), detail
     if saving == "workers":
         claimed = sorted(int(e["generation"]) for n in nodes for e in n.events("generation_claimed"))
         assert claimed == [0, 1], detail  # the first world's, then the regrouped world's: the one after it
@@ -297,7 +318,10 @@ def test_a_node_frozen_while_the_job_trained_on_whose_store_then_died_carries_on
     assert not b.events("world_superseded") and len(b.lines("LW_START")) == 1, detail  # in place, not restarted
     (started,) = [e for e in b.events("regroup_started") if e["round"].endswith("->1")]
     assert started["state"].startswith("dropped"), detail
-    (restored,) = b.events("checkpoint_restored")
+    # Only the regroup's restore: b may have been rank 0 of the first round and logged its fresh start too.
+    restores = [e for e in b.events("checkpoint_restored") if float(e["t"]) >= float(started["t"])]
+    assert len(restores) == 1, detail
+    (restored,) = restores
     assert committed and int(restored["step"]) == max(committed) > frozen_at, detail  # the job's newest, not b's own
     # b goes on from a's state at that step, bit for bit, and trains the steps a had made after it as a did (both
     # alone at world size 1, the same data).

@@ -71,6 +71,8 @@ def main() -> None:
         checkpoint_dir=os.environ.get("LW_CHECKPOINT_DIR") or None,  # default: elastrain-run --checkpoint-dir
         ddp_kwargs={"bucket_cap_mb": 0.005},  # several buckets: a death can fall between their all-reduces
         lr_schedule=(lambda seen: 1.0 / (1.0 + seen / decay)) if decay else None,  # an LR that changes every step
+        # A catch-up's state in several phases even for this tiny model (LW_PHASE_BYTES=4096: three).
+        **({"catch_up_phase_bytes": int(os.environ["LW_PHASE_BYTES"])} if os.environ.get("LW_PHASE_BYTES") else {}),
     )
     dying = {"armed": False}
 
@@ -120,7 +122,8 @@ def main() -> None:
                 print(
                     f"LW_STEP rank={session.rank} ws={session.world_size} step={session.state.step} "
                     f"hash={state_hash(model, optimizer)} samples={session.state.samples_seen} "
-                    f"cursor={session.sampler.position.cursor if session.sampler else -1} t={time.time():.3f}",
+                    f"cursor={session.sampler.position.cursor if session.sampler else -1} t={time.time():.3f} "
+                    f"whole={int(session.caught_up)}",
                     flush=True,
                 )
             time.sleep(sleep)
