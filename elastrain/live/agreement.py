@@ -26,6 +26,8 @@ class Ballot:
 
     has_state: bool
     step: int
+    world_size: int = 0
+    """The world size the held state's last step was trained at (0: unknown, or no state)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class Agreement:
     stale: tuple[int, ...] = ()
     """Members whose state is more than one step behind another's: left over from a world the job moved on
     from (they receive the agreed state; their own is dropped)."""
+    trained_at: int | None = None
+    """The world size the agreed step was trained at (the source's ballot; None: unknown)."""
 
     @property
     def from_checkpoint(self) -> bool:
@@ -72,13 +76,16 @@ def decide(ballots: list[Ballot]) -> Agreement:
     source = min(r for r, s in holders if s == step)
     ahead = tuple(r for r, s in holders if s > step)
     behind = tuple(r for r, s in holders if s < top)
-    return Agreement(step=step, source=source, behind=behind, ahead=ahead, receivers=receivers, stale=stale)
+    trained_at = ballots[source].world_size or None
+    return Agreement(
+        step=step, source=source, behind=behind, ahead=ahead, receivers=receivers, stale=stale, trained_at=trained_at
+    )
 
 
 def vote(mine: Ballot, device: torch.device) -> Agreement:
     """Every member's ballot, gathered on the current default group (collective), and the agreement."""
     world = dist.get_world_size()
-    local = torch.tensor([int(mine.has_state), mine.step], dtype=torch.int64, device=device)
-    gathered = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world)]
+    local = torch.tensor([int(mine.has_state), mine.step, mine.world_size], dtype=torch.int64, device=device)
+    gathered = [torch.zeros(3, dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(gathered, local)
-    return decide([Ballot(bool(int(t[0])), int(t[1])) for t in gathered])
+    return decide([Ballot(bool(int(t[0])), int(t[1]), int(t[2])) for t in gathered])

@@ -63,6 +63,14 @@ class CatchUp:
         return self.holders.index(self.rank) if not self.idle else 0
 
 
+def worth_it(holders: int, trained_at: int | None) -> bool:
+    """Pure: whether the needy should sit out rather than receive the whole state before the step. The holders
+    compute the steps sat out alone, each its share of the global batch: no more than before the change when there
+    are as many of them as trained the agreed step (a join), more otherwise (a survivor rolled back, a spare promoted
+    after a death: a step at twice the time costs more than moving the whole state first). Unknown: sit out."""
+    return trained_at is None or holders >= trained_at
+
+
 def eligible(module: torch.nn.Module, ddp_kwargs: Mapping[str, Any]) -> bool:
     """Pure: whether DDP's only collectives in a step over ``module`` (with the session's ``ddp_kwargs``) are its
     gradient buckets, which a member with no data can join with zeros. Not when DDP broadcasts module buffers in the

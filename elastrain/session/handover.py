@@ -7,6 +7,7 @@ state is read or changed (:meth:`Handover.settle`), and gives it up when the wor
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -15,10 +16,12 @@ import torch
 
 from elastrain.env import WorkerEnv
 from elastrain.live import heap
+from elastrain.live.agreement import Agreement
 from elastrain.live.member import LiveMember
 from elastrain.live.receive_pool import ReceivePool
 from elastrain.live.transfer import Transfer, TransferFailedError, send_state
 from elastrain.log import lifecycle
+from elastrain.session.catch_up import CatchUp
 from elastrain.session.runtime import Runtime
 
 TRANSFER_TIMEOUT_S = 1800.0
@@ -35,10 +38,13 @@ class Handover:
         self._pool: ReceivePool | None = None
         self._optimizer: torch.optim.Optimizer | None = None
 
-    def prepare(self, optimizer: torch.optim.Optimizer) -> ReceivePool:
+    def prepare(self, runtime: Runtime, optimizer: torch.optim.Optimizer) -> ReceivePool | None:
         """A warm worker, before it waits for its first round: memory for the optimizer state it will receive, and
         the gradients of its first backward, being touched (``World.enter`` stops the pool before any step), and the
-        heap its first steps allocate from (:mod:`elastrain.live.heap`)."""
+        heap its first steps allocate from (:mod:`elastrain.live.heap`). Only on the CPU, for a model whose state
+        travels (a sharded one's never does)."""
+        if runtime.device.type != "cpu" or runtime.sharded is not None:
+            return None
         self._pool = ReceivePool.for_optimizer(optimizer, gradients=True)
         heap.grow_for(p for group in optimizer.param_groups for p in group["params"])  # meanwhile, on this thread
         return self._pool
@@ -54,47 +60,47 @@ class Handover:
 
     def start(
         self,
-        source: int,
-        receivers: tuple[int, ...],
+        agreement: Agreement,
         runtime: Runtime,
         optimizer: torch.optim.Optimizer,
         statefuls: Mapping[str, Any],
         env: WorkerEnv,
-        helpers: tuple[int, ...] = (),
-        defer_model: bool = False,
-    ) -> int:
-        """Collective: ``source``'s state to ``receivers``; the bytes sent to each. On gloo (and unless the script
-        said ``overlap_state_transfer=False``) the optimizer's state streams on while the next step runs. ``helpers``:
-        the other members that hold the agreed state; each sends its share. ``defer_model``: the receivers sit the
-        next step out (:mod:`elastrain.session.catch_up`), so the model's state streams on with the optimizer's."""
+    ) -> tuple[int, CatchUp | None]:
+        """Collective: the agreed source's state to the members that need it (those ahead of the agreed step and
+        those without it), every other member sending its share; the bytes sent to each, and the catch-up of the
+        world's first steps when the needy sit them out (:meth:`Runtime.catch_up_for`: the model's state streams on
+        with the optimizer's, in :attr:`phases`). On gloo (and unless the script said
+        ``overlap_state_transfer=False``) the optimizer's state streams on while the next step runs."""
+        if agreement.source is None or agreement.step is None:
+            raise ValueError("internal: a state transfer needs the agreed source")
+        needy = agreement.ahead + agreement.receivers  # the others hold the agreed state already
+        holders = agreement.holders(runtime.world_size)  # each sends its share of the model and the optimizer
+        catch_up = runtime.catch_up_for(holders, needy, agreement.step, agreement.trained_at)
         self.transfer = send_state(
-            source,
+            agreement.source,
             runtime.module,
             optimizer,
             statefuls,
             runtime.device,
-            receivers=receivers,
+            receivers=needy,
             overlap=runtime.backend == "gloo" and runtime.config.overlap_state_transfer,
             pool=self._pool,
-            helpers=helpers,
-            defer_model=defer_model,
+            helpers=holders,
+            defer_model=catch_up is not None,
             phase_bytes=runtime.config.catch_up_phase_bytes,
         )
         self._pool = None
         self._optimizer = optimizer
         self._timeout_s = env.collective_timeout_s or TRANSFER_TIMEOUT_S
         self._live = runtime.live
-        return self.transfer.sent
+        if catch_up is not None:  # the needy sit out as many steps as their state takes to arrive
+            catch_up = dataclasses.replace(catch_up, steps=self.transfer.phases)
+        return self.transfer.sent, catch_up
 
     @property
     def intact(self) -> bool:
         """Whether this worker holds its world's whole state: not a receiver whose transfer broke off."""
         return self.transfer is None or self.transfer.intact
-
-    @property
-    def phases(self) -> int:
-        """How many steps the current transfer is spread over (:mod:`elastrain.live.phases`; 1 without one)."""
-        return 1 if self.transfer is None else self.transfer.phases
 
     def settle(self) -> bool:
         """Before the optimizer's state is read or changed (its step, a save): the phase of the transfer on the wire,

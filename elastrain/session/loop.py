@@ -32,7 +32,6 @@ from elastrain.data import ElasticSampler
 from elastrain.env import WorkerEnv
 from elastrain.live.group import GroupBrokenError
 from elastrain.live.member import LiveMember
-from elastrain.live.receive_pool import ReceivePool
 from elastrain.live.transfer import TransferFailedError
 from elastrain.log import configure, lifecycle
 from elastrain.metrics import EventsFile
@@ -161,9 +160,7 @@ class Session:
 
     @property
     def caught_up(self) -> bool:
-        """Whether this rank holds the world's whole state: False only on a member that receives a catch-up's state
-        in phases, until the last has landed (its model is partly its own until then: read it on a rank that is
-        caught up, or after the loop, which lands every phase left)."""
+        """Whether this rank holds the world's whole state (False on a member whose catch-up state still arrives)."""
         return self.world.handover.intact
 
     @property
@@ -172,13 +169,6 @@ class Session:
         return self.world.segment
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def _prepare_to_receive(self) -> ReceivePool | None:
-        """A warm worker, before it waits: the memory for the optimizer state it will receive, being touched (CPU,
-        and a model whose state travels: a sharded one's never does)."""
-        if self.runtime.device.type == "cpu" and self.runtime.sharded is None:
-            return self.world.handover.prepare(self.optimizer)
-        return None
-
     def start(self) -> Session:
         """Everything up to the first step; ``with Session(...)`` calls it."""
         if self._started:
@@ -187,21 +177,17 @@ class Session:
         configure()
         started = time.monotonic()
         if Runtime.live_mode(self.env):
-            self.env = self.runtime.start_live(self.env, prepare=self._prepare_to_receive)
+            prepare = self.world.handover.prepare  # the memory to receive the state into, while it waits
+            self.env = self.runtime.start_live(self.env, prepare=lambda: prepare(self.runtime, self.optimizer))
             live = self.runtime.live
             if live is not None:  # every rank moves at one agreed step boundary
                 self._flags.add(REGROUP_FLAG, lambda: live.pending_notice() is not None)
         else:
             self.runtime.start(self.env)
-        self._enter_world(has_state=False, started=started, regroup=False)
+        self.world.enter(self.env, has_state=False, started=started, regroup=False)
         if self.runtime.live is not None:
             self.runtime.live.ready()
         return self
-
-    def _enter_world(self, has_state: bool, started: float, regroup: bool) -> None:
-        """Into the current group's world (:meth:`World.enter`); the step in flight, if any, is gone with the last."""
-        self.world.enter(self.env, has_state, started, regroup)
-        self._current = None
 
     def _loss_sum(self) -> torch.Tensor | float:
         """This rank's share of the current step's loss, so far (read at the step's gradient sync)."""
@@ -249,18 +235,8 @@ class Session:
                 yield step
                 if not step.done:
                     raise SessionError(f"step {step.number} ended without step.optimizer_step()")
-            if self._state_whole():
+            if self.moves.land_state(self.env):  # a catch-up's phases left land: the script reads whole state
                 return
-
-    def _state_whole(self) -> bool:
-        """At the loop's end (every rank): a catch-up's transfer still arriving in phases lands in full, so that the
-        script reads whole state after the loop; False when it broke off (the world regrouped: train on)."""
-        try:
-            self.world.handover.flush()
-        except TransferFailedError as exc:
-            self.collective_broke(exc, None, group_error=True)
-            return False
-        return True
 
     def next_step(self) -> Step:
         """The next step's micro-batches (already loaded) and LR; the loop calls it via ``for step in session``."""
@@ -343,8 +319,10 @@ class Session:
             self.collective_broke(exc, step, group_error=True)
 
     def _enter_round(self, env: WorkerEnv, has_state: bool, started: float) -> None:
+        """Into the new round's world (:meth:`World.enter`); the step in flight, if any, is gone with the last."""
         self.env = env
-        self._enter_world(has_state=has_state, started=started, regroup=True)
+        self.world.enter(env, has_state, started, regroup=True)
+        self._current = None
 
 
 def _announce_finishing(env: WorkerEnv) -> None:

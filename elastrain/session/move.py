@@ -20,6 +20,7 @@ from elastrain.collective_failure import is_collective_failure
 from elastrain.env import WorkerEnv
 from elastrain.errors import StaleGenerationError
 from elastrain.live.member import LiveMember
+from elastrain.live.transfer import TransferFailedError
 from elastrain.log import lifecycle
 from elastrain.session.errors import SessionError
 from elastrain.session.regroup import supersedes
@@ -138,6 +139,17 @@ class LiveMoves:
         self.regroup(env, exc)
         if step is not None:
             step.abandoned = True
+
+    def land_state(self, env: WorkerEnv) -> bool:
+        """At the loop's end, on every rank: what a catch-up's transfer still had to send in phases, sent now
+        (:meth:`~elastrain.session.handover.Handover.flush`); False when it broke off and the world regrouped (the
+        loop goes on in the new world)."""
+        try:
+            self.world.handover.flush()
+        except TransferFailedError as exc:
+            self.collective_broke(env, exc, None, group_error=True)
+            return False
+        return True
 
     def regroup(self, env: WorkerEnv, cause: BaseException | None, wait: bool = False) -> None:
         """Move to the agent's next round (:func:`move_to_next_round`)."""

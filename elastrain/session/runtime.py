@@ -25,7 +25,7 @@ from elastrain.env import WorkerEnv
 from elastrain.live.member import LiveMember
 from elastrain.live.receive_pool import ReceivePool
 from elastrain.live.sharded import ShardedModel, parameter_names, repoint_optimizer
-from elastrain.session.catch_up import CatchUp, eligible, sync_idle
+from elastrain.session.catch_up import CatchUp, eligible, sync_idle, worth_it
 from elastrain.session.config import RuntimeConfig
 from elastrain.step_flags import StepFlags, flagged_allreduce
 
@@ -135,12 +135,16 @@ class Runtime:
             ddp.register_comm_hook(None, lambda state, bucket: hook(state, bucket))
         self.model = ddp
 
-    def catch_up_for(self, holders: tuple[int, ...], needy: tuple[int, ...], agreed: int | None) -> CatchUp | None:
+    def catch_up_for(
+        self, holders: tuple[int, ...], needy: tuple[int, ...], agreed: int | None, trained_at: int | None = None
+    ) -> CatchUp | None:
         """Whether the ``needy`` members sit the world's first step (after step ``agreed``) out while the whole state
         streams to them from the ``holders`` (:mod:`elastrain.session.catch_up`): the same answer on every member,
         from the agreement and the script's settings only."""
         config = self.config
         if agreed is None or not (needy and holders and self.backend == "gloo" and config.overlap_state_transfer):
+            return None
+        if not worth_it(len(holders), trained_at):  # fewer holders than trained the step: the state first
             return None
         if not config.ddp or self.sharded is not None or not eligible(self.module, config.ddp_kwargs):
             return None

@@ -8,7 +8,6 @@ segment of the records) and is the one place that builds and drops them, in the 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import uuid
@@ -102,12 +101,12 @@ class World:
         ahead: tuple[int, ...] = ()
         stale: tuple[int, ...] = ()
         receivers = 0
-        needy: tuple[int, ...] = ()
         if runtime.live is None:
             self.restored = self._restore()
         else:
             # Sharded state never travels by broadcast: a member's shards die with it (the checkpoint holds all).
-            agreement = vote(Ballot(has_state and not sharded, held), runtime.device)
+            ballot = Ballot(has_state and not sharded, held, self.state.world_size or 0)
+            agreement = vote(ballot, runtime.device)
             source, agreed_step, ahead, stale = agreement.source, agreement.step, agreement.ahead, agreement.stale
             receivers = len(agreement.receivers)
             if agreement.from_checkpoint:
@@ -121,14 +120,7 @@ class World:
                     )
             elif source is not None:
                 statefuls = _statefuls(self.state, self.feed, self.extra_state)
-                needy = agreement.ahead + agreement.receivers  # the others hold the agreed state already
-                holders = agreement.holders(world_size)  # each sends its share of the model and the optimizer
-                catch_up = runtime.catch_up_for(holders, needy, agreement.step)
-                sent = self.handover.start(
-                    source, needy, runtime, self.optimizer, statefuls, env, holders, defer_model=catch_up is not None
-                )
-                if catch_up is not None:  # the needy sit out as many steps as their state takes to arrive
-                    catch_up = dataclasses.replace(catch_up, steps=self.handover.phases)
+                sent, catch_up = self.handover.start(agreement, runtime, self.optimizer, statefuls, env)
             self.handover.drop_pool()
         runtime.wrap(agree_saves=self.checkpointer is not None, in_sync=source is not None)
         runtime.catch_up = catch_up
@@ -152,7 +144,7 @@ class World:
                 "ranks_ahead": ",".join(map(str, ahead)) or None,
                 "ranks_stale": ",".join(map(str, stale)) or None,  # held a superseded world's state: dropped
                 "receivers": receivers,
-                "sitting_out": None if catch_up is None else len(needy),  # the first step, while the state streams
+                "sitting_out": None if catch_up is None else world_size - catch_up.contributors,  # as state streams
                 "bytes": sent,
                 "checkpoint": self.restored.path if self.restored else None,  # no member held state (sharded)
                 "took_s": round(time.monotonic() - started, 3),
@@ -169,22 +161,16 @@ class World:
         and after its last step every member trains from here on, on the full world's plan. Nothing otherwise, or
         while its first step is not committed."""
         catch_up = self.runtime.catch_up
-        if catch_up is None or self.state.step <= catch_up.after:
-            return
-        if self.state.step < catch_up.after + catch_up.steps:
-            self.handover.advance()
+        self.handover.advance()  # the transfer's next phase, once the last one has landed (on every member)
+        if catch_up is None or self.state.step < catch_up.after + catch_up.steps:
             return
         self.runtime.catch_up = None
         world_size, previous = self.runtime.world_size, self.state.world_size
         changed = self._plan_for(world_size, self.runtime.rank)
         if self.runtime.rank != 0:
             return
-        fields = {
-            "step": self.state.step,
-            "sat_out": world_size - catch_up.contributors,
-            "steps": catch_up.steps,
-            "world_size": world_size,
-        }
+        sat_out = world_size - catch_up.contributors
+        fields = {"step": self.state.step, "sat_out": sat_out, "steps": catch_up.steps, "world_size": world_size}
         lifecycle("caught_up", **fields)
         self.records.events.record("caught_up", **fields)
         self._log_plan(previous, changed, world_size)

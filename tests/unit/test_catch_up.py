@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elastrain.scaling import Policy, ScalingConfig, plan
-from elastrain.session.catch_up import CatchUp, eligible
+from elastrain.session.catch_up import CatchUp, eligible, worth_it
 from elastrain.session.config import DataConfig
 from elastrain.session.feed import Feed
 
@@ -84,3 +84,22 @@ def test_an_idle_rank_steps_through_the_holders_ranges_without_data() -> None:
     feed.replan(plan(config, 3), 2)  # the world whole again: this rank takes its part
     whole, data = feed.next()
     assert len(whole.micro_batches) == 1 and len(data) == 1 and whole.global_size == 6
+
+
+@pytest.mark.parametrize(
+    ("holders", "trained_at", "sit_out"),
+    [
+        (2, 2, True),  # a node joins two: the holders compute what they computed before
+        (1, 1, True),  # a node joins one
+        (4, 4, True),
+        (1, 3, False),  # a SIGKILL of one of three, a survivor rolled back: one holder would do twice the work
+        (1, 2, False),  # a spare promoted after a death in a world of two
+        (2, 3, False),  # a death and a join in the same round
+        (3, 2, True),
+        (1, None, True),  # unknown: as before
+    ],
+)
+def test_the_needy_sit_out_only_where_the_holders_compute_no_more_than_before(
+    holders: int, trained_at: int | None, sit_out: bool
+) -> None:
+    assert worth_it(holders, trained_at) is sit_out

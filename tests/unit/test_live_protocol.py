@@ -72,6 +72,22 @@ def test_the_holders_of_the_agreed_state_are_every_member_that_does_not_receive_
     assert got.source is None or got.source in holders
 
 
+@pytest.mark.parametrize(
+    ("ballots", "trained_at"),
+    [
+        ([Ballot(True, 7, 2), Ballot(True, 7, 2), Ballot(False, 0, 0)], 2),  # a join: the holders' world
+        ([Ballot(True, 8, 3), Ballot(True, 7, 3)], 3),  # a death in the step: the world that trained it
+        ([Ballot(False, 0, 0), Ballot(True, 5, 4)], 4),  # the source's, whatever a member without state says
+        ([Ballot(True, 5), Ballot(True, 5)], None),  # unknown
+        ([Ballot(False, 0, 3), Ballot(False, 0, 3)], None),  # nobody holds state: the checkpoint's
+    ],
+)
+def test_the_agreement_says_at_what_world_size_its_step_was_trained(
+    ballots: list[Ballot], trained_at: int | None
+) -> None:
+    assert decide(ballots).trained_at == trained_at
+
+
 def _notice(round_: int = 3, **over: object) -> RegroupNotice:
     fields: dict[str, object] = {
         "round": round_,
