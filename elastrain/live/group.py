@@ -20,12 +20,14 @@ has no GPU; ``python bench/nccl_live.py`` checks it where one is.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -145,6 +147,19 @@ class TrainingGroup:
             master=f"{master_addr}:{master_port}",
             took_s=round(time.monotonic() - started, 3),
         )
+
+    @contextlib.contextmanager
+    def owning_new_connections(self) -> Iterator[None]:
+        """The sockets this process opens meanwhile (the process groups a world builds beside the round's own: its
+        checkpointer's) belong to the current round: severed with it when a member is gone, so that none of their
+        collectives outlives the round (a frozen peer would hold one until its timeout)."""
+        before = tcp_sockets()
+        try:
+            yield
+        finally:
+            found = tcp_sockets() - before
+            with self._lock:
+                self._connections = self._connections | found
 
     def leave(self) -> None:
         """Leave the current round's group without waiting for its peers (some may be dead)."""

@@ -8,6 +8,7 @@ segment of the records) and is the one place that builds and drops them, in the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -194,24 +195,22 @@ class World:
         if not self.checkpoint_dir:
             return
         ckpt = self.config.checkpoint
-        self.checkpointer = Checkpointer(
-            directory=self.checkpoint_dir,
-            keep_last=ckpt.keep_last,
-            interval_steps=ckpt.save_every_steps,
-            interval_seconds=ckpt.save_every_seconds,
-            async_save=ckpt.async_save,
-            on_save_error=ckpt.on_save_error,
-            env=env,  # this world's (a live regroup's is the new round's)
-        )
+        # Live: its process groups' connections are the round's, severed with it when a member is gone (a save in
+        # flight then fails at once instead of holding the move up until --io-timeout).
+        with self.runtime.live.group.owning_new_connections() if self.runtime.live else contextlib.nullcontext():
+            self.checkpointer = Checkpointer(
+                directory=self.checkpoint_dir,
+                keep_last=ckpt.keep_last,
+                interval_steps=ckpt.save_every_steps,
+                interval_seconds=ckpt.save_every_seconds,
+                async_save=ckpt.async_save,
+                on_save_error=ckpt.on_save_error,
+                env=env,  # this world's (a live regroup's is the new round's)
+            )
         self.checkpointer.agree_through(self.flags)  # no all-reduce of its own per step
         self.checkpointer.before_save(self.handover.flush)  # a catch-up's phases left: the whole state first
-        self.checkpointer.register(
-            model=self.runtime.module,
-            optimizer=self.optimizer,
-            train_state=self.state,
-            sampler=sampler,
-            **self.extra_state,
-        )
+        statefuls = {"train_state": self.state, "sampler": sampler, **self.extra_state}
+        self.checkpointer.register(model=self.runtime.module, optimizer=self.optimizer, **statefuls)
 
     def _log_plan(self, previous: int | None, changed: int | None, world_size: int) -> None:
         """Rank 0: the batch plan of ``world_size`` workers in force, and the world-size change and rescale events."""
