@@ -9,6 +9,7 @@ With XW_DIE_AT_STEP=N and XW_DIE_NODE=<group rank>: that node's worker SIGKILLs 
 (its parent) and itself, the whole node, in step N's backward pass, from the gradient hook of layer
 XW_DIE_LAYER (the first layer's hook runs last in backward).
 With XW_OVERLAP=0: the Session's ``overlap_state_transfer=False`` (the whole state arrives before the next step).
+With XW_PHASE_BYTES=N: the Session's ``catch_up_phase_bytes`` (a catch-up's state in phases of about N bytes).
 With XW_PHASES=1: also ``XW_PHASES rank= step= start= mbs=[...] opt=`` (seconds into the step at the end of each
 micro-batch's backward and of the optimizer step), to see where a step's time goes.
 """
@@ -50,8 +51,16 @@ def main() -> None:
     data = TensorDataset(torch.randn(2048, WIDTH, generator=g), torch.randn(2048, WIDTH, generator=g))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     overlap = os.environ.get("XW_OVERLAP", "1") != "0"
+    phases = {"catch_up_phase_bytes": int(os.environ["XW_PHASE_BYTES"])} if os.environ.get("XW_PHASE_BYTES") else {}
     session = Session(
-        model, optimizer, data, global_batch=12, micro_batch=2, max_steps=100_000, overlap_state_transfer=overlap
+        model,
+        optimizer,
+        data,
+        global_batch=12,
+        micro_batch=2,
+        max_steps=100_000,
+        overlap_state_transfer=overlap,
+        **phases,
     )
     armed = {"now": False}
 

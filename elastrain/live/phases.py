@@ -1,14 +1,16 @@
 """A state transfer spread over several steps: each parameter's state sent whole in one of a few phases.
 
 At a catch-up (:mod:`elastrain.session.catch_up`) the members that need the agreed state sit out the steps its
-transfer takes. Sent in one step, the whole stream (two socket copies of every byte of the model and the optimizer
-over loopback) shares that one step's CPU with the holders' forward and backward, and the holders' longest gap grows
-with the model. In phases, each step carries about :data:`PHASE_BYTES`: the state of a run of parameters (the
-parameter and its optimizer state, together) as the holders hold it at that step boundary. A receiver takes part in
-every step's gradient all-reduce and applies the optimizer's step to the parameters whose state has arrived only
-(the others have no gradient, so torch's optimizers skip them): each parameter's state then follows the holders'
-step by step, bit for bit, from the step it arrived at. That holds for optimizers whose step of one parameter reads
-only that parameter's state and gradient (:data:`PER_PARAMETER`: torch's own); any other gets one phase.
+transfer takes. Sent in one step, the whole stream must fit in that step's forward and backward (the holders'
+optimizer step waits for it) and shares its CPU. In phases (the Session's ``catch_up_phase_bytes``: for a state
+whose transfer takes longer than a step, over a slow network), each step carries about that many bytes: the state
+of a run of parameters (each parameter with its optimizer state) as the holders hold it at that step boundary. A
+receiver takes part in every step's gradient all-reduce and applies the optimizer's step to the parameters whose
+state has arrived only (the others have no gradient, so torch's optimizers skip them): each parameter's state then
+follows the holders' step by step, bit for bit, from the step it arrived at. That holds for optimizers whose step of
+one parameter reads only that parameter's state and gradient (:data:`PER_PARAMETER`: torch's own); any other gets
+one phase. The price: the receivers sit out as many steps as there are phases (a joiner helps that much later), and
+step a growing share of the parameters meanwhile.
 
 :func:`plan_phases` is pure (the same plan on every rank, from the skeleton the source sent); :class:`LaterPhases`
 starts the phases after the first on one rank, each from and into the tensors the rank holds when it starts.
@@ -27,7 +29,7 @@ from elastrain.errors import WireFormatError
 from elastrain.live.pieces import Piece, TensorSlot, plan_pieces
 
 PHASE_BYTES = 384 << 20
-"""About how many bytes of state one step of a catch-up carries (a 25M-parameter model with AdamW: one phase)."""
+"""A plan's default bytes per phase (the Session's ``catch_up_phase_bytes`` is None, one phase, unless set)."""
 MAX_PHASES = 8
 """The most steps a catch-up's transfer is spread over (the needy members sit them all out)."""
 

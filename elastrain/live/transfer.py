@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from elastrain import wire
 from elastrain.live.group import GroupBrokenError
-from elastrain.live.phases import PER_PARAMETER, PHASE_BYTES, LaterPhases, parameter_groups, plan_phases
+from elastrain.live.phases import PER_PARAMETER, LaterPhases, parameter_groups, plan_phases
 from elastrain.live.pieces import TensorSlot
 from elastrain.live.receive_pool import ReceivePool
 from elastrain.live.stream import Background, send_tree
@@ -192,7 +192,7 @@ def send_state(
     pool: ReceivePool | None = None,
     helpers: tuple[int, ...] = (),
     defer_model: bool = False,
-    phase_bytes: int = PHASE_BYTES,
+    phase_bytes: int | None = None,
 ) -> Transfer:
     """Make the ``module``, ``optimizer`` and ``objects`` (``Stateful``s) of ``receivers`` (None: every rank)
     equal to rank ``src``'s. Every rank of the group calls it. ``overlap``: the optimizer's state streams in
@@ -202,8 +202,8 @@ def send_state(
     ``src`` (the agreed step's, :meth:`~elastrain.live.agreement.Agreement.holders`); they send their share of it.
     A rank that neither receives nor helps keeps its own state. ``defer_model`` (with ``overlap``): the model's
     tensors stream in the background too (receivers that sit the next step out: :mod:`elastrain.session.catch_up`);
-    only the ``objects`` arrive before it returns; with a per-parameter optimizer, in phases of about
-    ``phase_bytes`` (:mod:`elastrain.live.phases`), the first streamed now, each next one from
+    only the ``objects`` arrive before it returns; with ``phase_bytes`` and a per-parameter optimizer, in phases of
+    about that many bytes (:mod:`elastrain.live.phases`), the first streamed now, each next one from
     :meth:`Transfer.advance`."""
     rank = dist.get_rank()
     mine = rank == src
@@ -216,11 +216,11 @@ def send_state(
         "optimizer": optimizer.state_dict(),
         "objects": {name: obj.state_dict() for name, obj in objects.items()},
     }
-    phased = defer_model and overlap and isinstance(optimizer, PER_PARAMETER)
+    phased = phase_bytes is not None and defer_model and overlap and isinstance(optimizer, PER_PARAMETER)
 
     def phases(slots: list[TensorSlot]) -> list[int]:
         paths = [s.path for s in slots]
-        return plan_phases([s.nbytes for s in slots], parameter_groups(paths, module, optimizer), phase_bytes)
+        return plan_phases([s.nbytes for s in slots], parameter_groups(paths, module, optimizer), phase_bytes or 1)
 
     state, sent, background, later = send_tree(
         tree if mine else None,

@@ -20,7 +20,6 @@ import torch
 
 from elastrain.data import EpochEnd
 from elastrain.errors import CheckpointError
-from elastrain.live.phases import PHASE_BYTES
 from elastrain.live.sharded import ShardFn
 from elastrain.scaling import Policy, ScalingConfig, Schedule
 from elastrain.session.errors import SessionConfigError
@@ -84,11 +83,12 @@ class RuntimeConfig:
     syncs more than gradients (module buffers broadcast, ``find_unused_parameters``, ``static_graph``), the model
     arrives before the step and only the optimizer's state streams while it runs. False: the whole state arrives
     before the step (nothing to share the CPU or the wire with)."""
-    catch_up_phase_bytes: int = PHASE_BYTES
-    """About how many bytes of state each step of a catch-up carries: a larger state arrives over several steps
-    (at most :data:`~elastrain.live.phases.MAX_PHASES`), a run of parameters per step, and the members that receive
-    it sit them all out (:mod:`elastrain.live.phases`; torch's per-parameter optimizers only). The running workers'
-    CPU for the stream is then about the same per step for any model size."""
+    catch_up_phase_bytes: int | None = None
+    """About how many bytes of state each step of a catch-up carries (None: all of it in the first step): a larger
+    state arrives over several steps (at most :data:`~elastrain.live.phases.MAX_PHASES`), a run of parameters per
+    step, and the members that receive it sit them all out (:mod:`elastrain.live.phases`; torch's per-parameter
+    optimizers only). For a state whose transfer takes longer than a step (a slow network between nodes): the
+    running workers then wait for no more than one step can carry, and a joiner helps that many steps later."""
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ class SessionConfig:
                 device=_device(s.get("device")),
                 shard=s.get("shard"),
                 overlap_state_transfer=bool(s.get("overlap_state_transfer", True)),
-                catch_up_phase_bytes=s.get("catch_up_phase_bytes", PHASE_BYTES),
+                catch_up_phase_bytes=s.get("catch_up_phase_bytes"),
             ),
         )
 
@@ -246,7 +246,7 @@ class SessionSettings(TypedDict, total=False):
     device: torch.device | str | None
     shard: ShardFn | None
     overlap_state_transfer: bool
-    catch_up_phase_bytes: int
+    catch_up_phase_bytes: int | None
 
 
 def _at_least(name: str, value: Any, low: int | None) -> None:
