@@ -28,8 +28,6 @@ from elastrain import wire
 from elastrain.errors import WireFormatError
 from elastrain.live.pieces import Piece, TensorSlot, plan_pieces
 
-PHASE_BYTES = 384 << 20
-"""A plan's default bytes per phase (the Session's ``catch_up_phase_bytes`` is None, one phase, unless set)."""
 MAX_PHASES = 8
 """The most steps a catch-up's transfer is spread over (the needy members sit them all out)."""
 
@@ -51,7 +49,7 @@ parameter without a gradient."""
 
 
 def plan_phases(
-    sizes: Sequence[int], groups: Sequence[int | None], phase_bytes: int = PHASE_BYTES, max_phases: int = MAX_PHASES
+    sizes: Sequence[int], groups: Sequence[int | None], phase_bytes: int, max_phases: int = MAX_PHASES
 ) -> list[int]:
     """Pure: the phase (0, 1, ...) of each tensor of ``sizes`` bytes, given its parameter (``groups``: the
     parameter's index, None for a tensor of no parameter: the first phase). A parameter's tensors share a phase;
@@ -150,10 +148,6 @@ class LaterPhases:
                 raise WireFormatError(f"the state received at {path} has no tensor of its shape to go into")
             with torch.no_grad():
                 mine.copy_(tensor)
-
-    @property
-    def paths(self) -> list[str]:
-        return [s.path for s in self._slots]
 
     @property
     def plan(self) -> list[int]:

@@ -156,9 +156,10 @@ class Transfer:
             self._streaming_s += (background.finished_at or time.monotonic()) - (
                 self._started if self.phase == 0 else background.started_at
             )
-        loaded = self.phase == 0 and self._on_received is not None
-        if loaded and self._on_received is not None:
-            self._on_received()
+        on_received = self._on_received if self.phase == 0 else None
+        loaded = on_received is not None
+        if on_received is not None:
+            on_received()
         elif self.receiving and self._later is not None and self._current is not None:
             self._later.land(self._current())
         self._landed = True
@@ -216,11 +217,13 @@ def send_state(
         "optimizer": optimizer.state_dict(),
         "objects": {name: obj.state_dict() for name, obj in objects.items()},
     }
-    phased = phase_bytes is not None and defer_model and overlap and isinstance(optimizer, PER_PARAMETER)
+    groups: list[int | None] = []  # each slot's parameter, once the skeleton is known (a transfer in phases)
 
     def phases(slots: list[TensorSlot]) -> list[int]:
-        paths = [s.path for s in slots]
-        return plan_phases([s.nbytes for s in slots], parameter_groups(paths, module, optimizer), phase_bytes or 1)
+        groups.extend(parameter_groups([s.path for s in slots], module, optimizer))
+        return plan_phases([s.nbytes for s in slots], groups, phase_bytes or 1)
+
+    phased = phase_bytes is not None and defer_model and overlap and isinstance(optimizer, PER_PARAMETER)
 
     state, sent, background, later = send_tree(
         tree if mine else None,
@@ -263,18 +266,18 @@ def send_state(
             optimizer.load_state_dict(state["optimizer"])
 
     to = "all" if receivers is None else ",".join(map(str, sorted(set(receivers) - {src})))
-    waiting = _parameters_by_phase(later, module, optimizer) if later is not None and not mine else None
+    waiting = _parameters_by_phase(groups, later, optimizer) if later is not None and not mine else None
     transfer = Transfer(sent, started, background, on_received, to if mine and sent else None, later, current, waiting)
     return transfer if background is not None else _finished(transfer)
 
 
 def _parameters_by_phase(
-    later: LaterPhases, module: torch.nn.Module, optimizer: torch.optim.Optimizer
+    groups: list[int | None], later: LaterPhases, optimizer: torch.optim.Optimizer
 ) -> list[list[torch.Tensor]]:
-    """The optimizer's parameters by the phase their state arrives in."""
+    """The optimizer's parameters by the phase their state arrives in (``groups``: each slot's parameter)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     phase_of: dict[int, int] = {}
-    for group, phase in zip(parameter_groups(later.paths, module, optimizer), later.plan, strict=True):
+    for group, phase in zip(groups, later.plan, strict=True):
         if group is not None:
             phase_of[group] = max(phase, phase_of.get(group, 0))
     out: list[list[torch.Tensor]] = [[] for _ in range(later.count)]

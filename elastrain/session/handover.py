@@ -69,7 +69,7 @@ class Handover:
         """Collective: the agreed source's state to the members that need it (those ahead of the agreed step and
         those without it), every other member sending its share; the bytes sent to each, and the catch-up of the
         world's first steps when the needy sit them out (:meth:`Runtime.catch_up_for`: the model's state streams on
-        with the optimizer's, in :attr:`phases`). On gloo (and unless the script said
+        with the optimizer's, in the transfer's phases). On gloo (and unless the script said
         ``overlap_state_transfer=False``) the optimizer's state streams on while the next step runs."""
         if agreement.source is None or agreement.step is None:
             raise ValueError("internal: a state transfer needs the agreed source")
