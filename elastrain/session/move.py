@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from elastrain.collective_failure import is_collective_failure
+from elastrain.collective_failure import is_collective_failure, names_collective_failure
 from elastrain.env import WorkerEnv
-from elastrain.errors import StaleGenerationError
+from elastrain.errors import CheckpointSaveError, StaleGenerationError
 from elastrain.live.member import LiveMember
 from elastrain.live.transfer import TransferFailedError
 from elastrain.log import lifecycle
@@ -112,6 +112,12 @@ def superseded_by_own_round(live: LiveMember, env: WorkerEnv, step: int, exc: St
     return True
 
 
+def names_peer_failure(exc: CheckpointSaveError) -> bool:
+    """Whether a failed save names a peer's failure: a collective of the save broke (in its chain, or in the
+    outcome a peer broadcast, which carries that rank's error as text)."""
+    return is_collective_failure(exc) or names_collective_failure(str(exc))
+
+
 class LiveMoves:
     """A live session's moves to the next round: after a collective broke, or at an agreed step boundary.
 
@@ -129,13 +135,18 @@ class LiveMoves:
         """A collective failed: in live mode, regroup (giving ``step`` up), else raise ``exc``.
 
         ``group_error``: the error came from the training group, so it is known to be a broken group; any
-        other error is taken for one only if the agent announces a regroup within the regroup timeout.
+        other error is taken for one only if the agent announces a regroup within the regroup timeout, save a save
+        that every rank agreed failed for want of storage (raised at once: :func:`names_peer_failure`).
         """
         live = self.runtime.live
         if live is None:
             raise exc
         if group_error and not live.group.broken.is_set() and not is_collective_failure(exc):
             raise exc  # not a collective that broke (the script's own error): no regroup can help
+        if isinstance(exc, CheckpointSaveError) and not names_peer_failure(exc):
+            # Every rank agreed the save failed (the commit broadcasts its outcome): the storage's error, named
+            # with its path, and no peer's. Waiting for a regroup notice that never comes helps nobody.
+            raise exc
         self.regroup(env, exc)
         if step is not None:
             step.abandoned = True

@@ -58,6 +58,8 @@ def test_an_unwritable_root_stops_the_run_naming_the_path_and_cause(tmp_path: Pa
     assert re.search(r"NotADirectory|FileExists|No such file|Not a directory", found.group(3)), found.group(0)
     assert events(out, "checkpoint_save_failed"), out  # the event line stays
     assert "DONE" not in out
+    # Every rank agreed the save failed: no live worker waited for a regroup that never comes.
+    assert not events(out, "regroup_notice_missing"), out
 
 
 def test_with_on_save_error_warn_the_session_goes_on_and_logs_every_failure(tmp_path: Path) -> None:

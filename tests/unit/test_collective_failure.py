@@ -10,6 +10,8 @@ import torch.distributed as dist
 from elastrain.collective_failure import is_collective_failure, note_if_collective_failure
 from elastrain.control import RegroupChannel
 from elastrain.env import WorkerEnv
+from elastrain.errors import CheckpointSaveError
+from elastrain.session.move import names_peer_failure
 
 # What gloo raised in a DDP backward here when the peer rank was SIGKILLed (torch 2.13, CPU).
 GLOO_RESET = (
@@ -71,3 +73,31 @@ def test_the_note_reaches_the_agent_for_the_round_only_for_a_collective_failure(
     assert channel.broken_local_ranks(3) == {env.local_rank} and channel.broken_local_ranks(2) == set()
     channel.forget_workers()
     assert channel.broken_local_ranks(3) == set()
+
+
+def _from_context(outer: BaseException, inner: BaseException) -> BaseException:
+    """``outer`` raised ``from None`` while handling ``inner`` (as the checkpoint writer does): the context stays."""
+    try:
+        try:
+            raise inner
+        except BaseException:
+            raise outer from None
+    except BaseException as exc:
+        return exc
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        # Every rank agreed on the storage's error: raised at once, no regroup awaited.
+        (CheckpointSaveError("checkpoint of step 5 in /c/step-5 failed: cannot create the step directory"), False),
+        (CheckpointSaveError("checkpoint of step 5 in /c/step-5 failed: rank 1: OSError: No space left"), False),
+        # A peer's failure, in the outcome it broadcast (as text) or in the save's own chain.
+        (CheckpointSaveError(f"checkpoint of step 5 in /c/step-5 failed: rank 1: RuntimeError: {GLOO_RESET}"), True),
+        (_from_context(CheckpointSaveError("step 5: rank 0: DistBackendError"), dist.DistBackendError("x")), True),
+        (_chained(CheckpointSaveError("/c: RuntimeError"), RuntimeError(GLOO_RESET)), True),
+    ],
+)
+def test_a_failed_save_names_a_peer_failure_only_when_a_collective_of_it_broke(exc: Exception, expected: bool) -> None:
+    assert isinstance(exc, CheckpointSaveError)
+    assert names_peer_failure(exc) is expected
