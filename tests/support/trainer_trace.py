@@ -56,7 +56,7 @@ class Workload:
     max_steps: int
 
 
-def causal_lm(assets: Path, max_steps: int = 400) -> Workload:
+def causal_lm(assets: Path, max_steps: int = 200) -> Workload:
     return Workload(
         "run_clm.py",
         (
