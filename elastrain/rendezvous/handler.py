@@ -218,7 +218,10 @@ class ElastrainRendezvousHandler(RendezvousHandler):
 
     @property
     def membership_grace_s(self) -> float:
-        """How long after a worker failure a departed peer can take to show up in the state."""
+        """How long after a worker failure a departed peer can take to show up in the state; none when this node
+        is its round's only member (no peer's departure can have broken its workers: a failure is its own)."""
+        if self._history.members == (self.node_id,):
+            return 0.0
         return self._settings.heartbeat_timeout_s + 2 * self._settings.heartbeat_interval_s
 
     @property

@@ -33,6 +33,7 @@ def test_nodes_form_one_round_with_fresh_worker_store_info() -> None:
         assert len({(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}) == 1  # type: ignore[union-attr]
         assert not a.use_agent_store
         assert a.membership_change() is None and a.num_nodes_waiting() == 0
+        assert a.membership_grace_s > 0  # a worker failure may be a peer's departure, seen a moment later
     finally:
         a.shutdown()
         b.shutdown()
@@ -51,6 +52,8 @@ def test_leave_makes_survivor_reform_at_once() -> None:
         info = a.next_rendezvous()
         assert time.monotonic() - started < 5  # no last call: a was the only live member
         assert (info.world_size, info.rank, a.elastrain_round) == (1, 0, 1)
+        # Alone in its round, a's worker failure is its own: no grace to wait for a peer's departure.
+        assert a.membership_grace_s == 0.0
         with pytest.raises(NodeLeftError):
             b.next_rendezvous()
     finally:
