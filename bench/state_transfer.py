@@ -11,7 +11,12 @@ Per model size (a Session script, bench/workers/transfer_worker.py: 2048x2048 li
 - ``kill``: three nodes train; one SIGKILLs its agent and worker in the middle of a backward pass; the survivors
   regroup (a survivor that completed one step more than another rolls back: it receives the agreed state);
 - ``spare``: two nodes train (``--nnodes 2:2``) and a third waits as a spare; one training node is SIGKILLed and
-  the spare is promoted: it receives the state.
+  the spare is promoted: it receives the state;
+- ``none``: three nodes train and nothing happens: the same statistics over as many steps, the box's own noise
+  (on two cores shared by three processes a step varies by a second at 250M with nothing happening; the longest
+  of several gaps less their median is that noise, not a cost of the change).
+
+After the table it prints the issue's criteria, each with the figures it reads and whether this run met it.
 
 The Session's runs go twice with ``--transfer overlap,blocking`` (the default): the optimizer's state streamed
 while the first step of the new world runs (the default), and the whole state moved before it
@@ -158,12 +163,13 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) 
         env |= {"XW_DIE_AT_STEP": str(STEPS_BEFORE + 2), "XW_DIE_NODE": "2", "XW_DIE_LAYER": "0"}
     script = [WORKERS[workload]] + ([str(out / "trainer")] if workload == "trainer" else [])
     job = Job(script, out, "2:2" if scenario == "spare" else "2:3", env)
-    first = 3 if scenario == "kill" else 2
+    first = 3 if scenario in ("kill", "none") else 2
     try:
         for _ in range(first):
             job.start()
             time.sleep(0.3)
-        job.wait("training", lambda: len(job.rank0_steps()) >= STEPS_BEFORE, timeout_s)
+        # Every first node in one world (the third may join the first two's round a moment later).
+        job.wait("training", lambda: sum(1 for s in job.rank0_steps() if s[1] == first) >= STEPS_BEFORE, timeout_s)
         if scenario == "spare":
             spare = job.start()
             job.wait("the spare to wait", lambda: bool(spare.events("standby")), timeout_s)
@@ -176,7 +182,7 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) 
         elif workload == "trainer":  # kill: node 2, agent and workers, at once
             os.killpg(job.nodes[2].proc.pid, signal.SIGKILL)
         before = len(job.rank0_steps())
-        target_ws = 3 if scenario == "join" else 2
+        target_ws = 3 if scenario in ("join", "none") else 2
         job.wait(
             "training after the change",
             lambda: sum(1 for s in job.rank0_steps()[before:] if s[1] == target_ws) >= STEPS_AFTER,
@@ -199,13 +205,18 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) 
     regroup_at = min(moved) if moved else changed_at
     at_regroup = [g for g, end in gaps if end >= regroup_at]
     longest_at_regroup = max(at_regroup) if at_regroup else float("nan")
-    regrouped = [e for n in job.nodes for e in n.events("regrouped")]
-    agreed = [e for n in job.nodes for e in n.events("trainer_state_agreed") if e.get("rank") == "0"]
-    sent = [e for n in job.nodes for e in n.events("state_sent")]
+
+    def since_change(name: str) -> list[dict[str, str]]:
+        return [e for n in job.nodes for e in n.events(name) if float(e.get("t", "0")) >= changed_at]
+
+    regrouped = since_change("regrouped")
+    agreed = [e for e in since_change("trainer_state_agreed") if e.get("rank") == "0"]
+    sent = since_change("state_sent")
     return {
         "workload": workload,
         "scenario": scenario,
         "transfer": mode,
+        "size_m": size_m,
         "params_m": round((layers * PARAMS_PER_LAYER[workload] + FIXED_PARAMS[workload]) / 1e6, 1),
         "median_step_before_s": round(statistics.median(before), 3) if before else float("nan"),
         "median_step_after_s": round(median_after, 3),
@@ -245,10 +256,65 @@ def wire_rates(state_sizes: str) -> dict[str, Any]:
     return rates
 
 
+def criteria(results: list[dict[str, Any]], best_gbs: float) -> list[str]:
+    """The issue's criteria, each with the figures of ``results`` it reads and whether they meet it."""
+    lines = []
+
+    def find(workload: str, scenario: str, mode: str, size: int) -> dict[str, Any] | None:
+        return next(
+            (r for r in results if (r["workload"], r["scenario"], r["transfer"], r["size_m"]) ==
+             (workload, scenario, mode, size)),
+            None,
+        )  # fmt: skip
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    whole = [r for r in results if r["transfer"] == "blocking" and int(r["bytes"]) > 0]
+    if whole:
+        shares = [float(r["gb_per_s"]) / best_gbs for r in whole]
+        figures = ", ".join(
+            f"{r['workload']} {r['scenario']} {r['size_m']}M {x:.0%}" for r, x in zip(whole, shares, strict=True)
+        )
+        lines.append(f"rate >= 60% of gloo (the whole state before the step): {figures}: {verdict(min(shares) >= 0.6)}")
+    for workload, mode in sorted({(r["workload"], r["transfer"]) for r in results}):
+        tag = f"{workload} {mode}"
+        join = find(workload, "join", mode, 100)
+        if join is not None:
+            ok = float(join["regroup_stall_s"]) <= 1.0
+            lines.append(
+                f"{tag}: join stall <= 1 s at 100M: {join['regroup_stall_s']:.2f} s from the regroup "
+                f"({join['stall_s']:.2f} s from the joiner's start): {verdict(ok)}"
+            )
+        small, large = find(workload, "join", mode, 25), find(workload, "join", mode, 250)
+        if small is not None and large is not None:
+            a, b = float(small["regroup_stall_s"]), float(large["regroup_stall_s"])
+            noise = [find(workload, "none", mode, size) for size in (25, 250)]
+            floor = (
+                f"; with nothing happening the same statistic reads {noise[0]['regroup_stall_s']:.2f} s and "
+                f"{noise[1]['regroup_stall_s']:.2f} s"
+                if noise[0] is not None and noise[1] is not None
+                else ""
+            )
+            ok = b < 2 * max(a, 0.01)
+            quiet = noise[1] is not None and b <= float(noise[1]["regroup_stall_s"])
+            said = verdict(ok) if ok or not quiet else "NOT met as read; at 250M no larger than with nothing happening"
+            lines.append(
+                f"{tag}: join stall grows < 2x from 25M to 250M: {a:.2f} s -> {b:.2f} s "
+                f"({b / max(a, 0.01):.1f}x){floor}: {said}"
+            )
+        kill = find(workload, "kill", mode, 100)
+        if kill is not None:
+            lines.append(
+                f"{tag}: SIGKILL stall <= 2 s at 100M: {kill['stall_s']:.2f} s: {verdict(kill['stall_s'] <= 2.0)}"
+            )
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="25,100,250", help="model sizes in millions of parameters")
-    p.add_argument("--scenarios", default="join,kill,spare")
+    p.add_argument("--scenarios", default="join,kill,spare,none")
     p.add_argument("--workloads", default="session,trainer", help="the Session script, the Trainer script, or both")
     p.add_argument(
         "--transfer", default="overlap,blocking", help="the Session's transfer: overlapping the next step, or before it"
@@ -294,6 +360,8 @@ def main() -> None:
             f"{r['blocked_s']:>6.2f}s  {r['rolled_back']}",
             flush=True,
         )
+    for line in criteria(results, best):
+        print(line, flush=True)
     print(json.dumps({"box": rates, "runs": results}), flush=True)
 
 
