@@ -46,7 +46,7 @@ from elastrain.launcher.options import ElastrainOptions
 from elastrain.launcher.phase import Phase
 from elastrain.launcher.regroup import LiveCoordination, tell_warm
 from elastrain.launcher.save_request import checkpoint_before_change
-from elastrain.launcher.verdict import FailureVerdict, fatal_exit
+from elastrain.launcher.verdict import FailureVerdict, fatal_exit, killed_outright
 from elastrain.log import lifecycle
 from elastrain.rendezvous.api import membership_of
 from elastrain.rendezvous.state import ChangeKind, Departure
@@ -148,7 +148,8 @@ class ElastrainAgent(LocalElasticAgent):
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and fatal_exit(result):
             return self._end_on_config_error(result)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-            change = self._verdict.wait_for_membership_change(self._verdict.is_echo(result, self._context))
+            echo = self._verdict.is_echo(result, self._context)
+            change = self._verdict.wait_for_membership_change(echo, own=killed_outright(result))
             if change is not None:
                 # A peer died, left or was evicted: our workers' collective broke because of it.
                 lifecycle("membership_changed", level=logging.WARNING, cause=str(change), workers="failed")

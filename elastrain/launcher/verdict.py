@@ -39,6 +39,14 @@ def fatal_exit(result: RunResult) -> bool:
     return bool(fatal)
 
 
+def killed_outright(result: RunResult) -> bool:
+    """Whether every local worker that failed on its own was SIGKILLed (the kernel's OOM killer, an operator, a
+    chaos tool): this node's own failure, which no peer's departure causes (a peer's shows as an error in a
+    collective, or as an abort from one). Those torch stopped after the first failure (SIGTERM) are not asked."""
+    primary = [f for f in result.failures.values() if f.exitcode != -signal.SIGTERM]
+    return bool(primary) and all(f.exitcode == -signal.SIGKILL for f in primary)
+
+
 class FailureVerdict:
     """Judges this node's worker failures against membership (bounded by its grace)."""
 
@@ -63,10 +71,13 @@ class FailureVerdict:
             f.local_rank in noted or names_collective_failure(str(f.message or "")) for f in primary
         )
 
-    def wait_for_membership_change(self, echo: bool) -> Change | None:
-        """After a worker failure, wait (bounded) to learn whether a peer's departure or failure caused it."""
+    def wait_for_membership_change(self, echo: bool, own: bool = False) -> Change | None:
+        """After a worker failure, wait (bounded) to learn whether a peer's departure or failure caused it.
+
+        ``own``: no peer can have caused it (:func:`killed_outright`): a change already known is still taken, but
+        none is waited for beyond the peers' next beat."""
         membership = self._membership
-        deadline = time.monotonic() + membership.membership_grace_s
+        deadline = time.monotonic() + (0.0 if own else membership.membership_grace_s)
         # Peers that report later learn that theirs is an echo of ours; every peer is probed at the next tick.
         membership.report_worker_failure(echo=echo)
         while True:
