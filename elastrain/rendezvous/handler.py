@@ -218,11 +218,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
 
     @property
     def membership_grace_s(self) -> float:
-        """How long after a worker failure a departed peer can take to show up in the state; none when this node
-        is its round's only member (no peer's departure can have broken its workers: a failure is its own)."""
-        if self._history.members == (self.node_id,):
-            return 0.0
-        return self._settings.heartbeat_timeout_s + 2 * self._settings.heartbeat_interval_s
+        """How long after a worker failure a departed peer can take to show up (none in a round of one node)."""
+        return 0.0 if self._history.alone else self._settings.departure_grace_s
 
     @property
     def store_failing(self) -> bool:

@@ -27,6 +27,11 @@ class RoundHistory:
         self._redirected = False
         self._formed_at = time.monotonic()
 
+    @property
+    def alone(self) -> bool:
+        """Whether this node is its round's only member: no peer's departure can have broken its workers."""
+        return self.members == (self._node_id,)
+
     def redirected(self) -> None:
         """This node left its lineage's store for a winning world's (its world lost the fencing claim)."""
         self._redirected = True

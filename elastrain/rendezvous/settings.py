@@ -77,6 +77,11 @@ class HandlerSettings:
         return max(self.heartbeat_timeout_s / 2, 0.5)
 
     @property
+    def departure_grace_s(self) -> float:
+        """How long after a worker failure a peer's departure (its cause) can take to show up in the state."""
+        return self.heartbeat_timeout_s + 2 * self.heartbeat_interval_s
+
+    @property
     def grace_s(self) -> float:
         return 2 * self.heartbeat_timeout_s if self.claim_grace_s is None else self.claim_grace_s
 
