@@ -122,7 +122,8 @@ class Job:
         return node
 
     def rank0_steps(self) -> list[tuple[int, int, float]]:
-        return max((n.steps() for n in self.nodes), key=len)
+        """Rank 0's completed steps in every world, by time: rank 0 may be another node's worker after a change."""
+        return sorted({s for n in self.nodes for s in n.steps()}, key=lambda s: s[2])
 
     def wait(self, what: str, ok: Callable[[], bool], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -179,7 +180,7 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) 
             job.start()
         elif scenario == "spare":
             os.killpg(job.nodes[1].proc.pid, signal.SIGKILL)
-        elif workload == "trainer":  # kill: node 2, agent and workers, at once
+        elif scenario == "kill" and workload == "trainer":  # node 2, agent and workers, at once
             os.killpg(job.nodes[2].proc.pid, signal.SIGKILL)
         before = len(job.rank0_steps())
         target_ws = 3 if scenario in ("join", "none") else 2
