@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from elastrain.collective_failure import names_collective_failure
 from elastrain.control import RegroupChannel
@@ -39,11 +40,16 @@ def fatal_exit(result: RunResult) -> bool:
     return bool(fatal)
 
 
+def failed_on_their_own(result: RunResult) -> list[ProcessFailure]:
+    """The local workers that failed on their own: not those torch stopped after the first failure (SIGTERM)."""
+    return [f for f in result.failures.values() if f.exitcode != -signal.SIGTERM]
+
+
 def killed_outright(result: RunResult) -> bool:
     """Whether every local worker that failed on its own was SIGKILLed (the kernel's OOM killer, an operator, a
     chaos tool): this node's own failure, which no peer's departure causes (a peer's shows as an error in a
-    collective, or as an abort from one). Those torch stopped after the first failure (SIGTERM) are not asked."""
-    primary = [f for f in result.failures.values() if f.exitcode != -signal.SIGTERM]
+    collective, or as an abort from one)."""
+    primary = failed_on_their_own(result)
     return bool(primary) and all(f.exitcode == -signal.SIGKILL for f in primary)
 
 
@@ -65,7 +71,7 @@ class FailureVerdict:
         failure, echoed here); those torch stopped after the first failure (SIGTERM) are not asked."""
         if ctx is None:
             return False
-        primary = [f for f in result.failures.values() if f.exitcode != -signal.SIGTERM]
+        primary = failed_on_their_own(result)
         noted = self._regroup.broken_local_ranks(ctx.round)
         return bool(primary) and all(
             f.local_rank in noted or names_collective_failure(str(f.message or "")) for f in primary
