@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from elastrain.control import RegroupChannel
 from elastrain.env import WorkerEnv
+from elastrain.errors import CheckpointSaveError
 from elastrain.log import lifecycle
 
 # Words of gloo's transport errors (gloo/transport/tcp/pair.cc, unbound_buffer.cc: resets, closes, timeouts).
@@ -42,6 +43,13 @@ def is_collective_failure(exc: BaseException) -> bool:
             return True
         cur = cur.__cause__ or cur.__context__
     return False
+
+
+def names_peer_failure(exc: CheckpointSaveError) -> bool:
+    """Whether a failed save names a peer's failure: a collective of the save broke (in its chain, or in the
+    outcome a peer broadcast, which carries that rank's error as text). Otherwise every rank agreed on the
+    storage's error, and no regroup can help."""
+    return is_collective_failure(exc) or names_collective_failure(str(exc))
 
 
 def note_if_collective_failure(env: WorkerEnv, exc: BaseException) -> bool:

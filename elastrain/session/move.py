@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from elastrain.collective_failure import is_collective_failure, names_collective_failure
+from elastrain.collective_failure import is_collective_failure, names_peer_failure
 from elastrain.env import WorkerEnv
 from elastrain.errors import CheckpointSaveError, StaleGenerationError
 from elastrain.live.member import LiveMember
@@ -110,12 +110,6 @@ def superseded_by_own_round(live: LiveMember, env: WorkerEnv, step: int, exc: St
         error=str(exc)[:200],
     )
     return True
-
-
-def names_peer_failure(exc: CheckpointSaveError) -> bool:
-    """Whether a failed save names a peer's failure: a collective of the save broke (in its chain, or in the
-    outcome a peer broadcast, which carries that rank's error as text)."""
-    return is_collective_failure(exc) or names_collective_failure(str(exc))
 
 
 class LiveMoves:

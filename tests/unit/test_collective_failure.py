@@ -7,11 +7,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from elastrain.collective_failure import is_collective_failure, note_if_collective_failure
+from elastrain.collective_failure import is_collective_failure, names_peer_failure, note_if_collective_failure
 from elastrain.control import RegroupChannel
 from elastrain.env import WorkerEnv
 from elastrain.errors import CheckpointSaveError
-from elastrain.session.move import names_peer_failure
 
 # What gloo raised in a DDP backward here when the peer rank was SIGKILLed (torch 2.13, CPU).
 GLOO_RESET = (
