@@ -2,7 +2,8 @@
 
 The writer is imported by the scripts themselves (examples/hf/*.py import ``ledger`` when ``LEDGER_DIR`` is set;
 put ``bench/support/hf`` on their ``PYTHONPATH``); it writes one row per rank per optimizer step: the step, the
-ids of the step's micro-batches, the rank, the world size and the round. :class:`Ledger` reads those rows from
+ids of the step's micro-batches, the rank, the world size and the round, and a begin row at each step's start (the
+rows of a rank killed inside a step its world ended are taken from those). :class:`Ledger` reads those rows from
 outside the script; :func:`check_every_sample_once` is the soak's exactly-once check over them, and
 :class:`LedgerProgress` the harness's progress reader. Pure reading of files: no torch, no transformers.
 """
@@ -44,7 +45,8 @@ class Ledger:
             text = path.read_text()
             complete = text[: text.rfind("\n") + 1]  # a line being written now is read next time
             rows.extend(json.loads(line) for line in complete.splitlines() if line.strip())
-        return cls(rows)
+        ended = [r for r in rows if r.get("phase") != "begin"]
+        return cls(ended + _killed_after_their_all_reduce(ended, [r for r in rows if r.get("phase") == "begin"]))
 
     def _worlds(self) -> dict[int, list[list[dict[str, Any]]]]:
         """Per step, its computations, oldest first: the rows of one world (round, world size), split again where
@@ -113,6 +115,28 @@ class Ledger:
         return [t for t, _ in self.step_ends()]
 
 
+def _killed_after_their_all_reduce(ended: list[dict[str, Any]], begun: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The end rows of ranks killed inside a step that their world ended: a begin row that is its process's last
+    row, of a step that another rank of the same world (round, size, master) ended after it. A DDP step ends only
+    once its gradients' all-reduce is done, and every rank of the world feeds that: the killed rank's samples were
+    trained. (A rank that gave the step up and went on wrote later rows: not counted.)"""
+    last_t: dict[int, float] = {}
+    for r in ended + begun:
+        last_t[r["pid"]] = max(last_t.get(r["pid"], r["t"]), r["t"])
+    done = {(r["pid"], r["step"]) for r in ended}
+    ends: dict[tuple[int, int, int, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in ended:
+        ends[(r["step"], r["round"], r["world"], r.get("master", ""))].append(r)
+    out = []
+    for b in begun:
+        peers = ends.get((b["step"], b["round"], b["world"], b.get("master", "")), [])
+        if (b["pid"], b["step"]) in done or b["t"] < last_t[b["pid"]]:
+            continue
+        if any(p["t"] >= b["t"] and p["rank"] != b["rank"] for p in peers):
+            out.append({k: v for k, v in b.items() if k != "phase"} | {"inferred": True})
+    return out
+
+
 def longest_stalls(times: list[float], count: int = 3, least_s: float = 1.0) -> list[float]:
     """The ``count`` longest gaps between consecutive step completions, those of at least ``least_s`` seconds."""
     gaps = sorted((b - a for a, b in itertools.pairwise(sorted(times))), reverse=True)
@@ -170,7 +194,9 @@ class LedgerProgress:
             self._offsets[path] = self._offsets.get(path, 0) + end
             for line in chunk[:end].splitlines():
                 try:
-                    self.step = max(self.step, int(json.loads(line)["step"]))
-                except (ValueError, KeyError, TypeError):
+                    row = json.loads(line)
+                    if row.get("phase") != "begin":
+                        self.step = max(self.step, int(row["step"]))
+                except (ValueError, KeyError, TypeError, AttributeError):
                     continue
         return self.step

@@ -74,3 +74,36 @@ def test_progress_reads_only_whole_lines_and_stalls_are_the_longest_gaps(tmp_pat
     _write(tmp_path, [_row(1, [0], 0, 1, 1, 1.0, 100), _row(2, [1], 0, 1, 1, 2.0, 100)], partial='{"step": 9')
     assert progress() == 2
     assert longest_stalls([0.0, 0.5, 4.0, 4.2, 6.5]) == [3.5, 2.3]
+
+
+def test_a_rank_killed_after_its_all_reduce_counts_from_its_begin_row(tmp_path: Path) -> None:
+    """Rank 1 was killed inside step 3 after the gradients' all-reduce: rank 0 ended step 3 in the same world, so
+    rank 1's samples were trained. A rank that gave a step up and went on, or a begin in another world, is not."""
+    steps = _stream(12, 4, 4)
+    m, other = "127.0.0.1:1", "127.0.0.1:2"
+    rows: list[dict[str, Any]] = []
+    for k in (1, 2, 3):
+        for rank, pid in ((0, 100), (1, 101)):
+            ids = steps[k - 1][2 * rank : 2 * rank + 2]
+            rows.append(_row(k, ids, rank, 2, 0, k, pid) | {"master": m, "phase": "begin"})
+            if (k, rank) != (3, 1):
+                rows.append(_row(k, ids, rank, 2, 0, k + 0.5, pid) | {"master": m})
+    rows += [_row(4, steps[3][:2], 0, 2, 1, 9, 100) | {"master": other}, _row(4, steps[3][2:], 1, 2, 1, 9.1, 102)]
+    rows[-1] |= {"master": other}
+    _write(tmp_path, rows)
+    ledger = Ledger.read(tmp_path)
+    assert all(ledger.complete().values()) and ledger.redone() == []
+    assert ledger.steps()[3] == sorted(steps[2])
+    assert check_every_sample_once(ledger, 4, 4, 12).ok
+    progress = LedgerProgress(tmp_path)
+    assert progress() == 4
+
+    # The same begin row, but its process went on (it gave step 3 up): step 3 lacks a row.
+    _write(tmp_path, [*rows, _row(9, [], 1, 2, 1, 20, 101) | {"master": other, "phase": "begin"}])
+    assert not Ledger.read(tmp_path).complete()[3]
+    # Its peer ended step 3 in another world (another master): not proof of rank 1's samples.
+    moved = [r | {"master": other} if r["step"] == 3 and r["rank"] == 0 and "phase" not in r else r for r in rows]
+    for f in tmp_path.glob("ledger-*.jsonl"):
+        f.unlink()
+    _write(tmp_path, moved)
+    assert not Ledger.read(tmp_path).complete()[3]

@@ -5,8 +5,12 @@ Not elastrain's: the tests' and benches' own instrument, which the scripts impor
 :func:`wrap` wraps the training set so every micro-batch read is noted, in order; :class:`Callback` writes, at
 each step's end, one line per rank to ``LEDGER_DIR/ledger-<pid>.jsonl``: the step, the ids of the step's
 ``gradient_accumulation_steps`` micro-batches (the DataLoader reads one micro-batch ahead: it stays for the
-next step), the rank, the world size and the round (``ELASTRAIN_ROUND``, the world it ran in). Reads of a
-step that never ended (given up when a peer died) are dropped at the next ``train()`` entry. While a test's or
+next step), the rank, the world size, the round (``ELASTRAIN_ROUND``, the world it ran in) and the world's
+master (``MASTER_ADDR:MASTER_PORT``: a whole job started again counts its rounds from the start). At each step's
+start it writes the same line marked ``"phase": "begin"``: a rank killed after its step's gradient all-reduce and
+before its end line leaves that, and the reader (bench/support/trainer_ledger.py) counts it when its peers ended
+the step in the same world. Reads of a step that never ended (given up when a peer died) are dropped at the next
+``train()`` entry. While a test's or
 bench's trace plays, each step also waits the seconds written in ``LEDGER_DIR/pace`` (long while a node warms up to
 join), so the job outlasts the trace on a slow machine without burning CPU.
 """
@@ -49,26 +53,38 @@ def wrap(dataset: Any) -> Any:
     return _Noted(dataset)
 
 
+def _row(step: int, ids: list[int]) -> dict[str, Any]:
+    return {
+        "step": step,
+        "ids": ids,
+        "rank": dist.get_rank() if dist.is_initialized() else 0,
+        "world": dist.get_world_size() if dist.is_initialized() else 1,
+        "round": int(os.environ.get("ELASTRAIN_ROUND", "0") or 0),
+        "master": f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}",
+        "pid": os.getpid(),
+        "t": time.time(),
+    }
+
+
+def _write(row: dict[str, Any]) -> None:
+    with open(os.path.join(os.environ["LEDGER_DIR"], f"ledger-{os.getpid()}.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 class Callback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         _batches.clear()
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The step's micro-batches are read by now (the Trainer fetches a step's micro-batches before its first).
+        count = min(args.gradient_accumulation_steps, len(_batches))
+        ids = [i for k in range(count) for i in _batches[k]]
+        _write({**_row(int(state.global_step) + 1, ids), "phase": "begin"})
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        world = dist.get_world_size() if dist.is_initialized() else 1
         ids = [i for _ in range(min(args.gradient_accumulation_steps, len(_batches))) for i in _batches.popleft()]
-        row = {
-            "step": int(state.global_step),
-            "ids": ids,
-            "rank": rank,
-            "world": world,
-            "round": int(os.environ.get("ELASTRAIN_ROUND", "0") or 0),
-            "pid": os.getpid(),
-            "t": time.time(),
-        }
+        _write(_row(int(state.global_step), ids))
         folder = os.environ["LEDGER_DIR"]
-        with open(os.path.join(folder, f"ledger-{os.getpid()}.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
         try:
             with open(os.path.join(folder, "pace")) as f:
                 time.sleep(float(f.read() or 0))
