@@ -204,6 +204,8 @@ class TrainingGroup:
             self._severed = round_
             connections = self._connections
             world = dist.group.WORLD if dist.is_initialized() and self.round == round_ else None
+            if self.round == round_:
+                self.broken.set()  # a member is gone: the step in flight can never complete (see comm_hook)
         if release_by_abort(self.backend):
             # NCCL: its sockets are its own; aborting the round's communicators fails every pending kernel and
             # collective (TORCH_NCCL_ASYNC_ERROR_HANDLING=2 keeps the process alive), from this thread.
@@ -265,7 +267,13 @@ class TrainingGroup:
     ) -> torch.futures.Future[torch.Tensor]:
         """DDP's gradient average over the current group, as a future :meth:`abort` can fail; ``flags``
         ride on the step's last bucket (:mod:`elastrain.step_flags`). ``contributors``: how many members contribute
-        gradients to this step (None: all; see :mod:`elastrain.session.catch_up`); an ``idle`` member adds zeros."""
+        gradients to this step (None: all; see :mod:`elastrain.session.catch_up`); an ``idle`` member adds zeros.
+
+        Once the round is broken (a member is gone, :meth:`sever`; a collective failed) it raises
+        :class:`GroupBrokenError` instead: the step in flight is lost, and the backward stops at this bucket rather
+        than compute on to the end of the pass (DDP lets the exception out of ``backward()``)."""
+        if self.broken.is_set():
+            raise GroupBrokenError(f"round {self.round} is broken: the backward stops at its next gradient bucket")
         tensor = bucket.buffer()
         if idle:
             tensor.zero_()

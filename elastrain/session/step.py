@@ -156,7 +156,7 @@ class Step:
         self.loss_sum = self.loss_sum + scaled.detach().to(torch.float64)  # no device sync per micro-batch
         try:
             scaled.backward()  # type: ignore[no-untyped-call]
-        except RuntimeError as exc:
+        except (GroupBrokenError, RuntimeError) as exc:  # GroupBrokenError: the live comm hook's, round over
             self._session.collective_broke(exc, self, group_error=True)
 
     def mean_loss(self) -> float:
