@@ -4,7 +4,9 @@ Written the way Trainer users write scripts: it imports nothing from elastrain (
 zero-code integration makes it elastic). The model is built from a config (no download): GPT-2 with
 ``XT_LAYERS`` blocks of width 1024 (12.6M parameters each), a 1,024-token vocabulary, sequences of 64 tokens of
 random ids. Lines: ``XW_STEP rank= ws= step= t=`` per optimizer step, from a callback. With ``XW_STOP_FILE``: once
-the file exists it holds a step at which training stops.
+the file exists it holds a step at which training stops. With ``XW_DIE_AT_STEP=N`` and ``XW_DIE_NODE=<group rank>``
+(the bench's instrument, as in ``transfer_worker.py``): that node's worker SIGKILLs its agent, its zygote and itself
+in step N's first backward pass, from the embedding's gradient hook (the last to run in a backward pass).
 """
 
 from __future__ import annotations
@@ -36,6 +38,24 @@ class StepLines(TrainerCallback):
         return control
 
 
+class DieAt(TrainerCallback):
+    """The bench's SIGKILL of this whole node at the end of step ``at``'s first backward pass, on node ``node``."""
+
+    def __init__(self, model: GPT2LMHeadModel, at: int, node: int) -> None:
+        self.at, self.node, self.armed = at, node, False
+        model.transformer.wte.weight.register_hook(self._hook)
+
+    def _hook(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            from bench.support.node_kill import kill_own_node
+
+            kill_own_node()
+        return grad
+
+    def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self.armed = state.global_step + 1 == self.at and os.environ.get("GROUP_RANK") == str(self.node)
+
+
 def main() -> None:
     layers = int(os.environ.get("XT_LAYERS", "2"))
     out = sys.argv[1] if len(sys.argv) > 1 else "runs/trainer-size"
@@ -58,9 +78,10 @@ def main() -> None:
         dataloader_num_workers=0,
         seed=0,
     )
-    trainer = Trainer(
-        model=model, args=args, train_dataset=train, callbacks=[StepLines(os.environ.get("XW_STOP_FILE", ""))]
-    )
+    callbacks: list[TrainerCallback] = [StepLines(os.environ.get("XW_STOP_FILE", ""))]
+    if os.environ.get("XW_DIE_AT_STEP"):
+        callbacks.append(DieAt(model, int(os.environ["XW_DIE_AT_STEP"]), int(os.environ.get("XW_DIE_NODE", "-1"))))
+    trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=callbacks)
     trainer.train()
 
 

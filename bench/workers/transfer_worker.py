@@ -17,26 +17,15 @@ micro-batch's backward and of the optimizer step), to see where a step's time go
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import torch
 from torch.utils.data import TensorDataset
 
+from bench.support.node_kill import kill_own_node
 from elastrain.session import Session
 
 WIDTH = 2048
-
-
-def _parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
-def _is_elastrain(pid: int) -> bool:
-    """Whether ``pid`` is an elastrain process (the agent, ``python -m elastrain``, or its zygote)."""
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return b"elastrain" in f.read()
 
 
 def main() -> None:
@@ -66,9 +55,7 @@ def main() -> None:
 
     def die(grad: torch.Tensor) -> torch.Tensor:
         if armed["now"]:  # the whole node: the agent, its zygote (this worker's parent), this worker
-            parents = [os.getppid(), _parent_of(os.getppid())]
-            for pid in [p for p in parents if _is_elastrain(p)] + [os.getpid()]:
-                os.kill(pid, signal.SIGKILL)
+            kill_own_node()
         return grad
 
     model[min(die_layer, layers - 1)].weight.register_hook(die)

@@ -29,6 +29,7 @@ The driver composes these parts and runs ``train()``'s loop: resume, regroups, t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -151,8 +152,10 @@ class ElasticTrainer:
         path = self._enter_world(first=True, asked=asked)
         while True:
             cause: BaseException | None = None
+            stops = self.world.forward_stops() if self.world is not None else contextlib.nullcontext()
             try:
-                result = original(self.trainer, resume_from_checkpoint=path, **kwargs)
+                with stops:
+                    result = original(self.trainer, resume_from_checkpoint=path, **kwargs)
             except RegroupNow:
                 pass
             except Exception as exc:

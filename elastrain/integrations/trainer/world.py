@@ -12,6 +12,7 @@ committed checkpoint instead (the driver's restore).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
@@ -24,6 +25,7 @@ from elastrain.collective_failure import is_collective_failure
 from elastrain.control import RegroupNotice
 from elastrain.env import WorkerEnv
 from elastrain.integrations.trainer.collection import MoveCollection
+from elastrain.integrations.trainer.forward_stop import forward_stops
 from elastrain.integrations.trainer.membership import TrainerMembership
 from elastrain.integrations.trainer.memory import Held
 from elastrain.live import heap
@@ -126,6 +128,14 @@ class TrainerWorld:
             took_s=round(time.monotonic() - started, 3),
         )
         return True
+
+    def forward_stops(self) -> contextlib.AbstractContextManager[None]:
+        """While ``train()`` runs: the forward pass of a step lost to a broken round stops at its next block
+        (:mod:`~elastrain.integrations.trainer.forward_stop`; not under ``torch.compile``)."""
+        member = self.membership.member
+        if member is None or self.trainer.args.torch_compile:
+            return contextlib.nullcontext()
+        return forward_stops(self.trainer.model, member.group.broken)
 
     def broken_by(self, exc: BaseException) -> bool:
         """Whether ``exc`` is this world breaking (a collective failed for want of a peer): a regroup, not a crash."""

@@ -1,0 +1,31 @@
+"""A bench worker kills its whole "node" from inside a step: its agent, the agent's zygote and itself, at once.
+
+The benches' SIGKILL at a chosen point of a step (``bench/workers/*``): from a gradient hook, so the kill lands in a
+backward pass, where a lost machine's peers are most of the time. Linux only (``/proc``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _is_elastrain(pid: int) -> bool:
+    """Whether ``pid`` is an elastrain process (the agent, ``python -m elastrain``, or its zygote)."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return b"elastrain" in f.read()
+
+
+def kill_own_node() -> None:
+    """SIGKILL this worker's agent and zygote (those of its two nearest ancestors that are elastrain's), then itself.
+    First a line ``XW_KILL t=<time>``: the bench reads how much of the step in flight the kill destroyed."""
+    print(f"XW_KILL t={time.time():.3f}", flush=True)
+    parents = [os.getppid(), _parent_of(os.getppid())]
+    for pid in [p for p in parents if _is_elastrain(p)] + [os.getpid()]:
+        os.kill(pid, signal.SIGKILL)
