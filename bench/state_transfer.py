@@ -163,7 +163,7 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) 
         "XW_OVERLAP": "1" if mode == "overlap" else "0",
     }
     if scenario == "kill":  # node 2 kills itself, agent and worker, in a backward pass (bench/support/node_kill.py)
-        env |= {"XW_DIE_AT_STEP": str(STEPS_BEFORE + 2), "XW_DIE_NODE": "2", "XW_DIE_LAYER": "0"}
+        env |= {"XW_DIE_FILE": str(out / "die"), "XW_DIE_NODE": "2", "XW_DIE_LAYER": "0"}
     script = [WORKERS[workload]] + ([str(out / "trainer")] if workload == "trainer" else [])
     job = Job(script, out, "2:2" if scenario == "spare" else "2:3", env)
     first = 3 if scenario in ("kill", "none") else 2
@@ -178,6 +178,8 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) 
             job.wait("the spare to wait", lambda: bool(spare.events("standby")), timeout_s)
             time.sleep(2.0)
         changed_at = time.time()
+        if scenario == "kill":  # once every first node trains in one world (not at a fixed step: a late one)
+            (out / "die").write_text("")
         if scenario == "join":
             job.start()
         elif scenario == "spare":

@@ -4,9 +4,10 @@ Written the way Trainer users write scripts: it imports nothing from elastrain (
 zero-code integration makes it elastic). The model is built from a config (no download): GPT-2 with
 ``XT_LAYERS`` blocks of width 1024 (12.6M parameters each), a 1,024-token vocabulary, sequences of 64 tokens of
 random ids. Lines: ``XW_STEP rank= ws= step= t=`` per optimizer step, from a callback. With ``XW_STOP_FILE``: once
-the file exists it holds a step at which training stops. With ``XW_DIE_AT_STEP=N`` and ``XW_DIE_NODE=<group rank>``
-(the bench's instrument, as in ``transfer_worker.py``): that node's worker SIGKILLs its agent, its zygote and itself
-in step N's first backward pass, from the embedding's gradient hook (the last to run in a backward pass).
+the file exists it holds a step at which training stops. With ``XW_DIE_FILE=path`` and ``XW_DIE_NODE=<group rank>``
+(the bench's instrument, as in ``transfer_worker.py``): in the first step that starts once the file exists, that
+node's worker SIGKILLs its agent, its zygote and itself at the end of the step's first backward pass, from the
+embedding's gradient hook (the last to run in a backward pass).
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ class StepLines(TrainerCallback):
 
 
 class DieAt(TrainerCallback):
-    """The bench's SIGKILL of this whole node at the end of step ``at``'s first backward pass, on node ``node``."""
+    """The bench's SIGKILL of this whole node (group rank ``node``) at the end of the first backward pass of the first
+    step that starts once ``file`` exists."""
 
-    def __init__(self, model: GPT2LMHeadModel, at: int, node: int) -> None:
-        self.at, self.node, self.armed = at, node, False
+    def __init__(self, model: GPT2LMHeadModel, file: str, node: int) -> None:
+        self.file, self.node, self.armed = file, node, False
         model.transformer.wte.weight.register_hook(self._hook)
 
     def _hook(self, grad: torch.Tensor) -> torch.Tensor:
@@ -53,7 +55,7 @@ class DieAt(TrainerCallback):
         return grad
 
     def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-        self.armed = state.global_step + 1 == self.at and os.environ.get("GROUP_RANK") == str(self.node)
+        self.armed = os.environ.get("GROUP_RANK") == str(self.node) and os.path.exists(self.file)
 
 
 def main() -> None:
@@ -79,8 +81,8 @@ def main() -> None:
         seed=0,
     )
     callbacks: list[TrainerCallback] = [StepLines(os.environ.get("XW_STOP_FILE", ""))]
-    if os.environ.get("XW_DIE_AT_STEP"):
-        callbacks.append(DieAt(model, int(os.environ["XW_DIE_AT_STEP"]), int(os.environ.get("XW_DIE_NODE", "-1"))))
+    if os.environ.get("XW_DIE_FILE"):
+        callbacks.append(DieAt(model, os.environ["XW_DIE_FILE"], int(os.environ.get("XW_DIE_NODE", "-1"))))
     trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=callbacks)
     trainer.train()
 

@@ -5,9 +5,9 @@ the state a new member receives is about 12 bytes per parameter. Lines (rank-tag
   XW_STEP rank= ws= step= t=
   XW_DONE rank= step=
 With XW_STOP_FILE=path: once the file exists, it holds a step number at which every rank stops.
-With XW_DIE_AT_STEP=N and XW_DIE_NODE=<group rank>: that node's worker SIGKILLs its agent, the agent's zygote
-(its parent) and itself, the whole node, in step N's backward pass, from the gradient hook of layer
-XW_DIE_LAYER (the first layer's hook runs last in backward).
+With XW_DIE_FILE=path and XW_DIE_NODE=<group rank>: in the first step that starts once the file exists, that node's
+worker SIGKILLs its agent, the agent's zygote (its parent) and itself, the whole node, in the step's first backward
+pass, from the gradient hook of layer XW_DIE_LAYER (the first layer's hook runs last in backward).
 With XW_OVERLAP=0: the Session's ``overlap_state_transfer=False`` (the whole state arrives before the next step).
 With XW_PHASE_BYTES=N: the Session's ``catch_up_phase_bytes`` (a catch-up's state in phases of about N bytes).
 With XW_PHASES=1: also ``XW_PHASES rank= step= start= mbs=[...] opt=`` (seconds into the step at the end of each
@@ -31,7 +31,7 @@ WIDTH = 2048
 def main() -> None:
     layers = int(os.environ.get("XW_LAYERS", "6"))
     stop_file = os.environ.get("XW_STOP_FILE", "")
-    die_at = int(os.environ.get("XW_DIE_AT_STEP", "0"))
+    die_file = os.environ.get("XW_DIE_FILE", "")
     die_node = int(os.environ.get("XW_DIE_NODE", "-1"))
     die_layer = int(os.environ.get("XW_DIE_LAYER", "0"))
     torch.manual_seed(0)
@@ -66,7 +66,7 @@ def main() -> None:
                 stop_at = int(open(stop_file).read() or "0")  # noqa: SIM115 - a tiny file the bench writes
             if stop_at is not None and session.state.step >= stop_at:
                 break
-            armed["now"] = step.number == die_at and session.env.group_rank == die_node
+            armed["now"] = session.env.group_rank == die_node and bool(die_file) and os.path.exists(die_file)
             t_start = time.time()
             marks = []
             for mb in step:
