@@ -3,8 +3,6 @@ a small torch model, no processes."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -34,19 +32,19 @@ def test_the_blocks_are_the_members_of_the_model_s_module_lists() -> None:
 
 
 def test_a_broken_round_stops_the_forward_at_the_next_block_and_only_inside() -> None:
-    model, broken = _Stack(), threading.Event()
-    notice = model.layers[1].register_forward_hook(lambda *_: broken.set())  # the notice comes during block 1
+    model, broken = _Stack(), [False]
+    notice = model.layers[1].register_forward_hook(lambda *_: broken.append(True))  # the notice comes during block 1
     x = torch.randn(2, 4)
-    with forward_stops(model, broken):
+    with forward_stops(model, lambda: broken[-1]):
         with pytest.raises(GroupBrokenError, match="forward pass stops"):
             model(x)
         assert model.ran == [0, 1, 2]  # block 2 was entered by the loop, its forward never ran
         notice.remove()
-        broken.clear()
+        broken.append(False)
         model.ran.clear()
         model(x)  # a whole round again: the forward runs through
         assert model.ran == [0, 1, 2, 3]
-    broken.set()
+    broken.append(True)
     model.ran.clear()
     model(x)  # outside train(): no hooks left
     assert model.ran == [0, 1, 2, 3]

@@ -14,8 +14,7 @@ flag would break its graph).
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,12 +28,12 @@ def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 @contextlib.contextmanager
-def forward_stops(model: torch.nn.Module, broken: threading.Event) -> Iterator[None]:
-    """While inside: each of ``model``'s blocks raises :class:`GroupBrokenError` before its forward once ``broken``
-    is set. The hooks are gone on leaving."""
+def forward_stops(model: torch.nn.Module, broken: Callable[[], bool]) -> Iterator[None]:
+    """While inside: each of ``model``'s blocks raises :class:`GroupBrokenError` before its forward once ``broken()``
+    (the training group's ``broken.is_set``) says so. The hooks are gone on leaving."""
 
     def check(module: torch.nn.Module, args: Any) -> None:
-        if broken.is_set():
+        if broken():
             raise GroupBrokenError("the round is broken: the lost step's forward pass stops at its next block")
 
     handles = [block.register_forward_pre_hook(check) for block in blocks_of(model)]

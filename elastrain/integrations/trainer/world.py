@@ -135,7 +135,7 @@ class TrainerWorld:
         member = self.membership.member
         if member is None or self.trainer.args.torch_compile:
             return contextlib.nullcontext()
-        return forward_stops(self.trainer.model, member.group.broken)
+        return forward_stops(self.trainer.model, member.group.broken.is_set)
 
     def broken_by(self, exc: BaseException) -> bool:
         """Whether ``exc`` is this world breaking (a collective failed for want of a peer): a regroup, not a crash."""
