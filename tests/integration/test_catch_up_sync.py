@@ -9,12 +9,11 @@ broadcast from rank 0 that the idle rank joins), and every rank's gradient is th
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 from typing import Any
 
 import torch
-from support.processes import free_port
+from support.processes import spawned_ranks
 from torch.nn.parallel import DistributedDataParallel
 
 from elastrain.live.group import TrainingGroup
@@ -86,19 +85,7 @@ def _worker(rank: int, port: int, out: Any) -> None:
 
 
 def test_an_idle_member_gets_the_holders_mean_gradient_and_joins_the_next_step() -> None:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, out)) for rank in range(3)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted((out.get(timeout=120) for _ in procs), key=lambda r: r["rank"])
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = spawned_ranks(_worker, 3)
     n_params = len(list(_model().parameters()))
     for step in ("step1", "step2"):
         seen = [r[step] for r in results]

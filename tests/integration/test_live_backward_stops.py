@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 import torch
-from support.processes import free_port
+from support.processes import spawned_ranks
 from torch.nn.parallel import DistributedDataParallel
 
 from elastrain.live.group import GroupBrokenError, TrainingGroup
@@ -59,20 +59,8 @@ def _worker(rank: int, port: int, out: Any, severed: Any) -> None:
 
 
 def test_a_severed_round_stops_the_backward_at_its_next_bucket() -> None:
-    ctx = mp.get_context("spawn")
-    out, severed = ctx.Queue(), ctx.Event()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, out, severed)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted((out.get(timeout=120) for _ in procs), key=lambda r: r["rank"])
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    first, second = results
+    first, second = spawned_ranks(_worker, 2, mp.get_context("spawn").Event())
+    results = [first, second]
     assert first["buckets"] > 3, results  # several buckets per backward: a stop at the first one is visible
     assert first["broken"], results
     assert first["error"] == "GroupBrokenError" and first["calls"] == 1, results

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -173,6 +175,24 @@ def run_ranks(worker: str, mode: str, world: int, *extra: str, timeout: float = 
                 kill_tree(p.pid)
     assert all(p.returncode == 0 for p in procs), "\n".join(outs)
     return outs
+
+
+def spawned_ranks(target: Callable[..., None], world: int, *extra: Any, timeout: float = 120.0) -> list[Any]:
+    """Run ``target(rank, port, queue, *extra)`` in ``world`` spawned processes (``port``: a free one for the group's
+    store; each puts one result with a ``"rank"`` key on ``queue``); the results, by rank. Every process is reaped."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(rank, port, out, *extra)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return sorted((out.get(timeout=timeout) for _ in procs), key=lambda r: r["rank"])
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
 
 
 def printed_fields(line: str) -> dict[str, str]:
