@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import math
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from elastrain import binding
 from elastrain.checkpoint import Checkpointer, layout
 from elastrain.checkpoint.checkpointer import DEFAULT_INTERVAL_SECONDS
 
@@ -397,9 +397,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="elastrain-bench-", dir=args.dir) as tmp:
         args.dir = tmp
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = binding.free_port("127.0.0.1")
         manager = mp.Manager()
         out = manager.dict()
         mp.spawn(worker, args=(args.nproc, port, args, out), nprocs=args.nproc, join=True)

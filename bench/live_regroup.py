@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from elastrain import binding
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "tests" / "workers" / "live_worker.py")
@@ -27,9 +28,7 @@ NODES = 3
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return binding.free_port("127.0.0.1")
 
 
 def run(live: bool, die_at: int, timeout_s: float = 300.0) -> str:

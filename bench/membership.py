@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,13 +33,12 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "tests" / "workers" / "membership_worker.py")
 sys.path.insert(0, str(REPO))
 
+from elastrain import binding  # noqa: E402
 from elastrain.log import parse_event_line  # noqa: E402
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return binding.free_port("127.0.0.1")
 
 
 @dataclass

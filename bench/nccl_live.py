@@ -14,7 +14,6 @@ This machine has no GPU: the script has not been run here; it is what checks the
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
@@ -26,15 +25,14 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from elastrain import binding  # noqa: E402
 from elastrain.live.group import GroupBrokenError, TrainingGroup  # noqa: E402
 
 BOUND_S = 20.0  # the pending all-reduce must fail well before the 60 s collective timeout
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return binding.free_port("127.0.0.1")
 
 
 def _member(rank: int, port: int, port2: int, results: dict[str, object]) -> None:

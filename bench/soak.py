@@ -35,7 +35,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import sys
 import uuid
 from dataclasses import asdict, dataclass
@@ -54,6 +53,7 @@ from bench.support.trainer_workload import (  # noqa: E402
     trainer_env,
     trainer_state,
 )
+from elastrain import binding  # noqa: E402
 from elastrain.chaos import ChaosHarness, MetricsProgress, elastrain_node_command  # noqa: E402
 from elastrain.chaos.analysis import (  # noqa: E402
     fired_events,
@@ -135,9 +135,7 @@ KILLS = ("kill", "notice_expired", "drain_timeout")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return binding.free_port("127.0.0.1")
 
 
 def run_soak(args: argparse.Namespace) -> int:

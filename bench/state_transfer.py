@@ -47,7 +47,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,6 +56,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from elastrain import binding
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = {
@@ -73,9 +74,7 @@ FIELD = re.compile(r"(\w+)=(\S+)")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return binding.free_port("127.0.0.1")
 
 
 @dataclass

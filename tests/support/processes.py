@@ -6,7 +6,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,14 +15,15 @@ from typing import Any
 
 import psutil
 
+from elastrain import binding
+
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now, drawn where the kernel gives no connection its source port (as elastrain's)."""
+    return binding.free_port("127.0.0.1")
 
 
 def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
