@@ -28,6 +28,7 @@ from datetime import timedelta
 import psutil
 from torch._C._distributed_c10d import TCPStore
 
+from elastrain import ports
 from elastrain.env import WARM
 from elastrain.log import lifecycle
 
@@ -146,47 +147,31 @@ def bound_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
-_HANDED_OUT_SPAN = 12288
-"""How many ports below the kernel's ephemeral range :func:`free_port` draws from."""
 _DRAWS = 64
+"""How many candidate ports :func:`free_port` tries before it takes the kernel's choice."""
 
 
-def ephemeral_range(text: str | None) -> tuple[int, int]:
-    """The kernel's ephemeral port range from ``ip_local_port_range``'s text (Linux's default when unreadable)."""
+def _read(path: str) -> str | None:
     try:
-        low, high = (int(v) for v in (text or "").split())
-    except ValueError:
-        return 32768, 60999
-    return (low, high) if 1024 < low <= high <= 65535 else (32768, 60999)
-
-
-def handed_out_ports(ephemeral: tuple[int, int]) -> range:
-    """Where :func:`free_port` draws from: the span just below the ephemeral range (above 1024), where the kernel
-    never picks a connection's source port; empty when the ephemeral range leaves no room below it."""
-    low = ephemeral[0]
-    return range(max(1025, low - _HANDED_OUT_SPAN), low)
-
-
-def _read_ephemeral_range() -> tuple[int, int]:
-    try:
-        with open(EPHEMERAL_RANGE_FILE, encoding="ascii") as f:
-            return ephemeral_range(f.read())
+        with open(path, encoding="ascii") as f:
+            return f.read()
     except OSError:
-        return ephemeral_range(None)
+        return None
 
 
 def free_port(address: str) -> int:
     """A port that is free now on the interface this node listens on for ``address``.
 
-    It is bound later by another process (a round's rank 0), so it is drawn from below the kernel's ephemeral
-    range: a port the kernel handed out (``bind`` to port 0) is the kind it also gives every outgoing connection
-    as its source port, and one of the many connections a job opens could take it in the meantime
-    (``EADDRINUSE`` at the round's start). Falls back to the kernel's choice when no drawn port is free.
+    It is bound later by another process (a round's rank 0), so it is drawn where no outgoing connection takes
+    it as its source port in the meantime (:mod:`elastrain.ports`), and checked free here. Falls back to the
+    kernel's choice when no drawn port is free.
     """
     host = listen_host(address)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    span = handed_out_ports(_read_ephemeral_range())
+    span = ports.handed_out(
+        ports.ephemeral_range(_read(ports.EPHEMERAL_RANGE_FILE)),
+        ports.reserved_ports(_read(ports.RESERVED_PORTS_FILE)),
+    )
     for port in random.sample(span, min(_DRAWS, len(span))):
         with socket.socket(family, socket.SOCK_STREAM) as s:
             try:

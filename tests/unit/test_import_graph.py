@@ -39,6 +39,7 @@ PURE_MODULES = (
     "elastrain.data.cursor",
     "elastrain.scaling.policy",
     "elastrain.scaling.schedule",
+    "elastrain.ports",
 )
 IO_MODULES = (
     "torch",

@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastrain import binding
+from elastrain import binding, ports
 
 
 @pytest.mark.parametrize(
@@ -59,26 +59,6 @@ def test_the_loopback_interface_is_found() -> None:
     assert binding.loopback_interface() is not None
 
 
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [("32768\t60999\n", (32768, 60999)), ("1024 65000", (32768, 60999)), ("40000 30000", (32768, 60999)),
-     ("", (32768, 60999)), (None, (32768, 60999)), ("50000 60000", (50000, 60000)), ("x y", (32768, 60999))],
-)  # fmt: skip
-def test_ephemeral_range(text: str | None, expected: tuple[int, int]) -> None:
-    assert binding.ephemeral_range(text) == expected
-
-
-@pytest.mark.parametrize(
-    ("ephemeral", "first", "last"),
-    [((32768, 60999), 20480, 32767), ((2000, 60999), 1025, 1999), ((50000, 60000), 37712, 49999)],
-)  # fmt: skip
-def test_handed_out_ports_lie_below_the_ephemeral_range(ephemeral: tuple[int, int], first: int, last: int) -> None:
-    span = binding.handed_out_ports(ephemeral)
-    assert (span[0], span[-1]) == (first, last)
-    assert not binding.handed_out_ports((1025, 60999))
-
-
-def test_free_port_is_outside_the_ephemeral_range_and_bindable() -> None:
+def test_free_port_is_one_a_node_hands_out() -> None:
     port = binding.free_port("127.0.0.1")
-    low, high = binding.ephemeral_range(Path(binding.EPHEMERAL_RANGE_FILE).read_text())
-    assert not low <= port <= high
+    assert port in ports.handed_out(ports.ephemeral_range(Path(ports.EPHEMERAL_RANGE_FILE).read_text()))
