@@ -210,9 +210,9 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) 
 
     # A kill destroys the work of the step in flight on every rank (its gradients are never all-reduced): from the
     # last step's end to the kill, a loss no regroup can win back, part of the stall (the worker's XW_KILL line).
-    kills = [float(t) for n in job.nodes for t in re.findall(r"XW_KILL t=([\d.]+)", n.text())]
-    ends = [end for _, _, end in steps if kills and end <= min(kills)]
-    in_flight = min(kills) - max(ends) if ends else 0.0
+    killed_at = min((float(t) for n in job.nodes for t in re.findall(r"XW_KILL t=([\d.]+)", n.text())), default=None)
+    ends = [end for _, _, end in steps if killed_at is not None and end <= killed_at]
+    in_flight = killed_at - max(ends) if killed_at is not None and ends else 0.0
 
     def since_change(name: str) -> list[dict[str, str]]:
         return [e for n in job.nodes for e in n.events(name) if float(e.get("t", "0")) >= changed_at]
