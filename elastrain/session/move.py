@@ -176,4 +176,10 @@ class LiveMoves:
         if self.moved:
             self.moved = False
             if self.runtime.replaced_alive():
+                started = time.monotonic()
                 gc.collect()
+                lifecycle(
+                    "garbage_collected",
+                    took_s=round(time.monotonic() - started, 3),
+                    why="the replaced DDP wrapper was still referenced",
+                )

@@ -1,5 +1,6 @@
 """The collections at a Trainer's live move (elastrain/integrations/trainer/collection.py): the old wrapper collected
-once, the survivors frozen until the new world's model is wrapped, and nothing frozen while the old wrapper lives."""
+once when only a collection frees it (none when its reference count does), the survivors frozen until the new
+world's model is wrapped, and nothing frozen while the old wrapper lives."""
 
 from __future__ import annotations
 
@@ -65,3 +66,27 @@ def test_a_move_after_one_whose_train_never_wrapped_a_model_unfreezes_first(acce
     collection.leave(accelerator, None)  # train() failed before it wrapped: the earlier freeze is released first
     collection.wrapped()
     assert gc.get_freeze_count() == 0
+
+
+class Cycle:
+    """Garbage in a reference cycle, which only a collection frees."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_a_wrapper_freed_by_its_reference_count_costs_no_full_collection(accelerator: Accelerator) -> None:
+    model = torch.nn.Linear(4, 4)
+    wrapper = torch.nn.Sequential(model)  # no cycle: DDP's wrapper after the first of a process
+    gone = weakref.ref(wrapper)
+    accelerator._models.append(wrapper)  # accelerate's reference, which free_memory() drops
+    canary = weakref.ref(Cycle())  # garbage made before the move: no collection at the move walks it
+    del wrapper
+    collection = MoveCollection()
+    collection.leave(accelerator, gone)
+    assert gone() is None and gc.get_freeze_count() > 0
+    gc.collect()  # the Trainer's collection in the next train()
+    assert canary() is not None
+    collection.wrapped()
+    gc.collect()
+    assert canary() is None

@@ -1,14 +1,16 @@
-"""The garbage collections around a live move of the Trainer: one full collection, not two.
+"""The garbage collections around a live move of the Trainer: none that walks the whole heap, unless it must.
 
 Before the next world's first backward, the old world's DDP wrapper must be gone (its reducer's autograd hooks with
 it). accelerate holds it until ``Accelerator.free_memory()``, which ``Trainer.train`` calls first thing, with a full
-``gc.collect()`` (0.33-0.39 s of every rank's time at 100M parameters here, py-spy: it walks every object the model,
-the tokenizer and the datasets made). At the move, elastrain releases accelerate's references and collects once
-(:meth:`MoveCollection.leave`); when the old wrapper is then gone, it freezes what survived (``gc.freeze``: the
-survivors are live objects, and a collection skips frozen ones), so the Trainer's own collection walks only what the
-new ``train()`` made, and unfreezes once the new world's model is wrapped (:meth:`MoveCollection.wrapped`). When
-something still holds the old wrapper (a collective failure's traceback), nothing is frozen: the Trainer's
-collection then frees it, as before.
+``gc.collect()`` (0.32-0.39 s of every rank's time at 100M parameters here, py-spy: it walks every object the model,
+the tokenizer and the datasets made). At the move (:meth:`MoveCollection.leave`), elastrain freezes what lives
+(``gc.freeze``: a collection skips frozen objects) and then lets accelerate drop its references: the old wrapper, no
+longer referred to, is freed at once by its reference count, and accelerate's collection, and the Trainer's own in
+the next ``train()``, walk only what is newer than the freeze. Only when the old wrapper outlives that (a reference
+cycle: the first DDP wrapper of a process is caught in one when torch imports its compiler lazily in its
+constructor) does one full collection run, before anything is frozen again. What was frozen goes back to the collector
+once the new world's model is wrapped (:meth:`MoveCollection.wrapped`). When something still holds the old wrapper
+(a collective failure's traceback), nothing is frozen: the Trainer's collection then frees it, as before.
 """
 
 from __future__ import annotations
@@ -28,19 +30,24 @@ class MoveCollection:
         self._frozen = False
 
     def leave(self, accelerator: Any, wrapper: weakref.ref[Any] | None) -> None:
-        """The world is left: accelerate's references to its wrappers dropped, one full collection, and, when the old
-        DDP ``wrapper`` (a weak reference: the caller holds it no more; None: the model was not wrapped) is gone, what
-        survived frozen until :meth:`wrapped`."""
+        """The world is left: accelerate's references to its wrappers dropped and, when the old DDP ``wrapper`` (a weak
+        reference: the caller holds it no more; None: the model was not wrapped) is then gone, what lives frozen
+        until :meth:`wrapped`; one full collection first when only that frees the wrapper."""
         self.wrapped()  # what an earlier move froze returns to the collector first
         started = time.monotonic()
-        accelerator.free_memory()  # what Trainer.train does first, with its own gc.collect()
-        alive = wrapper is not None and wrapper() is not None
-        if not alive:
+        gc.freeze()
+        accelerator.free_memory()  # what Trainer.train does first: its gc.collect() walks only what is newer
+        full = wrapper is not None and wrapper() is not None
+        if full:  # in a reference cycle, or still held: a full collection, with nothing frozen
+            gc.unfreeze()
+            gc.collect()
+        self._frozen = wrapper is None or wrapper() is None
+        if full and self._frozen:
             gc.freeze()
-            self._frozen = True
         lifecycle(
             "trainer_garbage_collected",
             took_s=round(time.monotonic() - started, 3),
+            full=full,
             frozen=self._frozen,
             why=None if self._frozen else "the old DDP wrapper is still referenced: the next train() collects it",
         )
