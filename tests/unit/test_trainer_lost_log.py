@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastrain.integrations.trainer.lost_log import LostLog, has_loss_at
+from elastrain.integrations.trainer.lost_log import LostLog, has_loss_at, logging_due, lost_window_loss
 
 
 @pytest.mark.parametrize(
@@ -53,3 +53,28 @@ def test_no_log_due_changes_nothing() -> None:
     lost.add(torch.tensor(0.5))
     lost.logged(trainer(0, []))
     assert lost.logged_at == 0 and lost.window is not None
+
+
+@pytest.mark.parametrize(
+    ("noted", "step", "expected"),
+    [
+        ((0.0, 0.0, 0.0, 0.0), 30, None),  # no member trained up to the agreed step: nothing to log
+        ((10.0, 2.0, 40.0, 0.0), 30, None),  # the members logged it: nothing lost
+        ((10.0, 2.0, 40.0, 2.0), 30, 0.5),  # two members, each 5.0 over the 10 steps since 20
+        ((5.0, 1.0, 20.0, 1.0), 30, 0.5),  # the one survivor of a world whose other member died
+        ((3.0, 1.0, 30.0, 1.0), 30, 3.0),  # logged at the step itself (never: the window is then closed): one step
+    ],
+)
+def test_the_lost_window_loss_by_table(
+    noted: tuple[float, float, float, float], step: int, expected: float | None
+) -> None:
+    assert lost_window_loss(*noted, step) == (None if expected is None else pytest.approx(expected))
+
+
+@pytest.mark.parametrize(
+    ("strategy", "every", "step", "expected"),
+    [("steps", 10, 30, True), ("steps", 10, 35, False), ("steps", 10, 0, False), ("epoch", 10, 30, False)],
+)
+def test_a_logging_step_by_table(strategy: str, every: int, step: int, expected: bool) -> None:
+    args, state = SimpleNamespace(logging_strategy=strategy), SimpleNamespace(logging_steps=every)
+    assert logging_due(args, state, step) is expected

@@ -201,11 +201,11 @@ class ElasticTrainer:
         if world is None:
             return self._restore(asked, first)
         own_step = int(self.trainer.state.global_step) if self.held.holds_state else -1
-        agreed = world.agree_state()
-        self.lost_log.relog(self.trainer, self.trainer.args.device, own_step, kept_state=agreed)
-        tune_ddp(self.trainer.accelerator, in_sync=agreed)  # the DDP that train() builds for this world
+        agreed_step = world.agree_state()
+        self.lost_log.relog(self.trainer, self.trainer.args.device, own_step, agreed_step)
+        tune_ddp(self.trainer.accelerator, in_sync=agreed_step is not None)  # the DDP train() builds for this world
         canonical_cpu_device(self.trainer.accelerator)  # prepare() moves no state already in place
-        if not agreed:
+        if agreed_step is None:
             return self._restore(asked, first)
         self.batch.replan(self.held.position.global_batch)
         return None

@@ -9,9 +9,10 @@ unlike an uninterrupted run's.
 So each rank keeps its own sum of the window's losses (what ``training_step`` returned, as the Trainer's
 ``tr_loss`` sums them), cleared whenever the Trainer logs. Every member enters a new world through the driver,
 collectively: there the members that completed the agreed step sum their windows, and if that step was a logging
-step the history lacks, its loss is logged at that step the way the Trainer would have, once ``Trainer.train`` has
-set up its state from memory again (a window in which the
-world changed logs the members that were left, as the Trainer logs the steps since a change).
+step their history lacks, every member logs its loss at that step the way the Trainer would have, once
+``Trainer.train`` has set up its state from memory again (a window in which the world changed logs the members that
+were left, as the Trainer logs the steps since a change). Every member decides alike, from the members that
+trained: a worker new to the job may be the one that writes the history into the checkpoints.
 """
 
 from __future__ import annotations
@@ -33,6 +34,22 @@ def has_loss_at(history: list[dict[str, Any]], step: int) -> bool:
         if isinstance(at, int) and at < step:
             return False
     return False
+
+
+def logging_due(args: Any, state: Any, step: int) -> bool:
+    """Whether the Trainer logs the training loss at ``step`` (``state``: one a ``train()`` call set up, which holds
+    the logging interval in steps)."""
+    return bool(args.logging_strategy == "steps" and step > 0 and step % int(state.logging_steps) == 0)
+
+
+def lost_window_loss(total: float, members: float, since_sum: float, lacking: float, step: int) -> float | None:
+    """Pure: the mean loss per step of a logging window lost at ``step``, from the sums over the members that
+    trained up to it (their window losses, their count, the steps they last logged at, how many lack the log);
+    None when no member lacks it."""
+    if members == 0 or lacking == 0:
+        return None
+    since = round(since_sum / members)
+    return total / members / max(step - since, 1)
 
 
 class LostLog:
@@ -60,28 +77,36 @@ class LostLog:
         if last > self.logged_at and has_loss_at(trainer.state.log_history, last):
             self.logged_at, self.window = last, None
 
-    def relog(self, trainer: Any, device: torch.device, own_step: int, kept_state: bool) -> None:
+    def relog(self, trainer: Any, device: torch.device, own_step: int, agreed_step: int | None) -> None:
         """Collective, on every member entering a world: log a window the last world lost at the agreed step.
 
         ``own_step``: the step this member had completed before the members agreed (its window covers the steps
-        after ``logged_at`` up to it); ``kept_state``: the world goes on from memory, not from a checkpoint."""
-        step = int(trainer.state.global_step)
-        mine = kept_state and self.window is not None and own_step == step and step > self.logged_at
+        after ``logged_at`` up to it); ``agreed_step``: the step the world goes on from in memory (None: from a
+        checkpoint). Whether that step's log was lost is decided by the members that trained up to it, for every
+        member alike: a worker new to the job (restarted, or a joiner) holds a ``TrainerState`` of no ``train()``
+        call yet (its step 0, its default logging interval, no history) until the next ``train()`` sets it up from
+        the state it received, and it may be the rank that writes the history into the checkpoints."""
+        state = trainer.state
+        mine = (
+            agreed_step is not None
+            and self.window is not None
+            and own_step == agreed_step  # not a member a step ahead (it rolls back) or behind
+            and agreed_step > self.logged_at
+        )
+        lacks = mine and logging_due(trainer.args, state, own_step) and not has_loss_at(state.log_history, own_step)
         noted = torch.tensor(
             [float(self.window.item()) if mine and self.window is not None else 0.0, 1.0 if mine else 0.0,
-             float(self.logged_at) if mine else 0.0],
+             float(self.logged_at) if mine else 0.0, 1.0 if lacks else 0.0],
             dtype=torch.float64,
             device=device,
         )  # fmt: skip
         dist.all_reduce(noted)
+        step = agreed_step if agreed_step is not None else int(state.global_step)
         self.window, self.logged_at = None, step  # Trainer.train, entered again, starts its window here
-        total, members, since_sum = noted.tolist()
-        args, history = trainer.args, trainer.state.log_history
-        due = args.logging_strategy == "steps" and step > 0 and step % int(trainer.state.logging_steps) == 0
-        if not due or members == 0 or has_loss_at(history, step):
+        total, members, since_sum, lacking = noted.tolist()
+        loss = lost_window_loss(total, members, since_sum, lacking, step)
+        if loss is None:
             return
-        since = round(since_sum / members)
-        loss = total / members / max(step - since, 1)
         self.recovered = (step, {"loss": loss})
         if dist.get_rank() == 0:
             lifecycle("trainer_log_recovered", step=step, members=int(members), loss=round(loss, 6))

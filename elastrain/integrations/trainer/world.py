@@ -84,9 +84,9 @@ class TrainerWorld:
         _ = args.device  # a PartialState over the current group
         t.create_accelerator_and_postprocess()
 
-    def agree_state(self) -> bool:
-        """Collective: the members' agreed state in this worker's memory; False when no member holds any (the
-        world loads the newest committed checkpoint)."""
+    def agree_state(self) -> int | None:
+        """Collective: the members' agreed state in this worker's memory; its step, or None when no member holds
+        any (the world loads the newest committed checkpoint)."""
         t, held = self.trainer, self.held
         step = int(t.state.global_step) if held.holds_state else 0
         device = t.args.device
@@ -95,7 +95,7 @@ class TrainerWorld:
         if agreement.from_checkpoint:
             if pool is not None:
                 pool.close()  # before the checkpoint's state takes its place in memory
-            return False
+            return None
         source = int(agreement.source or 0)
         if t.optimizer is None:
             t.create_optimizer()  # a new member: an optimizer to receive the state into
@@ -127,7 +127,7 @@ class TrainerWorld:
             bytes=sent,
             took_s=round(time.monotonic() - started, 3),
         )
-        return True
+        return agreement.step if agreement.step is not None else step  # None only with no source
 
     def forward_stops(self) -> contextlib.AbstractContextManager[None]:
         """While ``train()`` runs: the forward pass of a step lost to a broken round stops at its next block
