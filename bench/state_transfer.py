@@ -148,7 +148,7 @@ class Job:
                 n.proc.wait(timeout=30)
 
 
-def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) -> dict[str, object]:
+def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) -> dict[str, Any]:
     layers = max(1, round((size_m * 1e6 - FIXED_PARAMS[workload]) / PARAMS_PER_LAYER[workload]))
     out = Path(tempfile.mkdtemp(prefix=f"elastrain-xfer-{workload}-{scenario}-{size_m}m-"))
     env = {
@@ -183,11 +183,11 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) 
             job.start()
         elif scenario == "spare":
             os.killpg(job.nodes[1].proc.pid, signal.SIGKILL)
-        before = len(job.rank0_steps())
+        seen = len(job.rank0_steps())
         target_ws = 3 if scenario in ("join", "none") else 2
         job.wait(
             "training after the change",
-            lambda: sum(1 for s in job.rank0_steps()[before:] if s[1] == target_ws) >= STEPS_AFTER,
+            lambda: sum(1 for s in job.rank0_steps()[seen:] if s[1] == target_ws) >= STEPS_AFTER,
             timeout_s,
         )
     finally:
