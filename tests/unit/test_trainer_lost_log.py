@@ -78,3 +78,10 @@ def test_the_lost_window_loss_by_table(
 def test_a_logging_step_by_table(strategy: str, every: int, step: int, expected: bool) -> None:
     args, state = SimpleNamespace(logging_strategy=strategy), SimpleNamespace(logging_steps=every)
     assert logging_due(args, state, step) is expected
+
+
+def test_a_window_starts_where_train_set_up_its_state() -> None:
+    lost = LostLog()
+    lost.add(torch.tensor(0.5))
+    lost.begin(120)  # a checkpoint of step 120 loaded: the window since the last log is the Trainer's from there
+    assert lost.logged_at == 120 and lost.window is None

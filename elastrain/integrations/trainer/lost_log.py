@@ -67,6 +67,11 @@ class LostLog:
             step_loss = loss.detach().float().sum()
             self.window = step_loss if self.window is None else self.window + step_loss
 
+    def begin(self, step: int) -> None:
+        """``Trainer.train`` set up its state at ``step`` (from memory or from a checkpoint): its first logging window
+        starts there, as the Trainer's own does."""
+        self.window, self.logged_at = None, step
+
     def logged(self, trainer: Any) -> None:
         """After the Trainer's log call (it may have logged, or not): a new window once it did.
 
