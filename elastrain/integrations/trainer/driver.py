@@ -286,9 +286,8 @@ class ElasticTrainer:
         if held.memory_resume:
             held.progress.apply(state)
             result = (int(state.global_step) // max(per_epoch, 1), 0)
-        self.lost_log.begin(int(state.global_step))  # a checkpoint's step too
-        if held.memory_resume:
             self.lost_log.emit(self.trainer)
+        self.lost_log.begin(int(state.global_step))  # a checkpoint's step too
         if held.position.step != state.global_step:
             raise TrainerIntegrationError(
                 f"the Trainer resumed at step {state.global_step} but elastrain's data position is at step "

@@ -91,10 +91,12 @@ class LostLog:
         member alike: a worker new to the job (restarted, or a joiner) holds a ``TrainerState`` of no ``train()``
         call yet (its step 0, its default logging interval, no history) until the next ``train()`` sets it up from
         the state it received, and it may be the rank that writes the history into the checkpoints."""
+        if agreed_step is None:  # every member alike: the world loads a checkpoint, where begin() starts the window
+            self.window = None
+            return
         state = trainer.state
         mine = (
-            agreed_step is not None
-            and self.window is not None
+            self.window is not None
             and own_step == agreed_step  # not a member a step ahead (it rolls back) or behind
             and agreed_step > self.logged_at
         )
@@ -106,15 +108,14 @@ class LostLog:
             device=device,
         )  # fmt: skip
         dist.all_reduce(noted)
-        step = agreed_step if agreed_step is not None else int(state.global_step)
-        self.window, self.logged_at = None, step  # Trainer.train, entered again, starts its window here
+        self.window, self.logged_at = None, agreed_step  # Trainer.train, entered again, starts its window here
         total, members, since_sum, lacking = noted.tolist()
-        loss = lost_window_loss(total, members, since_sum, lacking, step)
+        loss = lost_window_loss(total, members, since_sum, lacking, agreed_step)
         if loss is None:
             return
-        self.recovered = (step, {"loss": loss})
+        self.recovered = (agreed_step, {"loss": loss})
         if dist.get_rank() == 0:
-            lifecycle("trainer_log_recovered", step=step, members=int(members), loss=round(loss, 6))
+            lifecycle("trainer_log_recovered", step=agreed_step, members=int(members), loss=round(loss, 6))
 
     def emit(self, trainer: Any) -> None:
         """In the state ``Trainer.train`` set up again (from memory): the recovered log, as the Trainer logs."""
