@@ -55,6 +55,7 @@ from elastrain.storage import (
 
 FENCE_DIR = "elastrain-fence"
 _PREFIX = "gen-"
+_CLOSED_PREFIX = "closed-"
 _SUFFIX = ".json"
 KEEP_CLAIMS = 64
 """Claims kept in the fence folder; older ones are pruned by the claimant (only the newest matters)."""
@@ -91,14 +92,36 @@ class Claim:
         )
 
 
-def _name(generation: int) -> str:
-    return f"{_PREFIX}{generation:012d}{_SUFFIX}"
+@dataclass(frozen=True)
+class Closed:
+    """The end of a job, recorded beside its claims: the world of ``generation`` finished and closed its
+    rendezvous. A node that came to join that job and whose store fell silent before it joined a round learns
+    here that the job is over (its store's host left with the close), not that the job died with its store."""
+
+    generation: int
+    run_id: str
+    closed_at: float = 0.0
+    mac: str = ""
+    """The signature of the close with the job's rendezvous secret ("" without one)."""
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Closed:
+        raw = json.loads(data)
+        closed_at, mac = float(raw.get("closed_at", 0.0)), str(raw.get("mac", ""))
+        return cls(int(raw["generation"]), str(raw["run_id"]), closed_at, mac)
 
 
-def _parse(name: str) -> int | None:
-    if not (name.startswith(_PREFIX) and name.endswith(_SUFFIX)):
+def _name(generation: int, prefix: str = _PREFIX) -> str:
+    return f"{prefix}{generation:012d}{_SUFFIX}"
+
+
+def _parse(name: str, prefix: str = _PREFIX) -> int | None:
+    if not (name.startswith(prefix) and name.endswith(_SUFFIX)):
         return None
-    digits = name[len(_PREFIX) : -len(_SUFFIX)]
+    digits = name[len(prefix) : -len(_SUFFIX)]
     return int(digits) if digits.isdigit() else None
 
 
@@ -239,6 +262,28 @@ def check(root: str, generation: int | None, storage: Storage | None = None) -> 
         )
 
 
+def mark_closed(root: str, mark: Closed, storage: Storage | None = None) -> bool:
+    """Record that the world of ``mark.generation`` finished the job; False if a member of it already did."""
+    storage = storage or storage_for(root)
+    return _create_exclusive(storage.join(fence_dir(root, storage), _name(mark.generation, _CLOSED_PREFIX)),
+                             mark.to_json(), storage)  # fmt: skip
+
+
+def newest_closed(root: str, storage: Storage | None = None) -> Closed | None:
+    """The newest readable close in ``root`` (``None`` before the first end of the job there)."""
+    storage = storage or storage_for(root)
+    directory = fence_dir(root, storage)
+    found = (_parse(n, _CLOSED_PREFIX) for n in storage.listdir(directory))
+    for g in sorted((g for g in found if g is not None), reverse=True):
+        try:
+            return Closed.from_json(storage.read_bytes(storage.join(directory, _name(g, _CLOSED_PREFIX))))
+        except FileNotFoundError:  # pruned meanwhile
+            continue
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # torn by a crash mid-write: not a close
+            lifecycle("fence_close_unreadable", level=logging.WARNING, generation=g, error=repr(exc)[:200])
+    return None
+
+
 def claim_times(root: str, storage: Storage | None = None) -> dict[int, float | None]:
     """When each claim in ``root`` was made, by the storage's clock (``None`` where the storage does not say)."""
     storage = storage or storage_for(root)
@@ -342,6 +387,11 @@ def _same(a: str, b: str) -> bool:
 
 
 def _prune(root: str, latest: int, storage: Storage) -> None:
-    for g in generations(root, storage)[:-KEEP_CLAIMS]:
-        if g < latest:
-            storage.remove(storage.join(fence_dir(root, storage), _name(g)))
+    directory = fence_dir(root, storage)
+    names = storage.listdir(directory)
+    kept = sorted(g for g in (_parse(n) for n in names) if g is not None)[-KEEP_CLAIMS:]
+    oldest = min([*kept, latest])
+    for prefix in (_PREFIX, _CLOSED_PREFIX):
+        for g in (_parse(n, prefix) for n in names):
+            if g is not None and g < oldest:
+                storage.remove(storage.join(directory, _name(g, prefix)))

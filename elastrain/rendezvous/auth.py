@@ -176,6 +176,15 @@ class RendezvousAuth:
         """Whether ``mac`` signs ``store`` for this job (never without a secret)."""
         return self.enabled and bool(mac) and hmac.compare_digest(mac, self.store_mac(store))
 
+    # -- the end of the job, recorded beside the fencing claims --------------------------------------------
+    def close_mac(self, generation: int) -> str:
+        """The signature of the close of the job's world ``generation`` ("" without a secret)."""
+        return self._mac(b"job-closed", str(generation).encode())
+
+    def signed_close(self, generation: int, mac: str) -> bool:
+        """Whether ``mac`` signs the close of ``generation`` for this job (never without a secret)."""
+        return self.enabled and bool(mac) and hmac.compare_digest(mac, self.close_mac(generation))
+
 
 class _Throttle:
     """One log line per interval for forged values read through a :class:`SignedStore`."""

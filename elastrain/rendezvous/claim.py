@@ -172,6 +172,21 @@ class Fencing:
             )
         return self._state.conn.connect_waiting(address, deadline)
 
+    def mark_closed(self) -> None:
+        """The job finished in this node's world: record it beside the claims (every member writes the same mark;
+        the first stays), before the store's host leaves with the close, so that a node that came to join and
+        whose store then falls silent learns that the job is over (see ``StoreFactory.finished``)."""
+        root, generation = self.root, self.generation
+        if not root or generation is None:
+            return
+        mark = fence.Closed(generation, self._run_id, time.time(), self._auth.close_mac(generation))
+        try:
+            if fence.mark_closed(root, mark):
+                lifecycle("job_close_recorded", generation=generation, root=root)
+        except OSError as exc:
+            lifecycle("job_close_unrecorded", level=logging.WARNING, generation=generation, root=root,
+                      error=repr(exc)[:200])  # fmt: skip
+
     def forget(self) -> None:
         """This node left its world for another's: no generation, nothing fenced."""
         self.fenced_by = None

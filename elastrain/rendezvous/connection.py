@@ -19,7 +19,11 @@ from typing import Protocol, TypeVar, cast
 
 from torch._C._distributed_c10d import Store
 from torch.distributed import DistError
-from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
 from elastrain.errors import RendezvousError, RendezvousStoreLostError
@@ -69,6 +73,11 @@ class StoreFactory(Protocol):
         neither hosted nor reached."""
         ...
 
+    def finished(self) -> bool:
+        """Whether the job finished since this node first looked for its store (its close is recorded beside the
+        fencing claims): a store that falls silent before this node joined a round left with the job's end."""
+        ...
+
 
 class FixedStores:
     """:class:`StoreFactory` of a store that never moves (etcd): no failover, no refound, no other world's store."""
@@ -91,6 +100,9 @@ class FixedStores:
 
     def refound(self) -> tuple[RendezvousBackend, Store, str, bool] | None:
         return None
+
+    def finished(self) -> bool:
+        return False  # the state lives on in the cluster and says so itself
 
 
 def with_deadline(op: Callable[[], _T], timeout_s: float) -> _T:
@@ -178,10 +190,17 @@ class Connection:
             since = self._failing_since
             if since is None:
                 since = self._failing_since = now
-            # A node that never joined a round has nothing at stake and knows no successor: it keeps looking
-            # for the store the job's world publishes with its next fencing claim (a survivor that took the
-            # store over claims when its round forms), as long as it would wait for a round; with none alive
-            # for refound_after, every member is gone with it, and it starts the job over at the endpoint.
+            # A node that never joined a round has nothing at stake. When the job finished meanwhile (its store's
+            # host left with the close, after the members that beat had read it), it ends too, neither taking
+            # the store over from its stale state nor founding the job again.
+            if not self.joined and self._stores.finished():
+                raise RendezvousClosedError(
+                    f"the job finished while this node waited to join it (its store at {self.address} left with it)"
+                ) from exc
+            # A node that never read the state knows no successor: it keeps looking for the store the job's world
+            # publishes with its next fencing claim (a survivor that took the store over claims when its round
+            # forms), as long as it would wait for a round; with none alive for refound_after, every member is
+            # gone with it, and it starts the job over at the endpoint.
             newcomer = not self.joined and self._node_id not in self.cached.nodes
             refound = newcomer and now - since >= self._settings.refound_after_s
             if self._failover(exc) or (refound and self._refound(now - since)):

@@ -32,6 +32,7 @@ from typing import TypeVar
 
 from torch._C._distributed_c10d import PrefixStore, Store
 from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -181,11 +182,14 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         self._beat.stop()
         try:
             self._state.update(lambda cur: st.close(st.remove(cur, [self.node_id], st.Departure.FINISHED.value)))
+        except RendezvousClosedError:
+            return True  # it finished before this node joined a round: closed already, by its world
         except (RendezvousError, *STORE_ERRORS) as exc:
             lifecycle("rendezvous_close_failed", level=logging.WARNING, error=repr(exc)[:200])
             return False
-        if self._conn.hosted_here:
-            self._linger()  # the late joiners learn that the job is over, not that the store died
+        self._fencing.mark_closed()  # a node still warming when the store leaves learns that the job is over
+        if self._conn.hosted_here:  # the spares and joiners learn that the job is over, not that the store died
+            linger_until_seen(self._beat, self._state, self.node_id, self._settings, self._quiet)
         return True
 
     # -- elastrain's additions: the Membership seam (elastrain.rendezvous.api) ----------------------
@@ -281,14 +285,11 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         else:
             lifecycle("node_left", node=self.node_id, reason=reason, kind=kind.value, round=self._history.round)
             if self._conn.hosted_here:
-                self._linger()
+                linger_until_seen(self._beat, self._state, self.node_id, self._settings, self._quiet)
 
     def stop_beating(self) -> None:
         """This node's liveness threads end (bounded), the rendezvous left as it is (see :class:`Membership`)."""
         self._beat.stop()
-
-    def _linger(self) -> None:
-        linger_until_seen(self._beat, self._state, self.node_id, self._settings, self._quiet)
 
     # -- what tests reach into (not part of any seam) ------------------------------------------------
     @property

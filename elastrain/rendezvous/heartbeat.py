@@ -15,6 +15,8 @@ import logging
 import threading
 import time
 
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
 from elastrain.errors import RendezvousError, RendezvousStateCorruptError, RendezvousStoreLostError
 from elastrain.log import lifecycle
 from elastrain.rendezvous import liveness
@@ -154,6 +156,9 @@ class Heartbeat:
             except RendezvousStoreLostError as exc:
                 self.fatal_error = exc
                 lifecycle("rendezvous_store_lost", level=logging.ERROR, error=str(exc))
+                return
+            except RendezvousClosedError as exc:  # the job finished before this node joined a round
+                lifecycle("heartbeat_stopped", node=self._node_id, why=str(exc))
                 return
             except (RendezvousError, StoreSwitched, OSError, *STORE_ERRORS) as exc:
                 # Transient: the connection tracks how long the store has been failing and gives up in time.

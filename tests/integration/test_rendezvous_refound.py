@@ -1,13 +1,17 @@
-"""A job whose every member died with its store host starts over from a newcomer (c10d, real TCPStores).
+"""A newcomer whose job's store is gone before it joined a round (c10d, real TCPStores, real processes).
 
 The world's store is published with its fencing claim in the checkpoint root; a node that starts later
 finds it there. When that world dies (its one member, which hosted the store, SIGKILLed) before the
 newcomer joined a round, the newcomer knows no successor: it keeps looking for a live published store
 for ``refound_after``, then starts the job over at its ``--rdzv-endpoint`` under the next generation.
+When that world *finished* instead (its store's host left with the close), the close is recorded beside the
+claims and the newcomer ends with the job, at once; a later run of the same command in the same folder is not
+taken for a node of the finished run.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import subprocess
@@ -15,8 +19,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from support.processes import PYTHON, free_port, reaped, wait_for, worker_env
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from support.processes import PYTHON, LiveNode, descendants, free_port, reaped, wait_for, worker_env
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
 
 from elastrain import fence
 from elastrain.rendezvous.backends.c10d import create_c10d_handler
@@ -26,18 +30,35 @@ FAST = {"heartbeat_interval": "0.1", "heartbeat_timeout": "1", "last_call_timeou
 
 WORLD = textwrap.dedent(
     """
-    import sys, time
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    import json, os, sys, time
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
     from elastrain.rendezvous.backends.c10d import create_c10d_handler
     params = RendezvousParameters(backend="c10d", endpoint=sys.argv[1], run_id="refound", min_nodes=1, max_nodes=2,
                                   local_addr="127.0.0.1", is_host="true", checkpoint_root=sys.argv[2],
-                                  heartbeat_interval="0.1", heartbeat_timeout="1", last_call_timeout="0.3")
+                                  heartbeat_interval="0.1", heartbeat_timeout="1", last_call_timeout="0.3",
+                                  **json.loads(sys.argv[4]))
     h = create_c10d_handler(params)
     h.next_rendezvous()
     print("WORLD_FORMED", h.generation, flush=True)
-    time.sleep(600)
+    deadline = time.monotonic() + 600
+    while not os.path.exists(sys.argv[3]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    h.shutdown()  # the job finished: close the rendezvous (as elastrain-run does after its workers succeeded)
+    print("WORLD_CLOSED", flush=True)
     """
 )
+
+
+def start_world(tmp_path: Path, name: str = "world", **conf: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """A world of one member, which hosts the store (checkpoint root ``tmp_path``); it finishes once the returned
+    file exists."""
+    log, finish = tmp_path / f"{name}.log", tmp_path / f"{name}.finish"
+    args = [f"127.0.0.1:{free_port()}", str(tmp_path), str(finish), json.dumps(conf)]
+    world = subprocess.Popen(
+        [PYTHON, "-c", WORLD, *args], stdout=log.open("wb"), stderr=subprocess.STDOUT, env=worker_env(),
+        start_new_session=True,
+    )  # fmt: skip
+    return world, log, finish
 
 
 def params(port: int, root: Path, **conf: str) -> RendezvousParameters:
@@ -57,14 +78,7 @@ def params(port: int, root: Path, **conf: str) -> RendezvousParameters:
 def test_a_newcomer_whose_job_died_with_its_store_starts_it_over(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    log = tmp_path / "world.log"
-    world = subprocess.Popen(
-        [PYTHON, "-c", WORLD, f"127.0.0.1:{free_port()}", str(tmp_path)],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        env=worker_env(),
-        start_new_session=True,
-    )
+    world, log, _ = start_world(tmp_path)
     with reaped(world):
         wait_for(lambda: "WORLD_FORMED 0" in log.read_text(), 60, what=f"the first world to form: {log}")
         newcomer = create_c10d_handler(params(free_port(), tmp_path, refound_after="4", join_timeout="60"))
@@ -87,3 +101,114 @@ def test_a_newcomer_whose_job_died_with_its_store_starts_it_over(
             assert silent >= 4.0  # it looked for a live store first, for refound_after
         finally:
             newcomer.shutdown()
+
+
+def test_a_newcomer_whose_job_finished_before_it_joined_ends_with_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    world, log, finish = start_world(tmp_path)
+    with reaped(world):
+        wait_for(lambda: "WORLD_FORMED 0" in log.read_text(), 60, what=f"the first world to form: {log}")
+        # refound_after as long as the join: a newcomer that took the silent store for a dead job would hang here.
+        newcomer = create_c10d_handler(params(free_port(), tmp_path, refound_after="600", join_timeout="600"))
+        assert isinstance(newcomer, ElastrainRendezvousHandler)
+        try:
+            published = fence.newest(str(tmp_path))
+            assert published is not None and newcomer._store_address == published.store  # found the running job
+            finish.touch()  # the job finishes before the newcomer joins a round (its workers were still warming)
+            assert world.wait(timeout=30) == 0, log.read_text()
+            assert "WORLD_CLOSED" in log.read_text()
+            with caplog.at_level(logging.INFO, logger="elastrain"), pytest.raises(RendezvousClosedError):
+                newcomer.next_rendezvous()
+            events = [r.getMessage() for r in caplog.records]
+            assert not [e for e in events if "event=job_refounded" in e or "event=store_failover" in e], events
+            assert fence.generations(str(tmp_path)) == [0]  # it claimed nothing: no second run of the job
+            mark = fence.newest_closed(str(tmp_path))
+            assert mark is not None and (mark.generation, mark.run_id) == (0, "refound")
+        finally:
+            newcomer.shutdown()
+
+
+def test_a_later_run_in_the_same_folder_is_not_taken_for_the_finished_one(tmp_path: Path) -> None:
+    world, log, finish = start_world(tmp_path)
+    with reaped(world):
+        wait_for(lambda: "WORLD_FORMED 0" in log.read_text(), 60, what=f"the first world to form: {log}")
+        finish.touch()
+        assert world.wait(timeout=30) == 0, log.read_text()
+    assert fence.newest_closed(str(tmp_path)) is not None
+    # The same command again, in the same checkpoint folder: a new run of the job, under the next generation.
+    again, log, _ = start_world(tmp_path, name="again")
+    with reaped(again):
+        wait_for(lambda: "WORLD_FORMED 1" in log.read_text(), 60, what=f"the job to run again: {log}")
+        newcomer = create_c10d_handler(params(free_port(), tmp_path, refound_after="4", join_timeout="60"))
+        assert isinstance(newcomer, ElastrainRendezvousHandler)
+        try:
+            published = fence.newest(str(tmp_path))
+            assert published is not None and published.generation == 1
+            assert newcomer._store_address == published.store  # it came to join the second run
+            again.send_signal(signal.SIGKILL)  # the second run dies with its store, without a close of its own
+            again.wait(timeout=10)
+            info = newcomer.next_rendezvous()  # the first run's close is not this run's end: it starts it over
+            assert (info.world_size, newcomer.generation) == (1, 2)
+        finally:
+            newcomer.shutdown()
+
+
+def test_a_close_not_signed_with_the_jobs_secret_is_not_the_jobs_end(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s3cret-of-the-job-0123456789abcdef")
+    secret.chmod(0o600)
+    world, log, _ = start_world(tmp_path, secret_file=str(secret))
+    with reaped(world):
+        wait_for(lambda: "WORLD_FORMED 0" in log.read_text(), 60, what=f"the first world to form: {log}")
+        newcomer = create_c10d_handler(
+            params(free_port(), tmp_path, refound_after="4", join_timeout="60", secret_file=str(secret))
+        )
+        assert isinstance(newcomer, ElastrainRendezvousHandler)
+        try:
+            world.send_signal(signal.SIGKILL)  # the job dies with its store; a forged close says it finished
+            world.wait(timeout=10)
+            assert fence.mark_closed(str(tmp_path), fence.Closed(0, "refound", 0.0, mac="0" * 64))
+            with caplog.at_level(logging.INFO, logger="elastrain"):
+                info = newcomer.next_rendezvous()
+            assert (info.world_size, newcomer.generation) == (1, 1)  # started the job over, as for a dead job
+            events = [r.getMessage() for r in caplog.records]
+            assert [e for e in events if "event=fence_close_untrusted" in e], events
+            assert [e for e in events if "event=job_refounded" in e], events
+        finally:
+            newcomer.shutdown()
+
+
+LIVE_WORKER = str(Path(__file__).resolve().parents[1] / "workers" / "live_worker.py")
+
+
+def test_a_node_whose_workers_still_warm_when_the_job_finishes_exits_with_it(tmp_path: Path) -> None:
+    """Through elastrain-run --live: b's workers warm (a slow build) while a's job finishes; b ends at once, 0."""
+    port, ckpt = free_port(), tmp_path / "ckpt"
+    stop, built = tmp_path / "stop", tmp_path / "built"
+    env = {"LW_MAX_STEPS": "100000", "LW_SLEEP": "0.02", "LW_STOP_FILE": str(stop), "LW_BUILD_UNTIL_FILE": str(built)}
+
+    def node(name: str) -> LiveNode:
+        return LiveNode(name, tmp_path, port, LIVE_WORKER, env, rdzv_id="late-node", nnodes="1:2", last_call_s=1,
+                        collective_timeout=20, extra=("--checkpoint-dir", str(ckpt)))  # fmt: skip
+
+    built.touch()  # a builds at once
+    a = node("a")
+    with reaped(a.proc):
+        wait_for(lambda: bool(a.lines("LW_STEP")), 90, what="a to train\n" + a.dump())
+        built.unlink()  # b's workers build until the test says
+        b = node("b")
+        with reaped(b.proc):
+            wait_for(lambda: bool(b.events("workers_warming")), 90, what="b's workers to warm\n" + b.dump())
+            assert b.events("published_store_found"), b.dump()  # b came to join a's running job
+            stop.write_text("0")  # a's job finishes while b has not joined a round
+            assert a.proc.wait(timeout=90) == 0, a.dump()
+            assert a.events("job_close_recorded"), a.dump()
+            built.touch()  # b's workers are warm now: its agent looks for the job's store, which left with the close
+            assert b.proc.wait(timeout=90) == 0, b.dump()
+            assert b.events("job_finished_elsewhere"), b.dump()
+            assert not b.events("job_refounded") and not b.lines("LW_START"), b.dump()
+            assert not descendants(b.proc.pid), b.dump()
+    assert fence.generations(str(ckpt)) == [0]  # one world of one run: b founded no second one

@@ -69,3 +69,37 @@ def test_a_torn_or_malformed_claim_still_holds_its_number(tmp_path: Path, text: 
     assert c is not None and c.generation == 4 and c.store == ""
     with pytest.raises(StaleGenerationError, match="superseded by generation 4"):
         fence.check(str(tmp_path), 3)
+
+
+def test_the_end_of_a_job_is_recorded_once_beside_its_claims(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    assert fence.newest_closed(root) is None
+    fence.claim_fresh(root, "job", 0, "s0", ())
+    first = fence.Closed(0, "job", 1.0, "mac")
+    assert fence.mark_closed(root, first)
+    assert not fence.mark_closed(root, fence.Closed(0, "job", 2.0, ""))  # a second member's mark: the first stays
+    assert fence.newest_closed(root) == first
+    assert fence.generations(root) == [0]  # a close is no claim: the next world still claims generation 1
+    assert fence.claim_after(root, "job", 1, "s1", (), parent=0) is not None
+    fence.mark_closed(root, fence.Closed(1, "job", 3.0))
+    assert fence.newest_closed(root) == fence.Closed(1, "job", 3.0)
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"generation": "x", "run_id": "job"}', "{}"])
+def test_a_torn_close_is_no_end_of_the_job(tmp_path: Path, text: str) -> None:
+    root = str(tmp_path)
+    fence.mark_closed(root, fence.Closed(2, "job"))
+    (tmp_path / fence.FENCE_DIR / "closed-000000000005.json").write_text(text)
+    assert fence.newest_closed(root) == fence.Closed(2, "job")  # the newest readable one
+
+
+def test_old_closes_are_pruned_with_their_claims(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    for g in range(fence.KEEP_CLAIMS + 3):
+        assert fence.claim(root, fence.Claim(g, "job", g, "s"))
+        fence.mark_closed(root, fence.Closed(g, "job"))
+    oldest = fence.generations(root)[0]
+    closes = sorted(p.name for p in (tmp_path / fence.FENCE_DIR).glob("closed-*"))
+    assert closes[0] == f"closed-{oldest:012d}.json"  # pruned with the claims older than the oldest kept
+    newest = fence.newest_closed(root)
+    assert newest is not None and newest.generation == fence.KEEP_CLAIMS + 2

@@ -13,7 +13,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastrain.env import RDZV_SECRET_FILE
 from elastrain.errors import RendezvousForgeryError, RendezvousSecretError, UsageError
-from elastrain.fence import Claim
+from elastrain.fence import Claim, Closed
 from elastrain.rendezvous import auth
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import RendezvousAuth, SignedStore
@@ -109,6 +109,16 @@ def test_a_claims_store_is_signed_for_its_job() -> None:
     assert Claim.from_json(claim.to_json()).store_mac == claim.store_mac
     assert not a.signed_store("10.6.6.6:1", claim.store_mac)  # the signature does not move to another store
     assert not RendezvousAuth(None, "job").signed_store(claim.store, claim.store_mac)
+
+
+def test_the_end_of_a_job_is_signed_for_its_job_and_generation() -> None:
+    a = RendezvousAuth(SECRET, "job")
+    mark = Closed(4, "job", 0.0, a.close_mac(4))
+    assert a.signed_close(mark.generation, Closed.from_json(mark.to_json()).mac)
+    assert not a.signed_close(5, mark.mac)  # not another generation's end
+    assert not RendezvousAuth(SECRET, "other").signed_close(4, mark.mac)  # nor another job's
+    assert not a.signed_close(4, a.store_mac("4"))  # nor a claim's signature
+    assert not RendezvousAuth(None, "job").signed_close(4, mark.mac)
 
 
 def test_the_store_torch_agent_sees_seals_values_and_refuses_forged_ones() -> None:

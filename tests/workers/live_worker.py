@@ -6,6 +6,7 @@ Lines (rank-tagged, parsed by tests/integration/test_live_regroup.py):
   LW_AGREED rank= ws= step= hash= regroups=
   LW_DONE  rank= step= samples= hash=
 With LW_CHECKPOINT_DIR=path: the Session's checkpoint_dir (the workers fence it: no --checkpoint-dir needed).
+With LW_BUILD_UNTIL_FILE=path: the build (before the Session) lasts until the file exists (120 s at most).
 With LW_STOP_FILE=path: once the file exists, it holds a step number at which every rank stops.
 With LW_STOP_AT_WS=W: every rank stops LW_EXTRA_STEPS steps after the world first reaches W workers.
 With LW_HANG_NODE=g, LW_HANG_AT_STEP=N: that node's worker sleeps LW_HANG_S in its first round's step N.
@@ -52,6 +53,10 @@ def main() -> None:
     hang_at = int(os.environ.get("LW_HANG_AT_STEP", "0"))
     hang_s = float(os.environ.get("LW_HANG_S", "60"))
     time.sleep(float(os.environ.get("LW_BUILD_S", "0")))  # a slow build (a big model, a dataset to read)
+    build_until = os.environ.get("LW_BUILD_UNTIL_FILE", "")
+    deadline = time.monotonic() + 120
+    while build_until and not os.path.exists(build_until) and time.monotonic() < deadline:
+        time.sleep(0.05)  # a build that ends when the test says (a node that joins late, on cue)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)

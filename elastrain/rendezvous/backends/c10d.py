@@ -122,6 +122,8 @@ class C10dStores:
         self.params = params
         self.run_id = str(params.run_id)
         self.root: str | None = None  # the checkpoint root, where the running job's store is published
+        self._closed_before: int | None = None
+        """The newest close of this job in the root when this node first looked (-1: none; None: unknown)."""
         self.timeout = read_timeout(params)
         self.auth = auth or RendezvousAuth(None, self.run_id)
         # Where this node listens when it hosts a store after a failover: its advertised address's interface.
@@ -135,6 +137,7 @@ class C10dStores:
         root = params.get("checkpoint_root", None)
         self.root = str(root) if root else None
         if root:
+            self._closed_before = self._newest_close(str(root), -1)
             published = self._published(str(root))
             if published is not None:
                 return published
@@ -191,6 +194,30 @@ class C10dStores:
             return None
         lifecycle("published_store_found", store=top.store, generation=top.generation)
         return store, False, top.store
+
+    def _newest_close(self, root: str, unknown: int | None) -> int | None:
+        """The generation of this job's newest close recorded in ``root`` (-1: none; ``unknown`` when unreadable)."""
+        try:
+            mark = fence.newest_closed(root)
+        except OSError as exc:
+            lifecycle("fence_read_failed", level=logging.WARNING, root=root, error=repr(exc)[:200])
+            return unknown
+        if mark is None or mark.run_id != self.run_id:
+            return -1
+        if self.auth.enabled and not self.auth.signed_close(mark.generation, mark.mac):
+            lifecycle("fence_close_untrusted", level=logging.WARNING, generation=mark.generation,
+                      why="it is not signed with the job's secret")  # fmt: skip
+            return -1
+        return mark.generation
+
+    def finished(self) -> bool:
+        """Whether this job closed since this node first looked: a close newer than the root's newest then. A later
+        run of the same command in the same folder finds the earlier run's close there when it starts, and is not
+        taken for a node of that run."""
+        if self.root is None or self._closed_before is None:
+            return False
+        newest = self._newest_close(self.root, None)
+        return newest is not None and newest > self._closed_before
 
     def _live(self, backend: RendezvousBackend) -> st.RendezvousState | None:
         """The state at ``backend`` when a live job's rendezvous runs there (opened with the job's secret)."""
