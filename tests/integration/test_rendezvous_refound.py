@@ -75,17 +75,26 @@ def params(port: int, root: Path, **conf: str) -> RendezvousParameters:
     )
 
 
+def newcomer_of(world_log: Path, generation: int, root: Path, **conf: str) -> ElastrainRendezvousHandler:
+    """Once the world of ``generation`` formed, a newcomer that finds its store (published with its claim)."""
+    formed = f"WORLD_FORMED {generation}"
+    wait_for(lambda: formed in world_log.read_text(), 60, what=f"the world to form: {world_log}")
+    newcomer = create_c10d_handler(params(free_port(), root, **conf))
+    assert isinstance(newcomer, ElastrainRendezvousHandler)
+    published = fence.newest(str(root))
+    assert published is not None and published.generation == generation
+    assert newcomer._store_address == published.store  # it came to join the running job
+    return newcomer
+
+
 def test_a_newcomer_whose_job_died_with_its_store_starts_it_over(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     world, log, _ = start_world(tmp_path)
     with reaped(world):
-        wait_for(lambda: "WORLD_FORMED 0" in log.read_text(), 60, what=f"the first world to form: {log}")
-        newcomer = create_c10d_handler(params(free_port(), tmp_path, refound_after="4", join_timeout="60"))
-        assert isinstance(newcomer, ElastrainRendezvousHandler)
+        newcomer = newcomer_of(log, 0, tmp_path, refound_after="4", join_timeout="60")
+        published = newcomer._store_address
         try:
-            published = fence.newest(str(tmp_path))
-            assert published is not None and newcomer._store_address == published.store  # joined the running job
             world.send_signal(signal.SIGKILL)  # the world dies with its store, before the newcomer joined a round
             world.wait(timeout=10)
             with caplog.at_level(logging.INFO, logger="elastrain"):
@@ -94,7 +103,7 @@ def test_a_newcomer_whose_job_died_with_its_store_starts_it_over(
             assert newcomer.generation == 1  # the next fencing generation: the dead world's claims are stale
             top = fence.newest(str(tmp_path))
             assert top is not None and top.generation == 1 and top.store == newcomer._store_address
-            assert newcomer._store_address != published.store
+            assert newcomer._store_address != published
             refounded = [r for r in caplog.records if "event=job_refounded" in r.getMessage()]
             assert len(refounded) == 1, [r.getMessage() for r in caplog.records]
             silent = float(refounded[0].getMessage().split("silent_s=")[1].split()[0])
@@ -108,13 +117,9 @@ def test_a_newcomer_whose_job_finished_before_it_joined_ends_with_it(
 ) -> None:
     world, log, finish = start_world(tmp_path)
     with reaped(world):
-        wait_for(lambda: "WORLD_FORMED 0" in log.read_text(), 60, what=f"the first world to form: {log}")
         # refound_after as long as the join: a newcomer that took the silent store for a dead job would hang here.
-        newcomer = create_c10d_handler(params(free_port(), tmp_path, refound_after="600", join_timeout="600"))
-        assert isinstance(newcomer, ElastrainRendezvousHandler)
+        newcomer = newcomer_of(log, 0, tmp_path, refound_after="600", join_timeout="600")
         try:
-            published = fence.newest(str(tmp_path))
-            assert published is not None and newcomer._store_address == published.store  # found the running job
             finish.touch()  # the job finishes before the newcomer joins a round (its workers were still warming)
             assert world.wait(timeout=30) == 0, log.read_text()
             assert "WORLD_CLOSED" in log.read_text()
@@ -139,13 +144,8 @@ def test_a_later_run_in_the_same_folder_is_not_taken_for_the_finished_one(tmp_pa
     # The same command again, in the same checkpoint folder: a new run of the job, under the next generation.
     again, log, _ = start_world(tmp_path, name="again")
     with reaped(again):
-        wait_for(lambda: "WORLD_FORMED 1" in log.read_text(), 60, what=f"the job to run again: {log}")
-        newcomer = create_c10d_handler(params(free_port(), tmp_path, refound_after="4", join_timeout="60"))
-        assert isinstance(newcomer, ElastrainRendezvousHandler)
+        newcomer = newcomer_of(log, 1, tmp_path, refound_after="4", join_timeout="60")  # of the second run
         try:
-            published = fence.newest(str(tmp_path))
-            assert published is not None and published.generation == 1
-            assert newcomer._store_address == published.store  # it came to join the second run
             again.send_signal(signal.SIGKILL)  # the second run dies with its store, without a close of its own
             again.wait(timeout=10)
             info = newcomer.next_rendezvous()  # the first run's close is not this run's end: it starts it over
@@ -162,11 +162,7 @@ def test_a_close_not_signed_with_the_jobs_secret_is_not_the_jobs_end(
     secret.chmod(0o600)
     world, log, _ = start_world(tmp_path, secret_file=str(secret))
     with reaped(world):
-        wait_for(lambda: "WORLD_FORMED 0" in log.read_text(), 60, what=f"the first world to form: {log}")
-        newcomer = create_c10d_handler(
-            params(free_port(), tmp_path, refound_after="4", join_timeout="60", secret_file=str(secret))
-        )
-        assert isinstance(newcomer, ElastrainRendezvousHandler)
+        newcomer = newcomer_of(log, 0, tmp_path, refound_after="4", join_timeout="60", secret_file=str(secret))
         try:
             world.send_signal(signal.SIGKILL)  # the job dies with its store; a forged close says it finished
             world.wait(timeout=10)
