@@ -173,9 +173,10 @@ class Fencing:
         return self._state.conn.connect_waiting(address, deadline)
 
     def mark_closed(self) -> None:
-        """The job finished in this node's world: record it beside the claims (every member writes the same mark;
-        the first stays), before the store's host leaves with the close, so that a node that came to join and
-        whose store then falls silent learns that the job is over (see ``StoreFactory.finished``)."""
+        """The job finished in this node's world (its workers succeeded): record it beside the claims (every member
+        writes the same mark; the first stays), before the rendezvous is closed and the store's host leaves with the
+        close, so that a node that came to join and whose store then falls silent learns that the job is over (see
+        ``StoreFactory.finished``)."""
         root, generation = self.root, self.generation
         if not root or generation is None:
             return

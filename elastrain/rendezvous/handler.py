@@ -180,6 +180,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         """The job is over for this node: close the rendezvous (as torch's handlers do) and stop beating."""
         self._beat.stop()
+        self._fencing.mark_closed()  # first: a node still warming when the store leaves learns that the job is over
         try:
             self._state.update(lambda cur: st.close(st.remove(cur, [self.node_id], st.Departure.FINISHED.value)))
         except RendezvousClosedError:
@@ -187,7 +188,6 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         except (RendezvousError, *STORE_ERRORS) as exc:
             lifecycle("rendezvous_close_failed", level=logging.WARNING, error=repr(exc)[:200])
             return False
-        self._fencing.mark_closed()  # a node still warming when the store leaves learns that the job is over
         if self._conn.hosted_here:  # the spares and joiners learn that the job is over, not that the store died
             linger_until_seen(self._beat, self._state, self.node_id, self._settings, self._quiet)
         return True

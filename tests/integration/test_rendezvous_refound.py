@@ -177,6 +177,23 @@ def test_a_close_not_signed_with_the_jobs_secret_is_not_the_jobs_end(
             newcomer.shutdown()
 
 
+def test_a_close_by_a_superseded_world_is_not_the_jobs_end(tmp_path: Path) -> None:
+    world, log, _ = start_world(tmp_path)
+    with reaped(world):
+        newcomer = newcomer_of(log, 0, tmp_path, refound_after="4", join_timeout="60")
+        try:
+            world.send_signal(signal.SIGKILL)  # the job dies with its store
+            world.wait(timeout=10)
+            # Generation 0's world "finished" after another world had claimed generation 1 (a stale world whose
+            # workers ran to their end): that is not the end of the job the newest claim belongs to.
+            assert fence.claim(str(tmp_path), fence.Claim(1, "refound", 1, ""))
+            assert fence.mark_closed(str(tmp_path), fence.Closed(0, "refound"))
+            info = newcomer.next_rendezvous()
+            assert (info.world_size, newcomer.generation) == (1, 2)  # started the job over, as for a dead job
+        finally:
+            newcomer.shutdown()
+
+
 LIVE_WORKER = str(Path(__file__).resolve().parents[1] / "workers" / "live_worker.py")
 
 

@@ -211,13 +211,20 @@ class C10dStores:
         return mark.generation
 
     def finished(self) -> bool:
-        """Whether this job closed since this node first looked: a close newer than the root's newest then. A later
-        run of the same command in the same folder finds the earlier run's close there when it starts, and is not
-        taken for a node of that run."""
+        """Whether this job closed since this node first looked: a close newer than the root's newest then, by the
+        newest world (a world superseded by a newer claim never ends the job). A later run of the same command in
+        the same folder finds the earlier run's close there when it starts, and is not taken for a node of it."""
         if self.root is None or self._closed_before is None:
             return False
-        newest = self._newest_close(self.root, None)
-        return newest is not None and newest > self._closed_before
+        closed = self._newest_close(self.root, None)
+        if closed is None or closed <= self._closed_before:
+            return False
+        try:
+            top = fence.newest(self.root)
+        except OSError as exc:
+            lifecycle("fence_read_failed", level=logging.WARNING, root=self.root, error=repr(exc)[:200])
+            return False
+        return top is None or top.generation <= closed
 
     def _live(self, backend: RendezvousBackend) -> st.RendezvousState | None:
         """The state at ``backend`` when a live job's rendezvous runs there (opened with the job's secret)."""
