@@ -225,13 +225,16 @@ class Connection:
         """
         if not self._stores.movable:
             return op()  # etcd: its client bounds every request and rides out outages (retry_timeout)
-        if self._wedged is not None and self._wedged is self.store:
+        store, address = self.store, self.address
+        if self._wedged is not None and self._wedged is store and not self.hosted_here:
             self._reconnect()
         try:
             return with_deadline(op, self._settings.store_op_timeout_s)
         except TimeoutError:
-            self._wedged = self.store
-            lifecycle("store_call_stuck", level=logging.WARNING, store=self.address,
+            # The store this call was stuck on: another thread may have moved to a successor meanwhile, and a
+            # store hosted here (its server lives in self.store) is never replaced by a client of it.
+            self._wedged = store
+            lifecycle("store_call_stuck", level=logging.WARNING, store=address,
                       waited_s=self._settings.store_op_timeout_s)  # fmt: skip
             raise
 

@@ -441,3 +441,58 @@ def test_a_store_call_into_a_network_cut_is_abandoned_and_later_calls_fail_fast(
     finally:
         hole.drop.clear()
         del master
+
+
+def test_a_call_stuck_on_a_store_left_meanwhile_never_replaces_the_store_hosted_here() -> None:
+    """A frozen store host (SIGSTOP): a heartbeat call stuck on its store times out *after* the main thread moved
+    the state onto a store this node hosts (failover). Only the store the call was stuck on counts as wedged: the
+    hosted one is never swapped for a client of it, which dropped its server (the node lost its own store, and the
+    job, with it: tests/e2e/test_membership.py's frozen node, seen once in the full suite)."""
+    from elastrain.rendezvous.backends.c10d import C10dBackend
+    from elastrain.rendezvous.connection import Connection
+    from elastrain.rendezvous.pacing import Throttled
+    from elastrain.rendezvous.settings import HandlerSettings
+
+    class Successors:
+        movable = True
+
+        def __init__(self) -> None:
+            self.reconnected: list[str] = []
+
+        def finished(self) -> bool:
+            return False
+
+        def failover(self, *args: object) -> None:
+            return None  # the main thread's failover below stands for it
+
+        def connect_to(self, address: str, timeout_s: float) -> tuple[C10dBackend, HashStore]:
+            self.reconnected.append(address)
+            store = HashStore()
+            return C10dBackend(store, "unit"), store
+
+    frozen, hosted = HashStore(), HashStore()
+    hosted.set("k", b"v")
+    stores = Successors()
+    conn = Connection(
+        C10dBackend(frozen, "unit"), frozen, "10.0.0.9:1", False, stores,  # type: ignore[arg-type]
+        HandlerSettings(store_op_timeout_s=0.5), "me", "", Throttled(),
+    )  # fmt: skip
+    conn.joined = True  # a member of the job
+    release = threading.Event()
+    stuck: list[BaseException] = []
+
+    def heartbeat() -> None:
+        try:
+            conn.call(lambda: release.wait(5))  # the frozen host does not answer
+        except TimeoutError as exc:
+            stuck.append(exc)
+
+    beat = threading.Thread(target=heartbeat)
+    beat.start()
+    with conn.lock:  # the failover, on the main thread: this node hosts the store now
+        conn.backend, conn.store, conn.address, conn.hosted_here = C10dBackend(hosted, "unit"), hosted, "me:2", True
+    beat.join(timeout=10)
+    release.set()
+    assert stuck, "the stuck call must time out"
+    assert conn.call(lambda: conn.store.get("k")) == b"v"  # the hosted store answers, untouched
+    assert conn.store is hosted and not stores.reconnected
