@@ -161,12 +161,12 @@ def test_stop_cont_kill_all_restart_all_gap_and_escapees(tmp_path):
                 {"at": 0.5, "action": "stop", "node": 1},
                 {"gap": 1.0, "action": "cont", "node": 1},
                 {"gap": 0.5, "action": "start", "node": 2},
-                {"gap": 0.5, "action": "kill_all"},
+                {"gap": 2.0, "action": "kill_all"},  # node 2 exits 3 before it, even on a loaded box
                 {"gap": 1.0, "action": "restart_all", "nodes": [0, 1]},
             ],
         }
     )
-    until = time.time() + 6.0
+    until = time.time() + 8.0
 
     def node_command(i: int) -> list[str]:
         return [sys.executable, str(script), str(i), str(until), str(pid_dir)]
@@ -184,7 +184,7 @@ def test_stop_cont_kill_all_restart_all_gap_and_escapees(tmp_path):
 
     fired = [e["t"] for e in result.timeline if e["action"] == "fired"]
     gaps = [b - a for a, b in itertools.pairwise(fired)]
-    assert fired[0] >= 0.5 and all(g >= want for g, want in zip(gaps, [1.0, 0.5, 0.5, 1.0], strict=True)), fired
+    assert fired[0] >= 0.5 and all(g >= want for g, want in zip(gaps, [1.0, 0.5, 2.0, 1.0], strict=True)), fired
     t = {e["action"]: e["t"] for e in result.timeline if e["action"] in ("stop", "cont", "kill_all", "restart_all")}
     # Node 1 wrote no heartbeat while it was stopped, and again after the cont.
     beats = sorted(float(x) for p in pid_dir.glob("1-*") for x in p.read_text().split())
