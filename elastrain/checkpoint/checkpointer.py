@@ -36,13 +36,14 @@ import os
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from elastrain.checkpoint.background import BackgroundSave
 from elastrain.checkpoint.dcp_io import (
     root_cause,
 )
@@ -142,8 +143,7 @@ class Checkpointer:
         self._writer = DcpWriter(
             self._stager, self.storage, self._io, self._commit, self._trigger, lambda: self.thread_count, self._log
         )
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastrain-ckpt")
-        self._inflight: Future[SaveResult] | None = None
+        self._inflight = BackgroundSave()
         self._loader = DcpLoader(
             self.root, self.storage, self.registry, self._commit, self._io, lambda: self.verify_checksums
         )
@@ -263,7 +263,7 @@ class Checkpointer:
                 return False
             self.last_result = result
         else:
-            self._inflight = self._executor.submit(self._writer.write_and_commit, job)
+            self._inflight.start(self._writer.write_and_commit, job)
         return True
 
     def _failed(self, e: BaseException) -> None:
@@ -283,30 +283,42 @@ class Checkpointer:
             self._failed(e)
 
     def _reap(self) -> None:
-        if self._inflight is not None and self._inflight.done():
-            fut, self._inflight = self._inflight, None
+        if self._inflight.finished() and (fut := self._inflight.take()) is not None:
             self._finish(fut)
 
     def wait(self) -> SaveResult | None:
         """Block until the in-flight save is committed; its result. Raises if it failed (see ``on_save_error``)."""
-        if self._inflight is not None:
-            fut, self._inflight = self._inflight, None
+        if (fut := self._inflight.take()) is not None:
             self._finish(fut)
             return self.last_result
         return None
 
-    def close(self) -> None:
-        """Finish the in-flight save (raising if it failed) and release threads and process groups."""
+    def close(self, give_up_after_s: float | None = None) -> None:
+        """Finish the in-flight save (raising if it failed) and release threads and process groups; a save still
+        running after ``give_up_after_s`` (the caller's world broke: it may wait on a member that is gone, which
+        gloo ends only at the I/O timeout) is given up: it writes and commits nothing more, and keeps its group."""
         if self._closed:
             return
         self._closed = True
+        given_up = None
         try:
             self._trigger.answer()  # a requested save whose hold never came (the loop ended at that step)
+            if give_up_after_s is not None and (given_up := self._inflight.give_up_after(give_up_after_s)):
+                self._log(
+                    "checkpoint_save_given_up",
+                    logging.WARNING,
+                    step=given_up.step,
+                    path=given_up.path,
+                    waited_s=give_up_after_s,
+                    why="its world broke while it waited on a member that is gone",
+                )
             self.wait()
         finally:
-            self._executor.shutdown(wait=True)
             self._stager.close()
-            self._io.destroy()
+            if given_up is not None:
+                self._io.abandon()
+            else:
+                self._io.destroy()
             self._sync.destroy()
 
     def __enter__(self) -> Checkpointer:

@@ -301,12 +301,19 @@ class _ChecksumStream:
         return bool(self._raw.closed)
 
 
-class _ChecksummingFs:
-    """Wraps a DCP writer's file system: every file it writes is checksummed on the way out."""
+class SaveGivenUpError(OSError):
+    """A save given up by its checkpointer (its world broke while the save waited on a member that is gone): it
+    creates no file from then on."""
 
-    def __init__(self, inner: Any) -> None:
+
+class _ChecksummingFs:
+    """Wraps a DCP writer's file system: every file it writes is checksummed on the way out, and none is created
+    once the save is given up (``given_up``)."""
+
+    def __init__(self, inner: Any, given_up: threading.Event | None = None) -> None:
         self._inner = inner
         self._lock = threading.Lock()
+        self._given_up = given_up
         self.written: dict[str, FileEntry] = {}
 
     def __getattr__(self, name: str) -> Any:
@@ -314,6 +321,8 @@ class _ChecksummingFs:
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
+        if "w" in mode and self._given_up is not None and self._given_up.is_set():
+            raise SaveGivenUpError(f"{path}: the save was given up (its world broke); not written")
         with self._inner.create_stream(path, mode) as raw:
             if "w" not in mode:
                 yield raw
@@ -330,8 +339,9 @@ class _ChecksummingFs:
                 self.written[str(new_path)] = self.written.pop(str(path))
 
 
-def writer_for(path: str, thread_count: int = 1) -> FileSystemWriter:
-    """A writer that refuses to write into an existing checkpoint and checksums what it writes."""
+def writer_for(path: str, thread_count: int = 1, given_up: threading.Event | None = None) -> FileSystemWriter:
+    """A writer that refuses to write into an existing checkpoint, checksums what it writes, and creates no file
+    once ``given_up`` is set."""
     writer: FileSystemWriter
     if is_url(path):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -341,7 +351,7 @@ def writer_for(path: str, thread_count: int = 1) -> FileSystemWriter:
         writer = FsspecWriter(path, thread_count=thread_count, overwrite=False, sync_files=False)
     else:
         writer = FileSystemWriter(path, thread_count=thread_count, overwrite=False)
-    writer.fs = cast(Any, _ChecksummingFs(writer.fs))
+    writer.fs = cast(Any, _ChecksummingFs(writer.fs, given_up))
     return writer
 
 

@@ -10,9 +10,10 @@ sidecar, and commits through :mod:`elastrain.checkpoint.commit`; then the save t
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,6 +58,9 @@ class SaveJob:
     defer_answer: bool = False  # the request it answers is told later (SaveTrigger.answer)
     stall_s: float = 0.0
     waited_at_start: float = 0.0
+    given_up: threading.Event = field(default_factory=threading.Event)
+    """Set when the checkpointer gave this save up (:meth:`Checkpointer.close` with a bound): it writes and commits
+    nothing more."""
 
 
 class DcpWriter:
@@ -118,7 +122,7 @@ class DcpWriter:
         step, path = job.step, job.path
         try:
             job.staged = self.stager.finish(job.staged, job.deferred)  # releases optimizer.step()
-            writer = writer_for(path, self.thread_count())
+            writer = writer_for(path, self.thread_count(), job.given_up)
             md = dcp_save(
                 job.staged,
                 storage_writer=writer,
@@ -130,6 +134,7 @@ class DcpWriter:
             raise save_error(path, step, root_cause(e)) from None
         finally:
             self.stager.release()
+        _refuse_if_given_up(job)
         error: str | None = None
         report: dict[str, layout.FileEntry] | None = None
         try:
@@ -141,6 +146,7 @@ class DcpWriter:
             error = f"{type(e).__name__}: {e}"
         expected = {str(info.relative_path) for info in (md.storage_data or {}).values()}
         expected |= {METADATA} | {sidecar_name(r) for r in range(self.world_size)}
+        _refuse_if_given_up(job)
         self.commit.commit(step, path, report, error, expected=expected)
         total = time.perf_counter() - job.t0
         # stall: the training thread inside save(); step_wait: optimizer.step() waiting for the staging copy.
@@ -152,3 +158,9 @@ class DcpWriter:
         current_at = time.time() if job.synchronous else job.captured_at
         self.trigger.committed(step, path, current_at, defer_answer=job.defer_answer)
         return SaveResult(step=step, path=path, stall_s=job.stall_s, total_s=total, step_wait_s=step_wait)
+
+
+def _refuse_if_given_up(job: SaveJob) -> None:
+    """A save its checkpointer gave up writes no sidecar and commits nothing (its world broke meanwhile)."""
+    if job.given_up.is_set():
+        raise save_error(job.path, job.step, "given up by its checkpointer (its world broke): not committed")

@@ -21,6 +21,7 @@ from elastrain import wire
 log = logging.getLogger(__name__)
 _exit_hook_registered = False
 _live_groups: weakref.WeakSet[Group] = weakref.WeakSet()
+_abandoned_groups: list[Group] = []
 
 
 def _destroy_process_groups_at_exit() -> None:
@@ -102,6 +103,13 @@ class Group:
         if self.pg is not None:
             dist.destroy_process_group(self.pg)
             self.pg = None
+
+    def abandon(self) -> None:
+        """Leave this group to a collective given up on (a broken world's save): never destroyed (its destructor
+        would wait for gloo's thread, held until the group's timeout), nor at exit; kept referenced until the
+        process ends, so that its last reference never goes on a gloo thread."""
+        _live_groups.discard(self)
+        _abandoned_groups.append(self)
 
 
 @contextmanager

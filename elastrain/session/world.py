@@ -38,6 +38,10 @@ from elastrain.session.runtime import Runtime
 from elastrain.step_flags import StepFlags
 from elastrain.train_state import TrainState
 
+GIVE_UP_SAVE_AFTER_S = 1.0
+"""How long a live worker leaving a broken world waits for its save in flight: the save can no longer commit (a
+member is gone), and gloo may hold one of its collectives until the I/O timeout (see ``Checkpointer.close``)."""
+
 
 class World:
     """The world-bound parts of one session, built by :meth:`enter` and dropped by :meth:`leave`."""
@@ -279,17 +283,19 @@ class World:
     def leave(self) -> None:
         """Drop everything bound to the current group: checkpointer (its save in flight is given up), DDP."""
         started = time.monotonic()
+        live = self.runtime.live
+        broken = live is not None and live.group.broken.is_set()
         if self.checkpointer is not None:
             checkpointer, self.checkpointer = self.checkpointer, None
             try:
-                checkpointer.close()
+                checkpointer.close(give_up_after_s=GIVE_UP_SAVE_AFTER_S if broken else None)
             except (ElastrainError, RuntimeError, dist.DistError) as exc:
                 lifecycle("checkpoint_abandoned", level=logging.WARNING, error=repr(exc)[:200])
         checkpointer_s = time.monotonic() - started
         self.runtime.unwrap()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.runtime.live is not None:
-            self.runtime.live.group.leave()
+        if live is not None:
+            live.group.leave()
         self.handover.give_up()
         lifecycle(
             "world_left",
