@@ -143,7 +143,7 @@ class Checkpointer:
         self._writer = DcpWriter(
             self._stager, self.storage, self._io, self._commit, self._trigger, lambda: self.thread_count, self._log
         )
-        self._inflight = BackgroundSave()
+        self._inflight = BackgroundSave(exit_wait_s=parts.env.io_timeout_s)
         self._loader = DcpLoader(
             self.root, self.storage, self.registry, self._commit, self._io, lambda: self.verify_checksums
         )

@@ -1,9 +1,10 @@
-"""checkpoint/checkpointer.py: a save whose world broke is given up within the caller's bound, and holds nothing.
+"""checkpoint/background.py: the save a checkpointer runs in the background, on its own daemon thread.
 
-Two real gloo ranks save together; rank 0 freezes itself (SIGSTOP) the moment its ``save()`` returns, as a node
-frozen mid-save does, so rank 1's save waits in a DCP collective that gloo ends only at the I/O timeout (600 s).
-``close(give_up_after_s=...)`` must return within its bound, log the save as given up, write and commit nothing
-more, and the process must end at once (the save's thread never holds its exit).
+A save whose world broke is given up within the caller's bound, and holds nothing: two real gloo ranks save
+together; rank 0 freezes itself (SIGSTOP) the moment its ``save()`` returns, as a node frozen mid-save does, so
+rank 1's save waits in a DCP collective that gloo ends only at the I/O timeout (600 s). ``close(give_up_after_s=...)``
+must return within its bound, log the save as given up, write and commit nothing more, and the process must end at
+once (the save's thread never holds its exit). A save not given up still ends before the process does.
 """
 
 from __future__ import annotations
@@ -81,6 +82,28 @@ def test_a_save_waiting_on_a_frozen_member_is_given_up_and_never_holds_the_proce
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=BOUND)
+
+
+EXIT_SCRIPT = """
+import sys
+import torch
+from elastrain.checkpoint import Checkpointer
+
+model = torch.nn.Linear(2048, 2048)
+ckpt = Checkpointer(sys.argv[1], interval_steps=None)
+ckpt.register(model=model)
+ckpt.save(1)  # in the background; the script ends without wait() or close()
+print("SAVE_STARTED", flush=True)
+"""
+
+
+def test_a_script_that_ends_without_closing_still_commits_its_save_in_flight(tmp_path: Path) -> None:
+    """A daemon thread would die with the process: the exit waits for the save (bounded), as a pool's did."""
+    root = tmp_path / "ckpt"
+    cmd = [sys.executable, "-c", textwrap.dedent(EXIT_SCRIPT), str(root)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=worker_env(), timeout=BOUND)
+    assert out.returncode == 0 and "SAVE_STARTED" in out.stdout, out.stdout + out.stderr
+    assert (root / layout.step_dir_name(1) / layout.MARKER).exists(), out.stdout + out.stderr
 
 
 def _stopped(pid: int) -> bool:
