@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -20,7 +19,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from elastrain.checkpoint.dcp_write import SaveJob, SaveResult
 from elastrain.log import lifecycle
 
-_in_flight: weakref.WeakSet[BackgroundSave] = weakref.WeakSet()
+_in_flight: set[BackgroundSave] = set()  # held here too: a checkpointer dropped unclosed is still waited for
 
 
 class BackgroundSave:

@@ -134,6 +134,7 @@ class DcpWriter:
             raise save_error(path, step, root_cause(e)) from None
         finally:
             self.stager.release()
+            job.staged, job.deferred = {}, {}  # written (or failed): the staged copies are not needed any more
         _refuse_if_given_up(job)
         error: str | None = None
         report: dict[str, layout.FileEntry] | None = None
