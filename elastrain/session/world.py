@@ -281,7 +281,7 @@ class World:
             self.records.events.record("checkpoint", step=self.state.step, reason="regroup")
 
     def leave(self) -> None:
-        """Drop everything bound to the current group: checkpointer (its save in flight is given up), DDP."""
+        """Drop everything bound to the current group: checkpointer (a broken world's save: given up after 1 s), DDP."""
         started = time.monotonic()
         live = self.runtime.live
         broken = live is not None and live.group.broken.is_set()
