@@ -174,7 +174,12 @@ def test_twelve_of_sixteen_vanish_together_and_the_four_survivors_form_their_rou
 
 
 class CountingBackend(C10dRendezvousBackend):
-    """torch's c10d backend that counts the compare-and-sets that changed the state."""
+    """torch's c10d backend that counts the compare-and-sets that changed the state.
+
+    torch reports a compare-and-set as done when the stored value equals the one asked for, even if it was
+    already there: two nodes that fold the same keys into the same state at once both see success, though the
+    state changed once. Calls are serialized here so that the value before each one is known exactly.
+    """
 
     def __init__(self, store: HashStore, run_id: str) -> None:
         super().__init__(store, run_id)
@@ -182,9 +187,10 @@ class CountingBackend(C10dRendezvousBackend):
         self._count = threading.Lock()
 
     def set_state(self, state: bytes, token: object | None = None) -> tuple[bytes, object, bool] | None:
-        got = super().set_state(state, token)
-        if got is not None and got[2]:
-            with self._count:
+        with self._count:
+            before = self.get_state()
+            got = super().set_state(state, token)
+            if got is not None and got[2] and (before is None or before[0] != state):
                 self.writes += 1
         return got
 
