@@ -246,7 +246,9 @@ class Session:
             self.world.checkpointer.hold_if_requested()  # for the restart a requested save announced
         live = self.live
         if live is not None:
-            if regroup_due(self._flags.agreed(), live.pending_notice(), self.world_size):
+            # A move since the last step (from inside its save, say): its sync's agreement was the left world's.
+            agreed = None if self.moves.moved else self._flags.agreed()
+            if regroup_due(agreed, live.pending_notice(), self.world_size):
                 # An announced change (a node joins, or leaves before our collective broke).
                 self.moves.regroup(self.env, None, wait=True)
             self.moves.collect_garbage()

@@ -123,7 +123,8 @@ class LiveMoves:
         self.state = state
         self.enter = enter
         self.moved = False
-        """A move since the last :meth:`collect_garbage`: the replaced DDP wrapper may still be referenced."""
+        """A move since the last :meth:`collect_garbage` (the next step's start): the replaced DDP wrapper may still
+        be referenced, and the last step's agreed flags were agreed by the world left (its regroup is made)."""
 
     def collective_broke(self, env: WorkerEnv, exc: BaseException, step: Step | None, group_error: bool) -> None:
         """A collective failed: in live mode, regroup (giving ``step`` up), else raise ``exc``.
