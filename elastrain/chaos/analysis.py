@@ -146,6 +146,9 @@ def segments(
         if "segment" not in e or "time" not in e:
             continue  # an agent's event, not a world's
         token = str(e["segment"])
+        if e["event"] == "stop" and token in spans:
+            continue  # a worker that ends without a save does no work then: a frozen member of a world that was
+            # superseded meanwhile logs it long after its world's last step (T5 soak, seed 91127)
         touch(token, float(e["time"]), e.get("step") if isinstance(e.get("step"), int) else None)
         if e["event"] == "start":
             seg = spans[token]

@@ -22,6 +22,7 @@ from elastrain.log import lifecycle
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous import trust
 from elastrain.rendezvous.auth import RendezvousAuth
+from elastrain.rendezvous.connection import WinnerGone
 from elastrain.rendezvous.pacing import Backoff, Throttled
 from elastrain.rendezvous.rounds import RoundLost, Superseded
 from elastrain.rendezvous.settings import HandlerSettings
@@ -171,6 +172,20 @@ class Fencing:
                 "(--rdzv-conf secret_file=PATH) so that only the job's nodes can write its rendezvous"
             )
         return self._state.conn.connect_waiting(address, deadline)
+
+    def revive(self, gone: WinnerGone) -> None:
+        """The world this node's lineage lost to is gone whole (nothing listens at its store): lift this lineage's
+        tombstone (if it has one) so that the next round claims the job's next free generation afresh, and
+        trains on from the newest checkpoint; the claim joins instead a store published meanwhile that answers."""
+        lifecycle(
+            "winner_gone",
+            level=logging.WARNING,
+            node=self._node_id,
+            store=gone.address,
+            refused_s=round(gone.refused_s, 1),
+            why="its store refused every connection for refound_after",
+        )
+        self._state.update(lambda cur: st.revive(cur, gone.address))
 
     def mark_closed(self) -> None:
         """The job finished in this node's world (its workers succeeded): record it beside the claims (every member

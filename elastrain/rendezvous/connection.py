@@ -28,6 +28,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from elastrain.errors import RendezvousError, RendezvousStoreLostError
 from elastrain.log import lifecycle
+from elastrain.rendezvous import liveness
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.pacing import Backoff, Throttled
 from elastrain.rendezvous.settings import HandlerSettings
@@ -40,6 +41,16 @@ STORE_ERRORS = (DistError, RendezvousConnectionError, TimeoutError, ConnectionEr
 
 class StoreSwitched(Exception):
     """The state store moved to a successor; the operation restarts on the new one."""
+
+
+class WinnerGone(Exception):
+    """Nothing has listened at the winning world's store for ``refound_after``: its host's process is gone (every
+    connection refused, not merely unanswered), and no node of that world published another store since."""
+
+    def __init__(self, address: str, refused_s: float) -> None:
+        super().__init__(f"the winning world's store at {address} has refused connections for {refused_s:.1f}s")
+        self.address = address
+        self.refused_s = refused_s
 
 
 class StoreFactory(Protocol):
@@ -161,6 +172,8 @@ class Connection:
         self._wedged: object | None = None
         self._next_reconnect = 0.0
         self._reconnect_pause = 0.0
+        self._refused_since: dict[str, float] = {}
+        """Winning worlds' stores (``host:port``) whose every connection was refused since then (monotonic)."""
 
     @property
     def movable(self) -> bool:
@@ -305,27 +318,59 @@ class Connection:
 
     def answers(self, address: str) -> bool:
         """Whether a live job's rendezvous answers at ``address`` (never, for a store that does not move)."""
-        try:
-            return self._stores.answers(address, self._settings.store_lost_timeout_s)
+        stores, timeout = self._stores, self._settings.store_lost_timeout_s
+        try:  # bounded: a client of a frozen host's store waits in its handshake forever
+            return with_deadline(lambda: stores.answers(address, timeout), self._settings.store_op_timeout_s)
         except STORE_ERRORS as exc:
             lifecycle("store_probe_failed", level=logging.INFO, address=address, error=repr(exc)[:120])
             return False
 
     def vouches(self, address: str) -> set[str]:
         """The node addresses of the live job whose store answers at ``address`` (empty if none does)."""
-        return self._stores.vouches(address, self._settings.store_lost_timeout_s)
+        stores, timeout = self._stores, self._settings.store_lost_timeout_s
+        try:
+            return with_deadline(lambda: stores.vouches(address, timeout), self._settings.store_op_timeout_s)
+        except TimeoutError as exc:
+            lifecycle("store_probe_failed", level=logging.INFO, address=address, error=repr(exc)[:120])
+            return set()
 
     def connect_waiting(self, address: str, deadline: float) -> tuple[RendezvousBackend, Store]:
-        """Connect to the store at ``address`` (the winning world's), retrying until ``deadline``."""
+        """Connect to the store at ``address`` (the winning world's), retrying until ``deadline``.
+
+        Raises :class:`WinnerGone` once that store has refused every connection for ``refound_after`` (counted
+        across calls): its host's process is gone, and with it the world that won (a world whose host died but
+        whose other nodes live fails over and publishes its new store with its next claim within that time). A
+        store that is merely silent (a host frozen, cut off or taken away) is waited for until ``deadline``: a
+        node on the cut-off side of a partition must not start over and fence a live world.
+        """
+        stores, timeout = self._stores, self._settings.store_lost_timeout_s
+
+        def connect() -> tuple[RendezvousBackend, Store]:
+            return stores.connect_to(address, timeout)
+
         backoff = Backoff(0.5, 5.0)
         while True:
-            try:
-                return self._stores.connect_to(address, self._settings.store_lost_timeout_s)
+            try:  # bounded: a client of a frozen host's store waits in its handshake forever
+                got = with_deadline(connect, self._settings.store_op_timeout_s)
             except STORE_ERRORS as exc:
-                lifecycle("redirect_waiting", level=logging.WARNING, store=address, error=repr(exc)[:120])
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                host, _, port = address.rpartition(":")
+                if port.isdigit() and liveness.refused({address: (host.strip("[]"), int(port))}, 0.5):
+                    since = self._refused_since.setdefault(address, now)
+                else:
+                    since = None
+                    self._refused_since.pop(address, None)
+                refused_s = 0.0 if since is None else now - since
+                lifecycle("redirect_waiting", level=logging.WARNING, store=address, refused_s=round(refused_s, 1),
+                          error=repr(exc)[:120])  # fmt: skip
+                if refused_s >= self._settings.refound_after_s:
+                    raise WinnerGone(address, refused_s) from exc
+                if now > deadline:
                     raise RendezvousTimeoutError(f"the winning world's store at {address} did not answer") from exc
                 backoff.sleep()
+            else:
+                self._refused_since.pop(address, None)
+                return got
 
     def switch(self, backend: RendezvousBackend, store: Store, address: str) -> None:
         """Talk to another world's store from now on (hosted elsewhere); call with :attr:`lock` held."""

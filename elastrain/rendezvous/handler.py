@@ -48,7 +48,14 @@ from elastrain.rendezvous import liveness, trust
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import RendezvousAuth, SignedStore
 from elastrain.rendezvous.claim import Fencing
-from elastrain.rendezvous.connection import STORE_ERRORS, Connection, FixedStores, StoreFactory, StoreSwitched
+from elastrain.rendezvous.connection import (
+    STORE_ERRORS,
+    Connection,
+    FixedStores,
+    StoreFactory,
+    StoreSwitched,
+    WinnerGone,
+)
 from elastrain.rendezvous.heartbeat import Heartbeat, linger_until_seen
 from elastrain.rendezvous.history import RoundHistory
 from elastrain.rendezvous.pacing import Backoff, Throttled
@@ -153,8 +160,20 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         return RendezvousInfo(store, rank, len(state.members), bootstrap)
 
     def _redirect(self, address: str, deadline: float) -> None:
-        """Leave this lineage's store for ``address`` (the winning world's), retrying until ``deadline``."""
-        backend, store = self._fencing.connect_winner(address, deadline)
+        """Leave this lineage's store for ``address`` (the winning world's), retrying until ``deadline``; once that
+        world is gone whole (nothing listens at its store), start this lineage over on its own store instead."""
+        try:
+            backend, store = self._fencing.connect_winner(address, deadline)
+        except WinnerGone as gone:
+            with self._conn.lock:
+                self._beat.forget()
+                self._fencing.forget()
+            self._history.redirected()  # its world lost the claim: the winner trained on (its newest checkpoint)
+            try:
+                self._fencing.revive(gone)
+            except (StoreSwitched, *STORE_ERRORS) as exc:  # the next round's forming meets it again
+                self._quiet.log("rendezvous_store_failed", exc, node=self.node_id)
+            return
         with self._conn.lock:
             self._conn.switch(backend, store, address)
             self._beat.forget()

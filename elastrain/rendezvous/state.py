@@ -21,7 +21,8 @@ fresh state. The rules:
   every decision that looks at ``joining`` for a member's re-join has already seen the round end.
 * ``generation`` is the fencing token this lineage's current world claimed in the checkpoint root
   (:mod:`elastrain.fence`); ``superseded_by`` is a tombstone: another world won the claim,
-  and every node of this lineage must leave it for that world's store.
+  and every node of this lineage must leave it for that world's store; when nothing listens there any more
+  (that world died whole), the lineage starts over (:func:`revive`).
 * A member that dies, freezes or leaves is recorded in ``departed``; the live members see it and
   re-join at once. Liveness comes from per-node heartbeat counters that *observers* judge with their
   own monotonic clock (:class:`Observations`), so clock skew between machines cannot evict anyone, and
@@ -405,6 +406,19 @@ def record_generation(state: RendezvousState, round_: int, generation: int) -> R
 def supersede(state: RendezvousState, store: str) -> RendezvousState:
     """Another world won the claim: tombstone this lineage and point its nodes at ``store``."""
     return replace(state, superseded_by=store or "unknown")
+
+
+def revive(state: RendezvousState, store: str) -> RendezvousState | None:
+    """The world this lineage's tombstone points at (``store``) is gone: lift the tombstone and start over.
+
+    The state keeps its round number (the next round's keys in the store stay apart from every earlier round's)
+    and its store's host; it forgets the lineage's members, joiners and generation, so that every node joins
+    anew and the next round's leader claims the job's next free generation as a fresh world does. ``None``
+    when the state is closed or its tombstone points elsewhere (or was lifted already).
+    """
+    if state.closed or not store or state.superseded_by != store:
+        return None
+    return RendezvousState(round=state.round, store_host=state.store_host)
 
 
 @dataclass(frozen=True)

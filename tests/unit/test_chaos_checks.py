@@ -181,6 +181,21 @@ def test_agent_events_without_a_segment_are_not_worlds(tmp_path):
     assert (seg.token, seg.start, seg.end, seg.round) == ("s", 2.0, 2.0, 4)
 
 
+def test_a_stop_logged_late_by_a_superseded_worker_is_not_training(tmp_path):
+    """A member frozen right after its world's last step thaws after the survivor trained on in a world of its own,
+    waits for a notice that never comes, and logs ``stop`` (an exit without a save) long after: its world's span
+    ends at its last step; a step it made then would still be an overlap."""
+    events, metrics = tmp_path / "events.jsonl", tmp_path / "metrics.jsonl"
+    append_json_line(events, {"time": 0.0, "event": "start", "pid": 1, "segment": "old", "world_size": 2})
+    append_json_line(metrics, {"kind": "point", "segment": "old", "step": 68, "time": 1.0, "values": {}})
+    append_json_line(metrics, {"kind": "point", "segment": "new", "step": 69, "time": 2.0, "values": {}})
+    append_json_line(events, {"time": 70.0, "event": "stop", "pid": 1, "segment": "old", "step": 68})
+    spans = segments(events, metrics)
+    assert check_one_world(spans).ok and [s.end for s in spans] == [1.0, 2.0]
+    append_json_line(metrics, {"kind": "point", "segment": "old", "step": 69, "time": 3.0, "values": {}})
+    assert not check_one_world(segments(events, metrics)).ok
+
+
 # -- checkpoints -------------------------------------------------------------------------------------
 def make_step(
     root: Path, step: int, world_size: int = 2, state_step: int | None = None, commit: bool = True, generation=None

@@ -380,3 +380,37 @@ def test_the_pulse_tells_a_freeze_as_long_as_a_heartbeat_timeout_from_a_late_wak
     pulse.woke(108.0)  # frozen for 6 s
     assert pulse.silent_since(100.0, 108.0) and not pulse.silent_since(108.0, 108.1)
     assert pulse.silent_since(108.0, 113.5)  # due since 108.25 and not awake: a process not yet thawed
+
+
+def _tombstoned() -> st.RendezvousState:
+    s = st.record_generation(st.join(formed("a", "b"), "c", INFO), 0, 3)
+    assert s is not None
+    return st.supersede(replace(s, store_host="a"), "10.0.0.2:4000")
+
+
+@pytest.mark.parametrize(
+    ("state", "store", "revived"),
+    [
+        (_tombstoned(), "10.0.0.2:4000", True),  # the winner this lineage points at is gone: start over
+        (_tombstoned(), "10.0.0.9:4000", False),  # a tombstone pointing at another (newer) winner stands
+        (_tombstoned(), "", False),
+        (formed("a", "b"), "10.0.0.2:4000", False),  # no tombstone (lifted already): nothing to do
+        (st.close(_tombstoned()), "10.0.0.2:4000", False),  # a finished job stays finished
+    ],
+)
+def test_revive_lifts_only_the_tombstone_of_the_gone_winner(
+    state: st.RendezvousState, store: str, revived: bool
+) -> None:
+    new = st.revive(state, store)
+    assert (new is not None) is revived
+    if new is None:
+        return
+    # The round number and the store's host stay; the lineage's members and its generation are forgotten, so the
+    # next round forms from fresh joins and its leader claims a fresh generation.
+    assert (new.round, new.store_host) == (state.round, state.store_host)
+    assert (new.superseded_by, new.generation, new.generation_round) == ("", -1, -1)
+    assert new.members == new.joining == () and not new.nodes and not new.departed
+    assert st.change_for(new, "a", state.round, 4) is not None  # a member of the old lineage re-joins
+    again = st.complete(joined("b", "a", base=new), max_nodes=4)
+    assert again.round == state.round + 1 and again.members == ("b", "a") and again.majority
+    assert st.revive(new, store) is None  # a second node that gave up on the same winner changes nothing

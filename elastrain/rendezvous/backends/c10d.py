@@ -36,7 +36,7 @@ from elastrain.log import lifecycle
 from elastrain.rendezvous import liveness
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import RendezvousAuth
-from elastrain.rendezvous.connection import STORE_ERRORS
+from elastrain.rendezvous.connection import STORE_ERRORS, with_deadline
 from elastrain.rendezvous.handler import ElastrainRendezvousHandler
 from elastrain.rendezvous.trust import host_of
 
@@ -180,7 +180,7 @@ class C10dStores:
             return None
         try:
             host, port = _split(top.store)
-            store = TCPStore(host, port, is_master=False, timeout=self.timeout)
+            store = self.connect(host, port, self.timeout.total_seconds())
             state = self._live(self.backend(store))
             if state is None:
                 return None
@@ -239,7 +239,10 @@ class C10dStores:
         return binding.tcp_store_server(self.addr, port, self.timeout)
 
     def connect(self, addr: str, port: int, timeout_s: float) -> TCPStore:
-        return TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        """A client of the store at ``addr:port``; TimeoutError after ``timeout_s`` and a second (the client's own
+        handshake with a frozen host's store never ends: it is left blocked in a daemon thread)."""
+        timeout = timedelta(seconds=timeout_s)
+        return with_deadline(lambda: TCPStore(addr, port, is_master=False, timeout=timeout), timeout_s + 1.0)
 
     def backend(self, store: Store) -> RendezvousBackend:
         return C10dBackend(store, self.run_id)
