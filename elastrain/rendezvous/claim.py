@@ -22,7 +22,7 @@ from elastrain.log import lifecycle
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous import trust
 from elastrain.rendezvous.auth import RendezvousAuth
-from elastrain.rendezvous.connection import WinnerGone
+from elastrain.rendezvous.connection import STORE_ERRORS, StoreSwitched, WinnerGone
 from elastrain.rendezvous.pacing import Backoff, Throttled
 from elastrain.rendezvous.rounds import RoundLost, Superseded
 from elastrain.rendezvous.settings import HandlerSettings
@@ -173,19 +173,30 @@ class Fencing:
             )
         return self._state.conn.connect_waiting(address, deadline)
 
-    def revive(self, gone: WinnerGone) -> None:
-        """The world this node's lineage lost to is gone whole (nothing listens at its store): lift this lineage's
-        tombstone (if it has one) so that the next round claims the job's next free generation afresh, and
-        trains on from the newest checkpoint; the claim joins instead a store published meanwhile that answers."""
-        lifecycle(
-            "winner_gone",
-            level=logging.WARNING,
-            node=self._node_id,
-            store=gone.address,
-            refused_s=round(gone.refused_s, 1),
-            why="its store refused every connection for refound_after",
-        )
-        self._state.update(lambda cur: st.revive(cur, gone.address))
+    def follow(self, address: str, deadline: float) -> tuple[RendezvousBackend, Store] | None:
+        """Connect to the winning world's store at ``address`` (retrying until ``deadline``); None once that world is
+        gone whole (nothing listens there: :class:`WinnerGone`), after lifting this lineage's tombstone, so that its
+        next round claims the job's next free generation afresh and trains on from the newest checkpoint (or joins a
+        store published meanwhile that answers)."""
+        try:
+            got = self.connect_winner(address, deadline)
+        except WinnerGone as gone:
+            store, refused_s = gone.address, gone.refused_s
+            lifecycle(
+                "winner_gone",
+                level=logging.WARNING,
+                node=self._node_id,
+                store=store,
+                refused_s=round(refused_s, 1),
+                why="its store refused every connection for refound_after",
+            )
+            try:
+                self._state.update(lambda cur: st.revive(cur, store))
+            except (StoreSwitched, *STORE_ERRORS) as exc:  # the next round's forming meets the store again
+                self._quiet.log("rendezvous_store_failed", exc, node=self._node_id)
+            return None
+        lifecycle("redirected", node=self._node_id, store=address)
+        return got
 
     def mark_closed(self) -> None:
         """The job finished in this node's world (its workers succeeded): record it beside the claims (every member

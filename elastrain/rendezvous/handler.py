@@ -48,14 +48,7 @@ from elastrain.rendezvous import liveness, trust
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import RendezvousAuth, SignedStore
 from elastrain.rendezvous.claim import Fencing
-from elastrain.rendezvous.connection import (
-    STORE_ERRORS,
-    Connection,
-    FixedStores,
-    StoreFactory,
-    StoreSwitched,
-    WinnerGone,
-)
+from elastrain.rendezvous.connection import STORE_ERRORS, Connection, FixedStores, StoreFactory, StoreSwitched
 from elastrain.rendezvous.heartbeat import Heartbeat, linger_until_seen
 from elastrain.rendezvous.history import RoundHistory
 from elastrain.rendezvous.pacing import Backoff, Throttled
@@ -160,26 +153,14 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         return RendezvousInfo(store, rank, len(state.members), bootstrap)
 
     def _redirect(self, address: str, deadline: float) -> None:
-        """Leave this lineage's store for ``address`` (the winning world's), retrying until ``deadline``; once that
-        world is gone whole (nothing listens at its store), start this lineage over on its own store instead."""
-        try:
-            backend, store = self._fencing.connect_winner(address, deadline)
-        except WinnerGone as gone:
-            with self._conn.lock:
-                self._beat.forget()
-                self._fencing.forget()
-            self._history.redirected()  # its world lost the claim: the winner trained on (its newest checkpoint)
-            try:
-                self._fencing.revive(gone)
-            except (StoreSwitched, *STORE_ERRORS) as exc:  # the next round's forming meets it again
-                self._quiet.log("rendezvous_store_failed", exc, node=self.node_id)
-            return
+        """Follow the winning world to its store at ``address``, or start this lineage over (:meth:`Fencing.follow`)."""
+        got = self._fencing.follow(address, deadline)
         with self._conn.lock:
-            self._conn.switch(backend, store, address)
+            if got is not None:
+                self._conn.switch(*got, address)
             self._beat.forget()
             self._fencing.forget()
         self._history.redirected()  # its world lost the claim: another one trained on
-        lifecycle("redirected", node=self.node_id, store=address)
 
     def is_closed(self) -> bool:
         return self._state.read().closed
