@@ -28,7 +28,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from elastrain.errors import RendezvousError, RendezvousStoreLostError
 from elastrain.log import lifecycle
-from elastrain.rendezvous import liveness
+from elastrain.rendezvous import liveness, trust
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.pacing import Backoff, Throttled
 from elastrain.rendezvous.settings import HandlerSettings
@@ -318,21 +318,15 @@ class Connection:
 
     def answers(self, address: str) -> bool:
         """Whether a live job's rendezvous answers at ``address`` (never, for a store that does not move)."""
-        stores, timeout = self._stores, self._settings.store_lost_timeout_s
-        try:  # bounded: a client of a frozen host's store waits in its handshake forever
-            return with_deadline(lambda: stores.answers(address, timeout), self._settings.store_op_timeout_s)
+        try:
+            return self._stores.answers(address, self._settings.store_lost_timeout_s)
         except STORE_ERRORS as exc:
             lifecycle("store_probe_failed", level=logging.INFO, address=address, error=repr(exc)[:120])
             return False
 
     def vouches(self, address: str) -> set[str]:
         """The node addresses of the live job whose store answers at ``address`` (empty if none does)."""
-        stores, timeout = self._stores, self._settings.store_lost_timeout_s
-        try:
-            return with_deadline(lambda: stores.vouches(address, timeout), self._settings.store_op_timeout_s)
-        except TimeoutError as exc:
-            lifecycle("store_probe_failed", level=logging.INFO, address=address, error=repr(exc)[:120])
-            return set()
+        return self._stores.vouches(address, self._settings.store_lost_timeout_s)
 
     def connect_waiting(self, address: str, deadline: float) -> tuple[RendezvousBackend, Store]:
         """Connect to the store at ``address`` (the winning world's), retrying until ``deadline``.
@@ -343,19 +337,13 @@ class Connection:
         store that is merely silent (a host frozen, cut off or taken away) is waited for until ``deadline``: a
         node on the cut-off side of a partition must not start over and fence a live world.
         """
-        stores, timeout = self._stores, self._settings.store_lost_timeout_s
-
-        def connect() -> tuple[RendezvousBackend, Store]:
-            return stores.connect_to(address, timeout)
-
         backoff = Backoff(0.5, 5.0)
         while True:
-            try:  # bounded: a client of a frozen host's store waits in its handshake forever
-                got = with_deadline(connect, self._settings.store_op_timeout_s)
+            try:
+                got = self._stores.connect_to(address, self._settings.store_lost_timeout_s)
             except STORE_ERRORS as exc:
                 now = time.monotonic()
-                host, _, port = address.rpartition(":")
-                if port.isdigit() and liveness.refused({address: (host.strip("[]"), int(port))}, 0.5):
+                if liveness.refused({address: trust.split_address(address)}, 0.5):
                     since = self._refused_since.setdefault(address, now)
                 else:
                     since = None

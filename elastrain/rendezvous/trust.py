@@ -89,6 +89,12 @@ class StandIn:
         raise exc
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as (host, port); ValueError when the port is not a number."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
 def host_of(address: str) -> str:
     """The host of ``host:port`` (``[v6]:port`` too)."""
     host, sep, port = address.rpartition(":")

@@ -38,7 +38,7 @@ from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import RendezvousAuth
 from elastrain.rendezvous.connection import STORE_ERRORS, with_deadline
 from elastrain.rendezvous.handler import ElastrainRendezvousHandler
-from elastrain.rendezvous.trust import host_of
+from elastrain.rendezvous.trust import host_of, split_address
 
 DEFAULT_PORT = 29400
 # Store operations on a frozen host fail after this long (torch's default, 60 s, would stall everyone).
@@ -48,11 +48,6 @@ STORE_LOST_HINT = (
     "the node hosting the embedded c10d store (--rdzv-endpoint) is gone and no surviving node could take the "
     "store over; for jobs that must survive any node, run an etcd server and use --rdzv-backend etcd-v3"
 )
-
-
-def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 def parse_endpoint(endpoint: str | None) -> tuple[str, int]:
@@ -160,7 +155,7 @@ class C10dStores:
                 if cfg_is_host:
                     raise
         try:
-            return TCPStore(host, port, is_master=False, timeout=self.timeout), False, f"{host}:{port}"
+            return self.connect(host, port, self.timeout.total_seconds()), False, f"{host}:{port}"
         except (RuntimeError, ValueError, TimeoutError) as exc:
             raise RendezvousStoreLostError(
                 f"cannot reach the c10d rendezvous store at {params.endpoint} ({exc}); check --rdzv-endpoint"
@@ -179,7 +174,7 @@ class C10dStores:
                       why="its store is not signed with the job's secret")  # fmt: skip
             return None
         try:
-            host, port = _split(top.store)
+            host, port = split_address(top.store)
             store = self.connect(host, port, self.timeout.total_seconds())
             state = self._live(self.backend(store))
             if state is None:
@@ -249,8 +244,8 @@ class C10dStores:
 
     # -- what the handler asks of a node-hosted store ---------------------------------------------
     def connect_to(self, address: str, timeout_s: float) -> tuple[RendezvousBackend, Store]:
-        host, port = _split(address)
-        store = TCPStore(host, port, is_master=False, timeout=self.timeout)
+        host, port = split_address(address)
+        store = self.connect(host, port, self.timeout.total_seconds())
         return self.backend(store), store
 
     def refound(self) -> tuple[RendezvousBackend, Store, str, bool]:
@@ -258,7 +253,7 @@ class C10dStores:
         return self.backend(store), store, address, hosts
 
     def answers(self, address: str, timeout_s: float) -> bool:
-        host, port = _split(address)
+        host, port = split_address(address)
         try:
             store = self.connect(host, port, timeout_s)
             return self._live(self.backend(store)) is not None
@@ -267,7 +262,7 @@ class C10dStores:
 
     def vouches(self, address: str, timeout_s: float) -> set[str]:
         """The addresses of the nodes of the live job whose store answers at ``address`` (empty if none does)."""
-        host, port = _split(address)
+        host, port = split_address(address)
         try:
             state = self._live(self.backend(self.connect(host, port, timeout_s)))
         except (*STORE_ERRORS, RuntimeError, ValueError, RendezvousStateCorruptError) as exc:
