@@ -155,7 +155,7 @@ class C10dStores:
                 if cfg_is_host:
                     raise
         try:
-            return self.connect(host, port, self.timeout.total_seconds()), False, f"{host}:{port}"
+            return TCPStore(host, port, is_master=False, timeout=self.timeout), False, f"{host}:{port}"
         except (RuntimeError, ValueError, TimeoutError) as exc:
             raise RendezvousStoreLostError(
                 f"cannot reach the c10d rendezvous store at {params.endpoint} ({exc}); check --rdzv-endpoint"
@@ -175,7 +175,7 @@ class C10dStores:
             return None
         try:
             host, port = split_address(top.store)
-            store = self.connect(host, port, self.timeout.total_seconds())
+            store = TCPStore(host, port, is_master=False, timeout=self.timeout)
             state = self._live(self.backend(store))
             if state is None:
                 return None
@@ -234,10 +234,12 @@ class C10dStores:
         return binding.tcp_store_server(self.addr, port, self.timeout)
 
     def connect(self, addr: str, port: int, timeout_s: float) -> TCPStore:
-        """A client of the store at ``addr:port``; TimeoutError after ``timeout_s`` and a second (the client's own
-        handshake with a frozen host's store never ends: it is left blocked in a daemon thread)."""
+        """A client of the store at ``addr:port``; TimeoutError once it is well past ``timeout_s`` (the client's own
+        handshake with a frozen host's store never ends: it is left blocked in a daemon thread). The margin is wide:
+        a constructor abandoned while it could still return by its own timeout raises later in its thread, and the
+        process aborts if it exits meanwhile (seen once in the full suite with a 1 s margin, at a dead port)."""
         timeout = timedelta(seconds=timeout_s)
-        return with_deadline(lambda: TCPStore(addr, port, is_master=False, timeout=timeout), timeout_s + 1.0)
+        return with_deadline(lambda: TCPStore(addr, port, is_master=False, timeout=timeout), 2 * timeout_s + 5.0)
 
     def backend(self, store: Store) -> RendezvousBackend:
         return C10dBackend(store, self.run_id)
