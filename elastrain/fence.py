@@ -37,7 +37,7 @@ import os
 import socket
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from elastrain.env import WorkerEnv
 from elastrain.errors import CheckpointSaveError, StaleGenerationError
@@ -56,9 +56,11 @@ from elastrain.storage import (
 FENCE_DIR = "elastrain-fence"
 _PREFIX = "gen-"
 _CLOSED_PREFIX = "closed-"
+_VACATED_PREFIX = "vacated-"
 _SUFFIX = ".json"
 KEEP_CLAIMS = 64
 """Claims kept in the fence folder; older ones are pruned by the claimant (only the newest matters)."""
+_Mark = TypeVar("_Mark", bound="Closed")
 
 
 @dataclass(frozen=True)
@@ -108,10 +110,18 @@ class Closed:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> Closed:
+    def from_json(cls: type[_Mark], data: bytes) -> _Mark:
         raw = json.loads(data)
         closed_at, mac = float(raw.get("closed_at", 0.0)), str(raw.get("mac", ""))
         return cls(int(raw["generation"]), str(raw["run_id"]), closed_at, mac)
+
+
+@dataclass(frozen=True)
+class Vacated(Closed):
+    """The end of a world, recorded beside its claims: the last node of the world of ``generation`` left it (a
+    notice, a stop) and the world's store, which that node hosted, left with it (``closed_at``: when). A node that
+    came to join and whose store then fell silent learns here that no world of the job runs any more, and starts
+    the job over at once instead of waiting ``refound_after`` for one."""
 
 
 def _name(generation: int, prefix: str = _PREFIX) -> str:
@@ -263,10 +273,26 @@ def check(root: str, generation: int | None, storage: Storage | None = None) -> 
 
 
 def mark_closed(root: str, mark: Closed, storage: Storage | None = None) -> bool:
-    """Record that the world of ``mark.generation`` finished the job; False if a member of it already did."""
+    """Record that the world of ``mark.generation`` finished the job (a :class:`Closed`), or that its last node left
+    it (a :class:`Vacated`); False if a node of that world already did."""
     storage = storage or storage_for(root)
-    return _create_exclusive(storage.join(fence_dir(root, storage), _name(mark.generation, _CLOSED_PREFIX)),
-                             mark.to_json(), storage)  # fmt: skip
+    prefix = _VACATED_PREFIX if isinstance(mark, Vacated) else _CLOSED_PREFIX
+    return _create_exclusive(storage.join(fence_dir(root, storage), _name(mark.generation, prefix)), mark.to_json(),
+                             storage)  # fmt: skip
+
+
+def vacated(root: str, generation: int, storage: Storage | None = None) -> Vacated | None:
+    """The mark that the world of ``generation`` was left by its last node (``None``: none, or unreadable)."""
+    storage = storage or storage_for(root)
+    try:
+        return Vacated.from_json(
+            storage.read_bytes(storage.join(fence_dir(root, storage), _name(generation, _VACATED_PREFIX)))
+        )
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # torn by a crash mid-write: not a mark
+        lifecycle("fence_vacated_unreadable", level=logging.WARNING, generation=generation, error=repr(exc)[:200])
+        return None
 
 
 def newest_closed(root: str, storage: Storage | None = None) -> Closed | None:
@@ -391,7 +417,7 @@ def _prune(root: str, latest: int, storage: Storage) -> None:
     names = storage.listdir(directory)
     kept = sorted(g for g in (_parse(n) for n in names) if g is not None)[-KEEP_CLAIMS:]
     oldest = min([*kept, latest])
-    for prefix in (_PREFIX, _CLOSED_PREFIX):
+    for prefix in (_PREFIX, _CLOSED_PREFIX, _VACATED_PREFIX):
         for g in (_parse(n, prefix) for n in names):
             if g is not None and g < oldest:
                 storage.remove(storage.join(directory, _name(g, prefix)))

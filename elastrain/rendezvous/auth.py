@@ -185,6 +185,15 @@ class RendezvousAuth:
         """Whether ``mac`` signs the close of ``generation`` for this job (never without a secret)."""
         return self.enabled and bool(mac) and hmac.compare_digest(mac, self.close_mac(generation))
 
+    def vacate_mac(self, generation: int) -> str:
+        """The signature of the mark that the job's world ``generation`` was left by its last node ("" without a
+        secret; apart from a close's, so that one never stands for the other)."""
+        return self._mac(b"world-vacated", str(generation).encode())
+
+    def signed_vacate(self, generation: int, mac: str) -> bool:
+        """Whether ``mac`` signs the vacating of ``generation`` for this job (never without a secret)."""
+        return self.enabled and bool(mac) and hmac.compare_digest(mac, self.vacate_mac(generation))
+
 
 class _Throttle:
     """One log line per interval for forged values read through a :class:`SignedStore`."""

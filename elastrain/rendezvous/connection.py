@@ -89,6 +89,12 @@ class StoreFactory(Protocol):
         fencing claims): a store that falls silent before this node joined a round left with the job's end."""
         ...
 
+    def vacated(self) -> bool:
+        """Whether the job's newest world was left by its last node, which hosted its store (recorded beside the
+        fencing claims): a store that falls silent before this node joined a round left with that node, and no
+        world of the job runs any more."""
+        ...
+
 
 class FixedStores:
     """:class:`StoreFactory` of a store that never moves (etcd): no failover, no refound, no other world's store."""
@@ -114,6 +120,9 @@ class FixedStores:
 
     def finished(self) -> bool:
         return False  # the state lives on in the cluster and says so itself
+
+    def vacated(self) -> bool:
+        return False
 
 
 def with_deadline(op: Callable[[], _T], timeout_s: float) -> _T:
@@ -213,10 +222,11 @@ class Connection:
             # A node that never read the state knows no successor: it keeps looking for the store the job's world
             # publishes with its next fencing claim (a survivor that took the store over claims when its round
             # forms), as long as it would wait for a round; with none alive for refound_after, every member is
-            # gone with it, and it starts the job over at the endpoint.
+            # gone with it, and it starts the job over at the endpoint; at once when the world's last node left it.
             newcomer = not self.joined and self._node_id not in self.cached.nodes
-            refound = newcomer and now - since >= self._settings.refound_after_s
-            if self._failover(exc) or (refound and self._refound(now - since)):
+            vacated = newcomer and self._stores.vacated()
+            refound = newcomer and (vacated or now - since >= self._settings.refound_after_s)
+            if self._failover(exc) or (refound and self._refound(now - since, vacated)):
                 self._failing_since = None
                 raise StoreSwitched() from exc
             limit = self._settings.join_timeout_s if newcomer else self._settings.store_lost_timeout_s
@@ -272,7 +282,7 @@ class Connection:
                 self._reconnect_pause = 0.0
         lifecycle("store_reconnected", store=address)
 
-    def _refound(self, silent_s: float) -> bool:
+    def _refound(self, silent_s: float, vacated: bool) -> bool:
         """Start the job over at the endpoint's store (c10d; hosted here when this node may host it)."""
         try:
             got = self._stores.refound()
@@ -291,7 +301,9 @@ class Connection:
             store=address,
             hosts=hosts,
             silent_s=round(silent_s, 1),
-            why="no live store of this job: its published store is silent and this node never joined a round",
+            why="no live store of this job: "
+            + ("its world's last node left it" if vacated else "its published store is silent")
+            + " and this node never joined a round",
         )
         return True
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -48,7 +47,14 @@ from elastrain.rendezvous import liveness, trust
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import RendezvousAuth, SignedStore
 from elastrain.rendezvous.claim import Fencing
-from elastrain.rendezvous.connection import STORE_ERRORS, Connection, FixedStores, StoreFactory, StoreSwitched
+from elastrain.rendezvous.connection import (
+    STORE_ERRORS,
+    Connection,
+    FixedStores,
+    StoreFactory,
+    StoreSwitched,
+    with_deadline,
+)
 from elastrain.rendezvous.heartbeat import Heartbeat, linger_until_seen
 from elastrain.rendezvous.history import RoundHistory
 from elastrain.rendezvous.pacing import Backoff, Throttled
@@ -264,28 +270,19 @@ class ElastrainRendezvousHandler(RendezvousHandler):
             return
         self._rounds.left = True
         self._beat.stop()
-        done = threading.Event()
-        error: list[BaseException] = []
-
-        def announce() -> None:
-            try:
-                self._state.update(lambda cur: st.remove(cur, [self.node_id], f"{kind.value}:{reason}"))
-            except BaseException as exc:  # reported below, on the caller's thread
-                error.append(exc)
-            finally:
-                done.set()
-
-        threading.Thread(target=announce, name="elastrain-leave", daemon=True).start()
-        timeout_s = self._settings.leave_timeout_s
-        if not done.wait(timeout_s):
-            error_text = f"the store did not answer within {timeout_s}s"
-            lifecycle("node_leave_unannounced", level=logging.WARNING, node=self.node_id, error=error_text)
-        elif error:  # the others will evict us by heartbeat instead
-            lifecycle("node_leave_unannounced", level=logging.WARNING, node=self.node_id, error=repr(error[0])[:200])
-        else:
-            lifecycle("node_left", node=self.node_id, reason=reason, kind=kind.value, round=self._history.round)
-            if self._conn.hosted_here:
-                linger_until_seen(self._beat, self._state, self.node_id, self._settings, self._quiet)
+        gone = [self.node_id]
+        try:
+            after = with_deadline(
+                lambda: self._state.update(lambda cur: st.remove(cur, gone, f"{kind.value}:{reason}")),
+                self._settings.leave_timeout_s,
+            )
+        except Exception as exc:  # the store did not answer in time, or failed: the others evict us by heartbeat
+            lifecycle("node_leave_unannounced", level=logging.WARNING, node=self.node_id, error=repr(exc)[:200])
+            return
+        lifecycle("node_left", node=self.node_id, reason=reason, kind=kind.value, round=self._history.round)
+        if self._conn.hosted_here:  # the store leaves with this node
+            self._fencing.mark_vacated(after)  # nobody left to carry the world on: a node on its way in starts over
+            linger_until_seen(self._beat, self._state, self.node_id, self._settings, self._quiet)
 
     def stop_beating(self) -> None:
         """This node's liveness threads end (bounded), the rendezvous left as it is (see :class:`Membership`)."""

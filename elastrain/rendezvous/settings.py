@@ -50,7 +50,8 @@ class HandlerSettings:
     refound_after_s: float = 60.0
     """A node that never joined a round and found no live store of its job for this long (the published store
     silent: every member died with its host) starts the job over at ``--rdzv-endpoint`` (c10d): a first start
-    from the newest checkpoint, under the next fencing generation (a world that was only slow is then fenced).
+    from the newest checkpoint, under the next fencing generation (a world that was only slow is then fenced);
+    at once when the world's last node recorded beside the claims that it left (see ``fence.Vacated``).
     A node whose world lost the fencing claim to a world that then died whole (nothing has listened at the
     winner's store for this long: every connection refused) starts its own lineage over in the same way."""
 

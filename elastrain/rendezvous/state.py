@@ -277,6 +277,12 @@ def live_members(state: RendezvousState) -> tuple[str, ...]:
     return tuple(m for m in state.members if m not in state.departed and m in state.nodes)
 
 
+def vacated(state: RendezvousState) -> bool:
+    """Whether nobody is left in this lineage: no live member and no joiner or spare (its last node left). A store
+    hosted by that node leaves with it, and no node of the state would carry the lineage on by a failover."""
+    return not state.closed and not live_members(state) and not state.joining
+
+
 def newcomers(state: RendezvousState) -> tuple[str, ...]:
     """Joiners that are not members of the current round, in arrival order."""
     return tuple(n for n in state.joining if n not in state.members)

@@ -6,7 +6,8 @@ newcomer joined a round, the newcomer knows no successor: it keeps looking for a
 for ``refound_after``, then starts the job over at its ``--rdzv-endpoint`` under the next generation.
 When that world *finished* instead (its store's host left with the close), the close is recorded beside the
 claims and the newcomer ends with the job, at once; a later run of the same command in the same folder is not
-taken for a node of the finished run.
+taken for a node of the finished run. When its last member *left* it (a notice), that is recorded beside the
+claims too, and the newcomer starts the job over at once instead of waiting ``refound_after``.
 """
 
 from __future__ import annotations
@@ -43,8 +44,12 @@ WORLD = textwrap.dedent(
     deadline = time.monotonic() + 600
     while not os.path.exists(sys.argv[3]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    h.shutdown()  # the job finished: close the rendezvous (as elastrain-run does after its workers succeeded)
-    print("WORLD_CLOSED", flush=True)
+    if open(sys.argv[3]).read() == "leave":  # a notice: the one member leaves (as elastrain-run does on SIGTERM)
+        h.leave("SIGTERM")
+        print("WORLD_LEFT", flush=True)
+    else:
+        h.shutdown()  # the job finished: close the rendezvous (as elastrain-run does after its workers succeeded)
+        print("WORLD_CLOSED", flush=True)
     """
 )
 
@@ -194,6 +199,58 @@ def test_a_close_by_a_superseded_world_is_not_the_jobs_end(tmp_path: Path) -> No
             newcomer.shutdown()
 
 
+def test_a_newcomer_whose_jobs_last_node_left_starts_it_over_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    world, log, leave = start_world(tmp_path)
+    with reaped(world):
+        # refound_after as long as the join: a newcomer that waited for the left world's store would hang here.
+        newcomer = newcomer_of(log, 0, tmp_path, refound_after="600", join_timeout="600")
+        published = newcomer._store_address
+        try:
+            leave.write_text("leave")  # its one member, which hosts the store, leaves before the newcomer joined
+            assert world.wait(timeout=30) == 0, log.read_text()
+            assert "WORLD_LEFT" in log.read_text()
+            mark = fence.vacated(str(tmp_path), 0)  # nobody is left in generation 0's world
+            assert mark is not None and mark.run_id == "refound"
+            with caplog.at_level(logging.INFO, logger="elastrain"):
+                info = newcomer.next_rendezvous()
+            assert (info.world_size, info.rank, newcomer.generation) == (1, 0, 1)  # the next generation
+            top = fence.newest(str(tmp_path))
+            assert top is not None and top.generation == 1 and top.store == newcomer._store_address != published
+            events = [r.getMessage() for r in caplog.records]
+            refounded = [e for e in events if "event=job_refounded" in e]
+            assert len(refounded) == 1 and "last node left" in refounded[0], events
+            assert fence.newest_closed(str(tmp_path)) is None  # left, not finished
+        finally:
+            newcomer.shutdown()
+
+
+def test_a_vacating_mark_not_signed_with_the_jobs_secret_is_not_followed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s3cret-of-the-job-0123456789abcdef")
+    secret.chmod(0o600)
+    world, log, _ = start_world(tmp_path, secret_file=str(secret))
+    with reaped(world):
+        newcomer = newcomer_of(log, 0, tmp_path, refound_after="4", join_timeout="60", secret_file=str(secret))
+        try:
+            world.send_signal(signal.SIGKILL)  # the world dies with its store; a forged mark says it was left
+            world.wait(timeout=10)
+            assert fence.mark_closed(str(tmp_path), fence.Vacated(0, "refound", 0.0, mac="0" * 64))
+            with caplog.at_level(logging.INFO, logger="elastrain"):
+                info = newcomer.next_rendezvous()
+            assert (info.world_size, newcomer.generation) == (1, 1)
+            events = [r.getMessage() for r in caplog.records]
+            assert [e for e in events if "event=fence_vacate_untrusted" in e], events
+            refounded = [e for e in events if "event=job_refounded" in e]
+            assert len(refounded) == 1 and "silent" in refounded[0], events
+            assert float(refounded[0].split("silent_s=")[1].split()[0]) >= 4.0  # it waited refound_after
+        finally:
+            newcomer.shutdown()
+
+
 LIVE_WORKER = str(Path(__file__).resolve().parents[1] / "workers" / "live_worker.py")
 
 
@@ -225,3 +282,41 @@ def test_a_node_whose_workers_still_warm_when_the_job_finishes_exits_with_it(tmp
             assert not b.events("job_refounded") and not b.lines("LW_START"), b.dump()
             assert not descendants(b.proc.pid), b.dump()
     assert fence.generations(str(ckpt)) == [0]  # one world of one run: b founded no second one
+
+
+def test_a_node_warming_when_the_jobs_last_node_leaves_starts_the_job_over_from_its_checkpoint(tmp_path: Path) -> None:
+    """Through elastrain-run --live: b's workers warm while a, the job's one node, leaves on SIGTERM (a notice,
+    after its leave's checkpoint). b starts the job over at once (``refound_after`` is 600 here) and goes on from
+    the step a saved."""
+    port, ckpt = free_port(), tmp_path / "ckpt"
+    stop, built = tmp_path / "stop", tmp_path / "built"
+    env = {"LW_MAX_STEPS": "100000", "LW_SLEEP": "0.02", "LW_STOP_FILE": str(stop), "LW_BUILD_UNTIL_FILE": str(built)}
+
+    def node(name: str) -> LiveNode:
+        conf = ("--rdzv-conf", "last_call_timeout=1,refound_after=600,join_timeout=600")
+        return LiveNode(name, tmp_path, port, LIVE_WORKER, env, rdzv_id="left-job", nnodes="1:2", last_call_s=1,
+                        collective_timeout=20, extra=("--checkpoint-dir", str(ckpt), *conf))  # fmt: skip
+
+    built.touch()
+    a = node("a")
+    with reaped(a.proc):
+        wait_for(lambda: len(a.lines("LW_STEP")) >= 5, 90, what="a to train\n" + a.dump())
+        built.unlink()
+        b = node("b")
+        with reaped(b.proc):
+            wait_for(lambda: bool(b.events("workers_warming")), 90, what="b's workers to warm\n" + b.dump())
+            assert b.events("published_store_found"), b.dump()  # b came to join a's running job
+            a.proc.send_signal(signal.SIGTERM)
+            assert a.proc.wait(timeout=90) == 0, a.dump()
+            assert a.events("agent_left") and a.events("world_vacated_recorded"), a.dump()
+            left_at = max(int(s["step"]) for s in a.lines("LW_STEP"))
+            built.touch()  # b's workers are warm now: its agent finds that the job's world was left
+            wait_for(lambda: len(b.lines("LW_STEP")) >= 3, 120, what="b to start the job over\n" + b.dump())
+            stop.write_text(str(max(int(s["step"]) for s in b.lines("LW_STEP")) + 3))
+            assert b.proc.wait(timeout=90) == 0, b.dump()
+            detail = a.dump() + b.dump()
+            refounded = b.events("job_refounded")
+            assert len(refounded) == 1 and "last node left" in refounded[0]["why"], detail
+            first = min(int(s["step"]) for s in b.lines("LW_STEP"))
+            assert first == left_at + 1, detail  # from a's leave checkpoint: no step lost, none computed twice
+    assert fence.generations(str(ckpt)) == [0, 1]  # a's world, then b's, which fenced it

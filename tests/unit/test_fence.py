@@ -103,3 +103,36 @@ def test_old_closes_are_pruned_with_their_claims(tmp_path: Path) -> None:
     assert closes[0] == f"closed-{oldest:012d}.json"  # pruned with the claims older than the oldest kept
     newest = fence.newest_closed(root)
     assert newest is not None and newest.generation == fence.KEEP_CLAIMS + 2
+
+
+def test_the_last_node_leaving_a_world_is_recorded_apart_from_a_close(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    fence.claim_fresh(root, "job", 0, "s0", ())
+    assert fence.vacated(root, 0) is None
+    first = fence.Vacated(0, "job", 1.0, "mac")
+    assert fence.mark_closed(root, first)
+    assert not fence.mark_closed(root, fence.Vacated(0, "job", 2.0, ""))  # the first mark stays
+    got = fence.vacated(root, 0)
+    assert got == first and isinstance(got, fence.Vacated)
+    assert fence.newest_closed(root) is None  # the world was left, the job did not finish
+    assert fence.vacated(root, 1) is None
+    assert fence.mark_closed(root, fence.Closed(0, "job"))  # a close of the same generation is a mark of its own
+    assert fence.vacated(root, 0) == first and fence.newest_closed(root) == fence.Closed(0, "job")
+    assert fence.generations(root) == [0]  # neither is a claim
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "{}"])
+def test_a_torn_vacating_mark_is_none(tmp_path: Path, text: str) -> None:
+    (tmp_path / fence.FENCE_DIR).mkdir()
+    (tmp_path / fence.FENCE_DIR / "vacated-000000000003.json").write_text(text)
+    assert fence.vacated(str(tmp_path), 3) is None
+
+
+def test_old_vacating_marks_are_pruned_with_their_claims(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    for g in range(fence.KEEP_CLAIMS + 3):
+        assert fence.claim(root, fence.Claim(g, "job", g, "s"))
+        fence.mark_closed(root, fence.Vacated(g, "job"))
+    oldest = fence.generations(root)[0]
+    marks = sorted(p.name for p in (tmp_path / fence.FENCE_DIR).glob("vacated-*"))
+    assert marks[0] == f"vacated-{oldest:012d}.json"

@@ -13,7 +13,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastrain.env import RDZV_SECRET_FILE
 from elastrain.errors import RendezvousForgeryError, RendezvousSecretError, UsageError
-from elastrain.fence import Claim, Closed
+from elastrain.fence import Claim, Closed, Vacated
 from elastrain.rendezvous import auth
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import RendezvousAuth, SignedStore
@@ -119,6 +119,16 @@ def test_the_end_of_a_job_is_signed_for_its_job_and_generation() -> None:
     assert not RendezvousAuth(SECRET, "other").signed_close(4, mark.mac)  # nor another job's
     assert not a.signed_close(4, a.store_mac("4"))  # nor a claim's signature
     assert not RendezvousAuth(None, "job").signed_close(4, mark.mac)
+
+
+def test_the_vacating_of_a_world_is_signed_apart_from_its_close() -> None:
+    a = RendezvousAuth(SECRET, "job")
+    mark = Vacated(4, "job", 0.0, a.vacate_mac(4))
+    assert a.signed_vacate(mark.generation, Vacated.from_json(mark.to_json()).mac)
+    assert not a.signed_vacate(5, mark.mac)  # not another generation's
+    assert not RendezvousAuth(SECRET, "other").signed_vacate(4, mark.mac)  # nor another job's
+    assert not a.signed_vacate(4, a.close_mac(4)) and not a.signed_close(4, mark.mac)  # a close is no vacating
+    assert not RendezvousAuth(None, "job").signed_vacate(4, mark.mac)
 
 
 def test_the_store_torch_agent_sees_seals_values_and_refuses_forged_ones() -> None:

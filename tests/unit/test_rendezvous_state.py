@@ -414,3 +414,19 @@ def test_revive_lifts_only_the_tombstone_of_the_gone_winner(
     again = st.complete(joined("b", "a", base=new), max_nodes=4)
     assert again.round == state.round + 1 and again.members == ("b", "a") and again.majority
     assert st.revive(new, store) is None  # a second node that gave up on the same winner changes nothing
+
+
+@pytest.mark.parametrize(
+    ("state", "vacated"),
+    [
+        (st.remove(formed("a"), ["a"], "left:SIGTERM"), True),  # the one member left: nobody carries the world on
+        (st.remove(formed("a", "b"), ["a"], "left:SIGTERM"), False),  # b goes on (and takes the store over)
+        (st.remove(formed("a", "b"), ["a", "b"], "left:SIGTERM"), True),
+        (st.remove(st.join(formed("a"), "c", INFO), ["a"], "left:SIGTERM"), False),  # c waits in line: it fails over
+        (st.remove(st.join(formed("a", "b"), "a", INFO), ["a"], "left:SIGTERM"), False),  # b is still live
+        (st.close(st.remove(formed("a"), ["a"], "finished")), False),  # a finished job is closed, not vacated
+        (formed("a"), False),
+    ],
+)
+def test_a_lineage_is_vacated_only_when_nobody_is_left_in_it(state: st.RendezvousState, vacated: bool) -> None:
+    assert st.vacated(state) is vacated

@@ -173,6 +173,9 @@ class C10dStores:
             lifecycle("fence_claim_untrusted", level=logging.WARNING, store=top.store, generation=top.generation,
                       why="its store is not signed with the job's secret")  # fmt: skip
             return None
+        if self._left(root, top.generation):  # its store left with its last node: nothing to wait for there
+            lifecycle("published_store_vacated", store=top.store, generation=top.generation)
+            return None
         try:
             host, port = split_address(top.store)
             store = TCPStore(host, port, is_master=False, timeout=self.timeout)
@@ -220,6 +223,33 @@ class C10dStores:
             lifecycle("fence_read_failed", level=logging.WARNING, root=self.root, error=repr(exc)[:200])
             return False
         return top is None or top.generation <= closed
+
+    def vacated(self) -> bool:
+        """Whether the newest world of this job was left by its last node, which hosted its store (the mark beside
+        the claims, signed with the job's secret when it has one): no live store of the job exists."""
+        if self.root is None:
+            return False
+        try:
+            top = fence.newest(self.root)
+        except OSError as exc:
+            lifecycle("fence_read_failed", level=logging.WARNING, root=self.root, error=repr(exc)[:200])
+            return False
+        return top is not None and self._left(self.root, top.generation)
+
+    def _left(self, root: str, generation: int) -> bool:
+        """Whether this job's world ``generation`` was left by its last node (a trusted mark in ``root``)."""
+        try:
+            mark = fence.vacated(root, generation)
+        except OSError as exc:
+            lifecycle("fence_read_failed", level=logging.WARNING, root=root, error=repr(exc)[:200])
+            return False
+        if mark is None or mark.run_id != self.run_id:
+            return False
+        if self.auth.enabled and not self.auth.signed_vacate(generation, mark.mac):
+            lifecycle("fence_vacate_untrusted", level=logging.WARNING, generation=generation,
+                      why="it is not signed with the job's secret")  # fmt: skip
+            return False
+        return True
 
     def _live(self, backend: RendezvousBackend) -> st.RendezvousState | None:
         """The state at ``backend`` when a live job's rendezvous runs there (opened with the job's secret)."""
