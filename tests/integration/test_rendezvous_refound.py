@@ -24,7 +24,7 @@ from support.processes import PYTHON, LiveNode, descendants, free_port, reaped, 
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
 
 from elastrain import fence
-from elastrain.rendezvous.backends.c10d import create_c10d_handler
+from elastrain.rendezvous.backends.c10d import C10dStores, create_c10d_handler
 from elastrain.rendezvous.handler import ElastrainRendezvousHandler
 
 FAST = {"heartbeat_interval": "0.1", "heartbeat_timeout": "1", "last_call_timeout": "0.3"}
@@ -249,6 +249,24 @@ def test_a_vacating_mark_not_signed_with_the_jobs_secret_is_not_followed(
             assert float(refounded[0].split("silent_s=")[1].split()[0]) >= 4.0  # it waited refound_after
         finally:
             newcomer.shutdown()
+
+
+def test_a_published_store_where_nothing_listens_is_passed_over_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node that starts after the job's store died (a whole-job restart) reads a refused connection as proof that
+    nothing is there: it goes to the endpoint without a client's connect retries (the read timeout, 5 s)."""
+    dead = f"127.0.0.1:{free_port()}"
+    assert fence.claim(str(tmp_path), fence.Claim(0, "refound", 0, dead))
+    started = params(free_port(), tmp_path, read_timeout="30")
+    stores = C10dStores(started)
+    with caplog.at_level(logging.INFO, logger="elastrain"):
+        store, hosts, address = stores.first(started)
+    assert hosts and address != dead
+    assert not stores.answers(dead, 30.0) and stores.vouches(dead, 30.0) == set()
+    events = [r.getMessage() for r in caplog.records]
+    assert [e for e in events if "event=published_store_silent" in e and "error=refused" in e], events
+    del store
 
 
 LIVE_WORKER = str(Path(__file__).resolve().parents[1] / "workers" / "live_worker.py")

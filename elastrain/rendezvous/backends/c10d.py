@@ -178,6 +178,9 @@ class C10dStores:
             return None
         try:
             host, port = split_address(top.store)
+            if _refused(top.store):
+                lifecycle("published_store_silent", store=top.store, generation=top.generation, error="refused")
+                return None
             store = TCPStore(host, port, is_master=False, timeout=self.timeout)
             state = self._live(self.backend(store))
             if state is None:
@@ -286,6 +289,8 @@ class C10dStores:
 
     def answers(self, address: str, timeout_s: float) -> bool:
         host, port = split_address(address)
+        if _refused(address):
+            return False
         try:
             store = self.connect(host, port, timeout_s)
             return self._live(self.backend(store)) is not None
@@ -295,6 +300,9 @@ class C10dStores:
     def vouches(self, address: str, timeout_s: float) -> set[str]:
         """The addresses of the nodes of the live job whose store answers at ``address`` (empty if none does)."""
         host, port = split_address(address)
+        if _refused(address):
+            lifecycle("store_probe_failed", level=logging.INFO, address=address, error="refused")
+            return set()
         try:
             state = self._live(self.backend(self.connect(host, port, timeout_s)))
         except (*STORE_ERRORS, RuntimeError, ValueError, RendezvousStateCorruptError) as exc:
@@ -341,6 +349,13 @@ class C10dStores:
             except (*STORE_ERRORS, RuntimeError) as err:
                 lifecycle("store_successor_unreachable", level=logging.INFO, candidate=cand, error=repr(err)[:120])
         return None
+
+
+def _refused(address: str) -> bool:
+    """Whether nothing listens at a published store's ``host:port`` (a refused connection; a TCPStore client would
+    retry until its timeout). A store is published only once it listens, and listens as long as it lives: refused
+    means gone. Never for a successor's standby port, which listens only once that successor hosts the store."""
+    return bool(liveness.refused({address: split_address(address)}, 0.5))
 
 
 def _store_error(exc: BaseException | None) -> bool:
