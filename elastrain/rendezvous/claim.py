@@ -190,6 +190,7 @@ class Fencing:
                 refused_s=round(refused_s, 1),
                 why="its store refused every connection for refound_after",
             )
+            self._state.conn.resumes_job = True
             try:
                 self._state.update(lambda cur: st.revive(cur, store))
             except (StoreSwitched, *STORE_ERRORS) as exc:  # the next round's forming meets the store again

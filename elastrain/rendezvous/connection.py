@@ -172,6 +172,9 @@ class Connection:
         self.cached_version: int | None = None
         self.joined = False
         """Whether this node was ever a member of a completed round (then it has something at stake)."""
+        self.resumes_job = False
+        """Whether this node started a job that ran over (a refound, a lineage revived after its winner died): the
+        first round on its new store continues that job, and no user is launching its nodes together."""
         self._stores = stores
         self._settings = settings
         self._node_id = node_id
@@ -294,6 +297,7 @@ class Connection:
         self.backend, self.store, self.address, self.hosted_here = got
         address, hosts = self.address, self.hosted_here
         self.cached, self.cached_version = st.RendezvousState(), None
+        self.resumes_job = True
         lifecycle(
             "job_refounded",
             level=logging.WARNING,

@@ -97,7 +97,7 @@ def test_a_newcomer_whose_job_died_with_its_store_starts_it_over(
 ) -> None:
     world, log, _ = start_world(tmp_path)
     with reaped(world):
-        newcomer = newcomer_of(log, 0, tmp_path, refound_after="4", join_timeout="60")
+        newcomer = newcomer_of(log, 0, tmp_path, refound_after="4", join_timeout="60", last_call_timeout="600")
         published = newcomer._store_address
         try:
             world.send_signal(signal.SIGKILL)  # the world dies with its store, before the newcomer joined a round
@@ -204,8 +204,9 @@ def test_a_newcomer_whose_jobs_last_node_left_starts_it_over_at_once(
 ) -> None:
     world, log, leave = start_world(tmp_path)
     with reaped(world):
-        # refound_after as long as the join: a newcomer that waited for the left world's store would hang here.
-        newcomer = newcomer_of(log, 0, tmp_path, refound_after="600", join_timeout="600")
+        # refound_after and the last call as long as the join: a newcomer that waited for the left world's store, or
+        # for nodes launched with it as at a job's first start, would hang here.
+        newcomer = newcomer_of(log, 0, tmp_path, refound_after="600", join_timeout="600", last_call_timeout="600")
         published = newcomer._store_address
         try:
             leave.write_text("leave")  # its one member, which hosts the store, leaves before the newcomer joined
