@@ -66,6 +66,13 @@ def start_world(tmp_path: Path, name: str = "world", **conf: str) -> tuple[subpr
     return world, log, finish
 
 
+def job_secret(tmp_path: Path) -> Path:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s3cret-of-the-job-0123456789abcdef")
+    secret.chmod(0o600)
+    return secret
+
+
 def params(port: int, root: Path, **conf: str) -> RendezvousParameters:
     return RendezvousParameters(
         backend="c10d",
@@ -92,27 +99,44 @@ def newcomer_of(world_log: Path, generation: int, root: Path, **conf: str) -> El
     return newcomer
 
 
-def test_a_newcomer_whose_job_died_with_its_store_starts_it_over(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("end", ["killed", "left"])
+def test_a_newcomer_whose_job_is_gone_with_its_store_starts_it_over(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, end: str
 ) -> None:
-    world, log, _ = start_world(tmp_path)
+    """The world's one member, which hosts the store, is SIGKILLed (the newcomer looks for a live store for
+    ``refound_after`` first) or leaves (its mark says so: at once; ``refound_after`` as long as the join here). The
+    last call is as long as the join too: a job started over does not wait for nodes launched with it."""
+    world, log, leave = start_world(tmp_path)
     with reaped(world):
-        newcomer = newcomer_of(log, 0, tmp_path, refound_after="4", join_timeout="60", last_call_timeout="600")
+        refound_after = "4" if end == "killed" else "600"
+        newcomer = newcomer_of(log, 0, tmp_path, refound_after=refound_after, join_timeout="600",
+                               last_call_timeout="600")  # fmt: skip
         published = newcomer._store_address
         try:
-            world.send_signal(signal.SIGKILL)  # the world dies with its store, before the newcomer joined a round
-            world.wait(timeout=10)
+            if end == "killed":
+                world.send_signal(signal.SIGKILL)  # before the newcomer joined a round
+                world.wait(timeout=10)
+            else:
+                leave.write_text("leave")
+                assert world.wait(timeout=30) == 0, log.read_text()
+                assert "WORLD_LEFT" in log.read_text()
+            mark = fence.vacated(str(tmp_path), 0)  # whether nobody is left in generation 0's world, by its mark
+            assert (mark is not None and mark.run_id == "refound") is (end == "left")
             with caplog.at_level(logging.INFO, logger="elastrain"):
                 info = newcomer.next_rendezvous()
             assert (info.world_size, info.rank) == (1, 0)
-            assert newcomer.generation == 1  # the next fencing generation: the dead world's claims are stale
+            assert newcomer.generation == 1  # the next fencing generation: the gone world's claims are stale
             top = fence.newest(str(tmp_path))
-            assert top is not None and top.generation == 1 and top.store == newcomer._store_address
-            assert newcomer._store_address != published
-            refounded = [r for r in caplog.records if "event=job_refounded" in r.getMessage()]
-            assert len(refounded) == 1, [r.getMessage() for r in caplog.records]
-            silent = float(refounded[0].getMessage().split("silent_s=")[1].split()[0])
-            assert silent >= 4.0  # it looked for a live store first, for refound_after
+            assert top is not None and top.generation == 1 and top.store == newcomer._store_address != published
+            events = [r.getMessage() for r in caplog.records]
+            refounded = [e for e in events if "event=job_refounded" in e]
+            assert len(refounded) == 1, events
+            silent = float(refounded[0].split("silent_s=")[1].split()[0])
+            if end == "killed":
+                assert silent >= 4.0 and "published store is silent" in refounded[0]  # it looked for one first
+            else:
+                assert "last node left" in refounded[0], events
+            assert fence.newest_closed(str(tmp_path)) is None  # gone, not finished
         finally:
             newcomer.shutdown()
 
@@ -159,25 +183,28 @@ def test_a_later_run_in_the_same_folder_is_not_taken_for_the_finished_one(tmp_pa
             newcomer.shutdown()
 
 
-def test_a_close_not_signed_with_the_jobs_secret_is_not_the_jobs_end(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(("forged", "untrusted"), [(fence.Closed, "fence_close_untrusted"),
+                                                  (fence.Vacated, "fence_vacate_untrusted")])  # fmt: skip
+def test_a_mark_not_signed_with_the_jobs_secret_is_not_followed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, forged: type[fence.Closed], untrusted: str
 ) -> None:
-    secret = tmp_path / "secret"
-    secret.write_bytes(b"s3cret-of-the-job-0123456789abcdef")
-    secret.chmod(0o600)
+    """A forged close would end the newcomer with a job that died; a forged vacating would start a live job over."""
+    secret = job_secret(tmp_path)
     world, log, _ = start_world(tmp_path, secret_file=str(secret))
     with reaped(world):
         newcomer = newcomer_of(log, 0, tmp_path, refound_after="4", join_timeout="60", secret_file=str(secret))
         try:
-            world.send_signal(signal.SIGKILL)  # the job dies with its store; a forged close says it finished
+            world.send_signal(signal.SIGKILL)  # the job dies with its store; a forged mark says it finished, or left
             world.wait(timeout=10)
-            assert fence.mark_closed(str(tmp_path), fence.Closed(0, "refound", 0.0, mac="0" * 64))
+            assert fence.mark_closed(str(tmp_path), forged(0, "refound", 0.0, mac="0" * 64))
             with caplog.at_level(logging.INFO, logger="elastrain"):
                 info = newcomer.next_rendezvous()
             assert (info.world_size, newcomer.generation) == (1, 1)  # started the job over, as for a dead job
             events = [r.getMessage() for r in caplog.records]
-            assert [e for e in events if "event=fence_close_untrusted" in e], events
-            assert [e for e in events if "event=job_refounded" in e], events
+            assert [e for e in events if f"event={untrusted}" in e], events
+            refounded = [e for e in events if "event=job_refounded" in e]
+            assert len(refounded) == 1 and "published store is silent" in refounded[0], events
+            assert float(refounded[0].split("silent_s=")[1].split()[0]) >= 4.0  # it waited refound_after
         finally:
             newcomer.shutdown()
 
@@ -195,59 +222,6 @@ def test_a_close_by_a_superseded_world_is_not_the_jobs_end(tmp_path: Path) -> No
             assert fence.mark_closed(str(tmp_path), fence.Closed(0, "refound"))
             info = newcomer.next_rendezvous()
             assert (info.world_size, newcomer.generation) == (1, 2)  # started the job over, as for a dead job
-        finally:
-            newcomer.shutdown()
-
-
-def test_a_newcomer_whose_jobs_last_node_left_starts_it_over_at_once(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    world, log, leave = start_world(tmp_path)
-    with reaped(world):
-        # refound_after and the last call as long as the join: a newcomer that waited for the left world's store, or
-        # for nodes launched with it as at a job's first start, would hang here.
-        newcomer = newcomer_of(log, 0, tmp_path, refound_after="600", join_timeout="600", last_call_timeout="600")
-        published = newcomer._store_address
-        try:
-            leave.write_text("leave")  # its one member, which hosts the store, leaves before the newcomer joined
-            assert world.wait(timeout=30) == 0, log.read_text()
-            assert "WORLD_LEFT" in log.read_text()
-            mark = fence.vacated(str(tmp_path), 0)  # nobody is left in generation 0's world
-            assert mark is not None and mark.run_id == "refound"
-            with caplog.at_level(logging.INFO, logger="elastrain"):
-                info = newcomer.next_rendezvous()
-            assert (info.world_size, info.rank, newcomer.generation) == (1, 0, 1)  # the next generation
-            top = fence.newest(str(tmp_path))
-            assert top is not None and top.generation == 1 and top.store == newcomer._store_address != published
-            events = [r.getMessage() for r in caplog.records]
-            refounded = [e for e in events if "event=job_refounded" in e]
-            assert len(refounded) == 1 and "last node left" in refounded[0], events
-            assert fence.newest_closed(str(tmp_path)) is None  # left, not finished
-        finally:
-            newcomer.shutdown()
-
-
-def test_a_vacating_mark_not_signed_with_the_jobs_secret_is_not_followed(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    secret = tmp_path / "secret"
-    secret.write_bytes(b"s3cret-of-the-job-0123456789abcdef")
-    secret.chmod(0o600)
-    world, log, _ = start_world(tmp_path, secret_file=str(secret))
-    with reaped(world):
-        newcomer = newcomer_of(log, 0, tmp_path, refound_after="4", join_timeout="60", secret_file=str(secret))
-        try:
-            world.send_signal(signal.SIGKILL)  # the world dies with its store; a forged mark says it was left
-            world.wait(timeout=10)
-            assert fence.mark_closed(str(tmp_path), fence.Vacated(0, "refound", 0.0, mac="0" * 64))
-            with caplog.at_level(logging.INFO, logger="elastrain"):
-                info = newcomer.next_rendezvous()
-            assert (info.world_size, newcomer.generation) == (1, 1)
-            events = [r.getMessage() for r in caplog.records]
-            assert [e for e in events if "event=fence_vacate_untrusted" in e], events
-            refounded = [e for e in events if "event=job_refounded" in e]
-            assert len(refounded) == 1 and "silent" in refounded[0], events
-            assert float(refounded[0].split("silent_s=")[1].split()[0]) >= 4.0  # it waited refound_after
         finally:
             newcomer.shutdown()
 

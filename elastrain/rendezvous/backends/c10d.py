@@ -162,11 +162,7 @@ class C10dStores:
             ) from exc
 
     def _published(self, root: str) -> tuple[TCPStore, bool, str] | None:
-        try:
-            top = fence.newest(root)
-        except OSError as exc:
-            lifecycle("fence_read_failed", level=logging.WARNING, root=root, error=repr(exc)[:200])
-            return None
+        _, top = self._newest_claim(root)
         if top is None or not top.store:
             return None
         if self.auth.enabled and not self.auth.signed_store(top.store, top.store_mac):
@@ -220,24 +216,24 @@ class C10dStores:
         closed = self._newest_close(self.root, None)
         if closed is None or closed <= self._closed_before:
             return False
-        try:
-            top = fence.newest(self.root)
-        except OSError as exc:
-            lifecycle("fence_read_failed", level=logging.WARNING, root=self.root, error=repr(exc)[:200])
-            return False
-        return top is None or top.generation <= closed
+        read, top = self._newest_claim(self.root)
+        return read and (top is None or top.generation <= closed)
 
     def vacated(self) -> bool:
         """Whether the newest world of this job was left by its last node, which hosted its store (the mark beside
         the claims, signed with the job's secret when it has one): no live store of the job exists."""
         if self.root is None:
             return False
-        try:
-            top = fence.newest(self.root)
-        except OSError as exc:
-            lifecycle("fence_read_failed", level=logging.WARNING, root=self.root, error=repr(exc)[:200])
-            return False
+        _, top = self._newest_claim(self.root)
         return top is not None and self._left(self.root, top.generation)
+
+    def _newest_claim(self, root: str) -> tuple[bool, fence.Claim | None]:
+        """(whether ``root`` could be read, its newest claim); a failed read is logged."""
+        try:
+            return True, fence.newest(root)
+        except OSError as exc:
+            lifecycle("fence_read_failed", level=logging.WARNING, root=root, error=repr(exc)[:200])
+            return False, None
 
     def _left(self, root: str, generation: int) -> bool:
         """Whether this job's world ``generation`` was left by its last node (a trusted mark in ``root``)."""
