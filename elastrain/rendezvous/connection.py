@@ -28,7 +28,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from elastrain.errors import RendezvousError, RendezvousStoreLostError
 from elastrain.log import lifecycle
-from elastrain.rendezvous import liveness, trust
+from elastrain.rendezvous import liveness
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.pacing import Backoff, Throttled
 from elastrain.rendezvous.settings import HandlerSettings
@@ -227,9 +227,7 @@ class Connection:
             # forms), as long as it would wait for a round; with none alive for refound_after, every member is
             # gone with it, and it starts the job over at the endpoint; at once when the world's last node left it.
             newcomer = not self.joined and self._node_id not in self.cached.nodes
-            vacated = newcomer and self._stores.vacated()
-            refound = newcomer and (vacated or now - since >= self._settings.refound_after_s)
-            if self._failover(exc) or (refound and self._refound(now - since, vacated)):
+            if self._failover(exc) or (newcomer and self._refound_if_gone(now - since)):
                 self._failing_since = None
                 raise StoreSwitched() from exc
             limit = self._settings.join_timeout_s if newcomer else self._settings.store_lost_timeout_s
@@ -284,6 +282,14 @@ class Connection:
                 self.cached_version = None
                 self._reconnect_pause = 0.0
         lifecycle("store_reconnected", store=address)
+
+    def _refound_if_gone(self, silent_s: float) -> bool:
+        """A newcomer with no live store starts the job over: at once when its world's last node left it (the mark
+        is read only once the failover found no store), else once it has looked for ``refound_after``."""
+        vacated = self._stores.vacated()
+        if not vacated and silent_s < self._settings.refound_after_s:
+            return False
+        return self._refound(silent_s, vacated)
 
     def _refound(self, silent_s: float, vacated: bool) -> bool:
         """Start the job over at the endpoint's store (c10d; hosted here when this node may host it)."""
@@ -359,7 +365,7 @@ class Connection:
                 got = self._stores.connect_to(address, self._settings.store_lost_timeout_s)
             except STORE_ERRORS as exc:
                 now = time.monotonic()
-                if liveness.refused({address: trust.split_address(address)}, 0.5):
+                if liveness.refused_at(address):
                     since = self._refused_since.setdefault(address, now)
                 else:
                     since = None

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from elastrain.log import lifecycle
+from elastrain.rendezvous.trust import split_address
 
 
 class ProbeListener:
@@ -48,6 +49,11 @@ class ProbeListener:
                 lifecycle("probe_listener_closed", level=logging.DEBUG, error=repr(exc))
                 return
             conn.close()
+
+
+def refused_at(address: str, timeout_s: float = 0.5) -> bool:
+    """Whether a connection to ``host:port`` (``[v6]:port`` too) is actively refused: nothing listens there."""
+    return bool(refused({address: split_address(address)}, timeout_s))
 
 
 def refused(targets: Mapping[str, tuple[str, int]], timeout_s: float) -> set[str]:

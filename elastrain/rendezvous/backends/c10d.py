@@ -174,7 +174,9 @@ class C10dStores:
             return None
         try:
             host, port = split_address(top.store)
-            if _refused(top.store):
+            # A store is published once it listens, and listens as long as it lives: refused means gone (a client
+            # would retry until its timeout). Never a successor's standby port: it listens once that one hosts.
+            if liveness.refused_at(top.store):
                 lifecycle("published_store_silent", store=top.store, generation=top.generation, error="refused")
                 return None
             store = TCPStore(host, port, is_master=False, timeout=self.timeout)
@@ -285,7 +287,7 @@ class C10dStores:
 
     def answers(self, address: str, timeout_s: float) -> bool:
         host, port = split_address(address)
-        if _refused(address):
+        if liveness.refused_at(address):  # gone (see _published)
             return False
         try:
             store = self.connect(host, port, timeout_s)
@@ -296,7 +298,7 @@ class C10dStores:
     def vouches(self, address: str, timeout_s: float) -> set[str]:
         """The addresses of the nodes of the live job whose store answers at ``address`` (empty if none does)."""
         host, port = split_address(address)
-        if _refused(address):
+        if liveness.refused_at(address):  # gone (see _published)
             lifecycle("store_probe_failed", level=logging.INFO, address=address, error="refused")
             return set()
         try:
@@ -345,13 +347,6 @@ class C10dStores:
             except (*STORE_ERRORS, RuntimeError) as err:
                 lifecycle("store_successor_unreachable", level=logging.INFO, candidate=cand, error=repr(err)[:120])
         return None
-
-
-def _refused(address: str) -> bool:
-    """Whether nothing listens at a published store's ``host:port`` (a refused connection; a TCPStore client would
-    retry until its timeout). A store is published only once it listens, and listens as long as it lives: refused
-    means gone. Never for a successor's standby port, which listens only once that successor hosts the store."""
-    return bool(liveness.refused({address: split_address(address)}, 0.5))
 
 
 def _store_error(exc: BaseException | None) -> bool:
