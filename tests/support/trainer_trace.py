@@ -157,14 +157,16 @@ def trace(
     extra: tuple[str, ...] = (),
     timeout: float = 420.0,
     pace: tuple[float, float] = (0.03, 0.4),
+    env: dict[str, str] | None = None,
 ) -> Run:
     """The workload as local nodes, ``first`` started at once, through ``events`` in order. Until the last event
     has played, each step also sleeps (the tests' ledger does) ``pace[0]`` seconds, and ``pace[1]`` while a node
-    started by an event warms up to join: the job outlasts the trace whatever the machine's speed."""
+    started by an event warms up to join: the job outlasts the trace whatever the machine's speed. ``env``: more
+    environment for every node (the ledger's own instruments: ``LEDGER_KILL``)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "ledger").mkdir(exist_ok=True)
     port, rdzv_id = free_port(), f"hf-{random.randrange(1 << 30)}"
-    env = {"LEDGER_DIR": str(out / "ledger"), "PYTHONPATH": str(LEDGER)}
+    env = {"LEDGER_DIR": str(out / "ledger"), "PYTHONPATH": str(LEDGER), **(env or {})}
     pace_file = out / "ledger" / "pace"
     pace_file.write_text(f"{pace[0]:g}")
     procs: dict[str, subprocess.Popen[bytes]] = {}

@@ -13,6 +13,11 @@ the step in the same world. Reads of a step that never ended (given up when a pe
 ``train()`` entry. While a test's or
 bench's trace plays, each step also waits the seconds written in ``LEDGER_DIR/pace`` (long while a node warms up to
 join), so the job outlasts the trace on a slow machine without burning CPU.
+
+With ``LEDGER_KILL=<step>:<group rank>:<world size>``, the node of that group rank SIGKILLs itself (its agent, the
+agent's zygote and its worker: ``bench/support/node_kill.py``) at the end of the first backward pass of that step,
+when it trains in a world of that size: a machine lost in the middle of a step, whose peers have finished a
+micro-batch of it.
 """
 
 from __future__ import annotations
@@ -71,6 +76,24 @@ def _write(row: dict[str, Any]) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def _kill_at() -> tuple[int, str, int] | None:
+    spec = os.environ.get("LEDGER_KILL")
+    if not spec:
+        return None
+    step, node, world = spec.split(":")
+    return int(step), node, int(world)
+
+
+def _kill_own_node(grad: Any) -> Any:
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from node_kill import kill_own_node
+
+    kill_own_node()
+    return grad
+
+
 class Callback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         _batches.clear()
@@ -79,7 +102,11 @@ class Callback(TrainerCallback):
         # The step's micro-batches are read by now (the Trainer fetches a step's micro-batches before its first).
         count = min(args.gradient_accumulation_steps, len(_batches))
         ids = [i for k in range(count) for i in _batches[k]]
-        _write({**_row(int(state.global_step) + 1, ids), "phase": "begin"})
+        row = _row(int(state.global_step) + 1, ids)
+        _write({**row, "phase": "begin"})
+        kill = _kill_at()
+        if kill is not None and (row["step"], os.environ.get("GROUP_RANK"), row["world"]) == kill:
+            kwargs["model"].get_input_embeddings().weight.register_hook(_kill_own_node)  # the last gradient of a pass
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         ids = [i for _ in range(min(args.gradient_accumulation_steps, len(_batches))) for i in _batches.popleft()]

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from elastrain.control import RegroupNotice
+from elastrain.integrations.trainer.kept_grads import BucketWatch
 from elastrain.integrations.trainer.membership import TrainerMembership
 from elastrain.log import lifecycle
 from elastrain.session.regroup import regroup_due
@@ -39,8 +40,9 @@ class StepBoundaries:
     def world_size(self) -> int:
         return dist.get_world_size() if dist.is_initialized() else 1
 
-    def sync_on(self, model: Any) -> None:
-        """After accelerate wrapped the model: the step flags ride on DDP's gradient sync."""
+    def sync_on(self, model: Any, watch: BucketWatch | None = None) -> None:
+        """After accelerate wrapped the model: the step flags ride on DDP's gradient sync; ``watch`` sees each
+        bucket handed to the all-reduce (live mode)."""
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             return
         flags = self.flags
@@ -48,7 +50,11 @@ class StepBoundaries:
         try:
             if m is not None and self.live_ok and m.member is not None:
                 group = m.member.group
-                model.register_comm_hook(None, lambda state, bucket: group.comm_hook(state, bucket, flags))
+                seen = watch if watch is not None else BucketWatch()
+                seen.attach(model)
+                model.register_comm_hook(
+                    None, lambda state, bucket: seen.launched(bucket, group.comm_hook(state, bucket, flags))
+                )
             else:
                 hook = flagged_allreduce(flags)
                 model.register_comm_hook(None, lambda state, bucket: hook(state, bucket))

@@ -27,6 +27,13 @@ class StreamLoader:
         self.num_samples = 0
         """The training set's size (known once the Trainer asks for its dataloader)."""
         self._warned_stream = False
+        self.sampler: StreamBatches | None = None
+        """This train() call's batches (None: not built yet, or the Trainer's own DataLoader)."""
+        self.start_step = 0
+        """The optimizer step the sampler's first step follows."""
+        self.first_step: tuple[tuple[int, ...], ...] | None = None
+        """This rank's split of the next train() call's first step, when the world made one
+        (:mod:`~elastrain.integrations.trainer.kept_grads`); None: the batch plan's."""
 
     def stream_ok(self) -> bool:
         """Whether the training set can be read as the stream (a map-style dataset with a length)."""
@@ -76,7 +83,11 @@ class StreamLoader:
         else:
             seed = args.data_seed if args.data_seed is not None else args.seed
             shuffle = args.train_sampling_strategy != "sequential"
-        sampler = StreamBatches(num_samples, batch.plan, batch.rank, start, remaining, seed=seed, shuffle=shuffle)
+        first, self.first_step = self.first_step, None
+        sampler = StreamBatches(
+            num_samples, batch.plan, batch.rank, start, remaining, seed=seed, shuffle=shuffle, first=first
+        )
+        self.sampler, self.start_step = sampler, int(self.held.position.step)
         loader = DataLoader(
             dataset,
             batch_sampler=sampler,

@@ -53,6 +53,7 @@ from elastrain.integrations.trainer.checkpoints import (
 from elastrain.integrations.trainer.dataloader import StreamLoader
 from elastrain.integrations.trainer.ddp_args import tune_ddp
 from elastrain.integrations.trainer.errors import TrainerIntegrationError
+from elastrain.integrations.trainer.kept_grads import KeptWork
 from elastrain.integrations.trainer.lost_log import LostLog
 from elastrain.integrations.trainer.membership import TrainerMembership, restart_only
 from elastrain.integrations.trainer.memory import DataPosition, Held
@@ -94,6 +95,8 @@ class ElasticTrainer:
         self.batch = TrainerBatch(trainer, settings, self.held)
         """The batch plan at this world size (from an ElasticTrainerRun's settings, or the arguments)."""
         self.loader = StreamLoader(trainer, self.batch, self.held)
+        self.kept = KeptWork(trainer, self.loader)
+        """A lost step's finished micro-batches, kept across a broken world (live mode)."""
         self.resumed: Resume | None = None
         self.live_ok = membership is not None and self._live_supported()
         self.world = TrainerWorld(trainer, membership, self.held) if membership is not None and self.live_ok else None
@@ -206,8 +209,10 @@ class ElasticTrainer:
         tune_ddp(self.trainer.accelerator, in_sync=agreed_step is not None)  # the DDP train() builds for this world
         canonical_cpu_device(self.trainer.accelerator)  # prepare() moves no state already in place
         if agreed_step is None:
+            self.kept.drop()
             return self._restore(asked, first)
-        self.batch.replan(self.held.position.global_batch)
+        plan = self.batch.replan(self.held.position.global_batch)
+        self.kept.agree(own_step, agreed_step, self.held.position, plan, self.trainer.args.device)
         return None
 
     def _restore(self, asked: str | None, first: bool) -> str | None:
@@ -242,6 +247,8 @@ class ElasticTrainer:
             raise RuntimeError("internal: a regroup without live membership")
         notice = world.notice_for(cause)
         started = time.monotonic()
+        if cause is not None and not notice.superseded:
+            self.kept.keep(self.held.position)  # before the leave drops the gradients
         for attempt in range(1, REGROUP_ATTEMPTS + 1):
             world.leave(kept=not notice.superseded)
             self.checkpoints.leave_world()
@@ -301,7 +308,7 @@ class ElasticTrainer:
         if held.memory_resume:
             held.scheduler.apply(self.trainer.lr_scheduler)
         held.scheduler.target = self.trainer.lr_scheduler
-        self.boundaries.sync_on(model)
+        self.boundaries.sync_on(model, self.kept.watch)
         if self.world is not None:
             self.world.collection.wrapped()
 

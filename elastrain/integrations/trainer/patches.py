@@ -13,7 +13,9 @@ trainer.hook.TESTED` only:
 * ``Trainer._init_training_state``: the state in memory after a regroup;
 * ``Trainer._prepare_for_training``: the step flags on DDP's gradient sync, the scheduler's kept state;
 * ``Trainer.training_step`` and ``Trainer._maybe_log_save_evaluate``: the logging window's loss kept, so that a log
-  the last world lost is written in the next (:mod:`~elastrain.integrations.trainer.lost_log`);
+  the last world lost is written in the next (:mod:`~elastrain.integrations.trainer.lost_log`); and a lost step's
+  finished micro-batches noted (``Trainer.compute_loss`` too: the loss of a micro-batch whose gradient sync broke), and
+  not run again in the next world (:mod:`~elastrain.integrations.trainer.kept_grads`);
 * ``trainer_utils.get_last_checkpoint``: the newest *committed* checkpoint.
 """
 
@@ -125,14 +127,32 @@ def patch_trainer(module: Any) -> None:
 
     def make_training_step(original: Any) -> Any:
         @functools.wraps(original)
-        def training_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-            loss = original(self, *args, **kwargs)
+        def training_step(self: Any, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
             driver = driver_of(self)
-            if driver is not None and driver.world is not None:
-                driver.lost_log.add(loss)
+            if driver is None or driver.world is None:
+                return original(self, model, inputs, num_items_in_batch)
+            loss = driver.kept.restored(num_items_in_batch)  # a lost step's micro-batch this rank kept
+            if loss is None:
+                driver.kept.starting(num_items_in_batch)
+                loss = original(self, model, inputs, num_items_in_batch)
+            driver.kept.finished(loss)
+            driver.lost_log.add(loss)
             return loss
 
         return training_step
+
+    def make_compute_loss(original: Any) -> Any:
+        @functools.wraps(original)
+        def compute_loss(
+            self: Any, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+        ) -> Any:
+            result = original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            driver = driver_of(self)
+            if driver is not None and driver.world is not None:
+                driver.kept.computed(result[0] if return_outputs else result)
+            return result
+
+        return compute_loss
 
     def make_dataloader(original: Any) -> Any:
         @functools.wraps(original)
@@ -171,6 +191,7 @@ def patch_trainer(module: Any) -> None:
     _wrap(cls, "_prepare_for_training", make_prepare)
     _wrap(cls, "_maybe_log_save_evaluate", make_log)
     _wrap(cls, "training_step", make_training_step)
+    _wrap(cls, "compute_loss", make_compute_loss)
 
 
 def patch_trainer_utils(module: Any) -> None:

@@ -31,7 +31,15 @@ class StreamBatches(Sampler[list[int]]):
     """This rank's micro-batches for ``steps`` optimizer steps of the stream, starting at position ``start``."""
 
     def __init__(
-        self, num_samples: int, plan: BatchPlan, rank: int, start: int, steps: int, seed: int, shuffle: bool = True
+        self,
+        num_samples: int,
+        plan: BatchPlan,
+        rank: int,
+        start: int,
+        steps: int,
+        seed: int,
+        shuffle: bool = True,
+        first: tuple[tuple[int, ...], ...] | None = None,
     ) -> None:
         if num_samples < 1:
             raise DataStateError("the training dataset is empty")
@@ -50,6 +58,11 @@ class StreamBatches(Sampler[list[int]]):
         self.steps = max(0, steps)
         self.seed = seed
         self.shuffle = shuffle
+        if first is not None and len(first) != plan.accumulation:
+            raise DataStateError(f"the first step's split gives {len(first)} micro-batches, not {plan.accumulation}")
+        self.first = first
+        """This rank's micro-batches of the first step, as positions in its global batch, when the world split that
+        step itself (a lost step's kept micro-batches: :mod:`~elastrain.integrations.trainer.kept_split`)."""
         self._orders: dict[int, np.ndarray[Any, np.dtype[np.int64]]] = {}
 
     def _order(self, epoch: int) -> np.ndarray[Any, np.dtype[np.int64]]:
@@ -70,17 +83,24 @@ class StreamBatches(Sampler[list[int]]):
             pos += take
         return out
 
-    def step_micro_batches(self, step_index: int) -> list[list[int]]:
-        """This rank's micro-batches of the ``step_index``-th step from :attr:`start`."""
-        global_batch = self.plan.global_batch
-        samples = self.indices(self.start + step_index * global_batch, global_batch)
+    def step_offsets(self, step_index: int) -> tuple[tuple[int, ...], ...]:
+        """This rank's micro-batches of the ``step_index``-th step from :attr:`start`, as positions in its global
+        batch (0 .. global_batch - 1)."""
+        if step_index == 0 and self.first is not None:
+            return self.first
         sizes = self.plan.micro_sizes
         offset = sum(sum(s) for s in sizes[: self.rank])
         out = []
         for n in sizes[self.rank]:
-            out.append(samples[offset : offset + n])
+            out.append(tuple(range(offset, offset + n)))
             offset += n
-        return out
+        return tuple(out)
+
+    def step_micro_batches(self, step_index: int) -> list[list[int]]:
+        """This rank's micro-batches of the ``step_index``-th step from :attr:`start` (dataset indices)."""
+        global_batch = self.plan.global_batch
+        samples = self.indices(self.start + step_index * global_batch, global_batch)
+        return [[samples[o] for o in micro] for micro in self.step_offsets(step_index)]
 
     def __iter__(self) -> Iterator[list[int]]:
         for k in range(self.steps):
