@@ -17,8 +17,10 @@ Per model size (a Session script, bench/workers/transfer_worker.py: 2048x2048 li
   of several gaps less their median is that noise, not a cost of the change).
 
 After the table it prints the issue's criteria, each with the figures it reads and whether this run met it; for a
-kill, also how much of the stall was the step in flight when the kill came (from its last step's end to the kill:
-work lost on every rank, which no regroup wins back) and how much came after the kill.
+kill, also how much of the stall was the step in flight when the kill came (from its last step's end to the kill)
+and how much came after the kill. Under the Trainer the survivors keep the micro-batches of that step they finished
+(``event=trainer_lost_step_kept``: the samples kept of the step's global batch), and the new world's first step
+computes only the rest; with nothing kept, the work in flight is lost on every rank.
 
 The Session's runs go twice with ``--transfer overlap,blocking`` (the default): the optimizer's state streamed
 while the first step of the new world runs (the default), and the whole state moved before it
@@ -243,6 +245,7 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) 
         )
         or "-",
         "regroups": len(regrouped) + len(agreed),
+        "kept": ",".join(e.get("samples", "?") for e in since_change("trainer_lost_step_kept")) or "-",
         "logs": str(out),
     }
 
@@ -315,9 +318,15 @@ def criteria(results: list[dict[str, Any]], best_gbs: float) -> list[str]:
         kill = find(workload, "kill", mode, 100)
         if kill is not None:
             lost = float(kill.get("in_flight_s", 0.0))
+            kept = kill.get("kept", "-")
+            what = (
+                f"the survivors kept {kept} of the lost step's samples, the rest computed again"
+                if kept != "-"
+                else "lost on every rank"
+            )
             lines.append(
-                f"{tag}: SIGKILL stall <= 2 s at 100M: {kill['stall_s']:.2f} s ({lost:.2f} s of it the step in flight "
-                f"when the kill came, lost on every rank; {kill['stall_s'] - lost:.2f} s after the kill): "
+                f"{tag}: SIGKILL stall <= 2 s at 100M: {kill['stall_s']:.2f} s ({lost:.2f} s from the last step's "
+                f"end to the kill, the step in flight: {what}; {kill['stall_s'] - lost:.2f} s after the kill): "
                 f"{verdict(kill['stall_s'] <= 2.0)}"
             )
     return lines

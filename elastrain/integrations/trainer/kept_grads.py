@@ -192,9 +192,9 @@ class KeptWork:
     # -- across a regroup --------------------------------------------------------------------------
     def keep(self, position: DataPosition) -> None:
         """The world broke (a peer died in the step): keep the gradients of the step's finished micro-batches if they
-        are intact, before the leave drops every ``.grad``. Intact: nothing touched them since the last no-sync
-        micro-batch finished (a forward stopped, or a backward that never began); or the sync micro-batch's backward
-        accumulated every gradient and no bucket's all-reduce completed (its all-reduce met the dead peer)."""
+        are intact, before the leave drops every ``.grad``. Intact: the sync micro-batch's backward accumulated every
+        gradient and no bucket's all-reduce completed (its all-reduce met the dead peer); or nothing touched them since
+        the last no-sync micro-batch finished (the next one's forward stopped, or its backward never began)."""
         t = self.trainer
         self._kept = self._armed = None
         params = self._params()
@@ -202,15 +202,13 @@ class KeptWork:
             return
         scale = loss_scale(t, self._num_items)
         offsets, loss = list(self._done), self._loss
-        if self._open and self._sync:
-            if not (self.watch.local_whole and self._current is not None and self._forward is not None):
-                self._dropped(offsets, "the step's gradient sync stopped part-way")
-                return
+        whole = self._open and self._sync and self.watch.local_whole
+        if whole and self._current is not None and self._forward is not None:
             offsets.extend(self._current)
             last = self._forward / scale.accumulation if scale.accumulation else self._forward
             loss = last if loss is None else loss + last
         elif offsets and _marks(params) != self._marks:
-            self._dropped(offsets, "a backward stopped after them")
+            self._dropped(offsets, "a backward (or its gradient sync) stopped part-way after them")
             return
         if not offsets or loss is None:
             return
