@@ -121,32 +121,33 @@ def test_a_trainer_worker_killed_alone_restarts_and_joins_the_live_world(assets:
 
 @pytest.mark.parametrize(
     ("hold", "kept_samples"),
-    [(0.0, ("8/24", "12/24", "16/24")), (3.0, ("8/24",))],
-    ids=["survivors-in-the-all-reduce", "survivors-in-the-next-forward"],
+    [("", ("8/24", "12/24", "16/24")), (":3:forward", ("8/24",)), (":3:backward", ("16/24",))],
+    ids=["survivors-in-the-all-reduce", "survivors-in-the-next-forward", "survivors-in-the-next-backward"],
 )
 def test_a_node_lost_in_a_step_leaves_the_survivors_finished_micro_batches_to_count(
-    hold: float, kept_samples: tuple[str, ...], assets: Path, tmp_path: Path
+    hold: str, kept_samples: tuple[str, ...], assets: Path, tmp_path: Path
 ) -> None:
     """run_clm.py with two micro-batches per step on three nodes; one SIGKILLs itself at the end of a step's first
-    backward pass. The survivors have finished that micro-batch (and, unless held before their second one's forward,
-    its successor's backward, waiting in the step's gradient all-reduce): the world of two trains the step again on
-    the same 24 samples, and what each survivor finished is counted from the gradients it kept, not computed again.
-    The step's gradient is the uninterrupted run's (its norm, which the Trainer logs, within float error: a kept
-    gradient counted at the wrong scale, twice or not at all would move it by a percent or more)."""
+    backward pass. The survivors have finished that micro-batch; unless held, they finish the next too and wait in the
+    step's gradient all-reduce. Held before the next one's forward, they stop it at a block and keep the first; held
+    at the start of its backward, they run it to its end (the all-reduce of each bucket fails at once) and keep both.
+    The world of two trains the step again on the same 24 samples, and what each survivor kept is counted from its
+    gradients, not computed again. The step's gradient is the uninterrupted run's (its norm, which the Trainer logs,
+    within float error: a kept gradient counted at the wrong scale, twice or not at all would move it by a percent or
+    more)."""
     base = causal_lm(assets, max_steps=14)
     two = ("--gradient_accumulation_steps", "2", "--logging_steps", "1")
     w = Workload(base.script, (*base.args, *two), base.max_steps)
     rng = random.Random(SEED)
     kill_at = rng.randint(3, 7)
     where = f"seed {SEED} (TRAINER_TRACE_SEED): node of group rank 2 SIGKILLed in step {kill_at}'s first backward"
-    env = {"LEDGER_KILL": f"{kill_at}:2:3:{hold}"}
+    env = {"LEDGER_KILL": f"{kill_at}:2:3{hold}"}
     run = trace(w, tmp_path / "trace", [], first=("a", "b", "c"), nnodes="2:3", env=env)
     ref = reference(w, tmp_path / "ref", nproc=3)
     check(run, ref, w, sigkills=1, where=where)
     kept = [e for log in run.logs.values() for e in events_in(log, "trainer_lost_step_kept")]
     assert kept and kept[0]["step"] == str(kill_at) and kept[0]["members"] == "2", f"{where}: {kept}\n{run.dump()}"
-    # Held, each survivor kept its first micro-batch (4 of its 8 samples); else its first, or its whole share if its
-    # second's backward ended before the world broke.
+    # Each survivor kept its first micro-batch (4 of its 8 samples) or its whole share.
     assert kept[0]["samples"] in kept_samples, f"{where}: {kept}"
     sizes = run.ledger.world_sizes()
     assert sizes == [3] * (kill_at - 1) + [2] * (w.max_steps - kill_at + 1), f"{where}: world sizes {sizes}"

@@ -14,11 +14,12 @@ the step in the same world. Reads of a step that never ended (given up when a pe
 bench's trace plays, each step also waits the seconds written in ``LEDGER_DIR/pace`` (long while a node warms up to
 join), so the job outlasts the trace on a slow machine without burning CPU.
 
-With ``LEDGER_KILL=<step>:<group rank>:<world size>[:<hold s>]``, the node of that group rank SIGKILLs itself (its
-agent, the agent's zygote and its worker: ``bench/support/node_kill.py``) at the end of the first backward pass of
-that step, when it trains in a world of that size: a machine lost in the middle of a step, whose peers have finished
-a micro-batch of it. With a hold, the other nodes wait that long before their second micro-batch's forward pass in
-that step (they meet the broken world in that forward, not in the step's gradient all-reduce).
+With ``LEDGER_KILL=<step>:<group rank>:<world size>[:<hold s>:<forward|backward>]``, the node of that group rank
+SIGKILLs itself (its agent, the agent's zygote and its worker: ``bench/support/node_kill.py``) at the end of the first
+backward pass of that step, when it trains in a world of that size: a machine lost in the middle of a step, whose
+peers have finished a micro-batch of it. With a hold, the other nodes wait that long in their second micro-batch of
+that step, before its forward pass or at the start of its backward pass: they meet the broken world there, not
+waiting in the step's gradient all-reduce.
 """
 
 from __future__ import annotations
@@ -77,22 +78,25 @@ def _write(row: dict[str, Any]) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def _kill_at() -> tuple[int, str, int, float] | None:
+def _kill_at() -> tuple[int, str, int, float, str] | None:
     spec = os.environ.get("LEDGER_KILL")
     if not spec:
         return None
     step, node, world, *hold = spec.split(":")
-    return int(step), node, int(world), float(hold[0]) if hold else 0.0
+    return int(step), node, int(world), float(hold[0]) if hold else 0.0, hold[1] if len(hold) > 1 else "forward"
 
 
 class _Hold:
-    """Before the model's second forward pass from now: sleep ``seconds``, once."""
+    """In the model's second forward (or backward) pass from now: sleep ``seconds``, once."""
 
-    def __init__(self, model: Any, seconds: float) -> None:
+    def __init__(self, model: Any, seconds: float, where: str) -> None:
         self.seconds, self.calls = seconds, 0
-        self.handle = model.register_forward_pre_hook(self)
+        if where == "forward":
+            self.handle = model.register_forward_pre_hook(lambda module, args: self._tick())
+        else:  # the last parameter's gradient comes early in a backward pass, before any of DDP's buckets is ready
+            self.handle = list(model.parameters())[-1].register_hook(lambda grad: self._tick())
 
-    def __call__(self, module: Any, args: Any) -> None:
+    def _tick(self) -> None:
         self.calls += 1
         if self.calls == 2:
             self.handle.remove()
@@ -124,7 +128,7 @@ class Callback(TrainerCallback):
             if os.environ.get("GROUP_RANK") == kill[1]:  # the embedding's gradient: the last of a backward pass
                 kwargs["model"].get_input_embeddings().weight.register_hook(_kill_own_node)
             elif kill[3] > 0:
-                _Hold(kwargs["model"], kill[3])
+                _Hold(kwargs["model"], kill[3], kill[4])
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         ids = [i for _ in range(min(args.gradient_accumulation_steps, len(_batches))) for i in _batches.popleft()]

@@ -41,20 +41,17 @@ class StepBoundaries:
         return dist.get_world_size() if dist.is_initialized() else 1
 
     def sync_on(self, model: Any, watch: BucketWatch | None = None) -> None:
-        """After accelerate wrapped the model: the step flags ride on DDP's gradient sync; ``watch`` sees each
-        bucket handed to the all-reduce (live mode)."""
+        """After accelerate wrapped the model: the step flags ride on DDP's gradient sync; in live mode through
+        ``watch`` (:class:`~elastrain.integrations.trainer.kept_grads.BucketWatch`), which sees each bucket."""
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             return
         flags = self.flags
         m = self.membership
         try:
             if m is not None and self.live_ok and m.member is not None:
-                group = m.member.group
                 seen = watch if watch is not None else BucketWatch()
                 seen.attach(model)
-                model.register_comm_hook(
-                    None, lambda state, bucket: seen.launched(bucket, group.comm_hook(state, bucket, flags))
-                )
+                model.register_comm_hook(None, seen.hook(m.member.group, flags))
             else:
                 hook = flagged_allreduce(flags)
                 model.register_comm_hook(None, lambda state, bucket: hook(state, bucket))

@@ -7,7 +7,9 @@ the regroup keeps the rank's own gradients of the step when they are intact:
 - the micro-batches finished before the sync one, if nothing touched ``.grad`` since the last of them finished (the
   forward of the next stopped at a block, or its backward never began; one stopped half-way changed a version);
 - all of them, the sync one too, when its backward handed every gradient bucket to the all-reduce and no bucket's
-  all-reduce completed (the peer died before it: DDP writes nothing back into ``.grad``, :class:`BucketWatch`).
+  all-reduce completed (the peer died before it: DDP writes nothing back into ``.grad``, :class:`BucketWatch`). A
+  backward that meets the broken round runs to its end for this (each bucket's all-reduce fails at once), rather
+  than stopping at its next bucket: its work is kept, not lost.
 
 Entering the next world, after the members agreed on the state, every member says what it kept (one all-gather of a
 few integers); those whose model is the agreed one and whose kept step is the one the world trains next keep theirs,
@@ -20,6 +22,7 @@ Every other member, and every later step, runs as before.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +34,10 @@ from torch.nn.parallel import DistributedDataParallel
 from elastrain.integrations.trainer.dataloader import StreamLoader
 from elastrain.integrations.trainer.kept_split import LossScale, Offer, StepSplit, rescale, split_step
 from elastrain.integrations.trainer.memory import DataPosition
+from elastrain.live.group import GroupBrokenError, TrainingGroup
 from elastrain.log import lifecycle
 from elastrain.scaling import BatchPlan
+from elastrain.step_flags import StepFlags
 
 
 @dataclass
@@ -81,14 +86,34 @@ class BucketWatch:
     def reset(self) -> None:
         self.last_launched = self.reduced = False
 
-    def launched(self, bucket: GradBucket, fut: torch.futures.Future[torch.Tensor]) -> Any:
-        """The comm hook handed ``bucket`` to the all-reduce as ``fut`` (it raised instead once the round broke)."""
+    def hook(self, group: TrainingGroup, flags: StepFlags) -> Callable[[object, GradBucket], Any]:
+        """DDP's comm hook for the live group (:meth:`TrainingGroup.comm_hook`, the step flags on its last bucket),
+        each bucket seen. Once the round is broken, where ``.grad`` stays this rank's own, a bucket gets a failed
+        future rather than stopping the backward: the backward accumulates this rank's whole gradient of the step,
+        which the regroup keeps, and DDP raises the failure at its end."""
+
+        # A lambda: DDP reads a comm hook's annotations, and the module's are strings.
+        return lambda state, bucket: self._sync(group, flags, state, bucket)
+
+    def _sync(self, group: TrainingGroup, flags: StepFlags, state: object, bucket: GradBucket) -> Any:
+        try:
+            fut = group.comm_hook(state, bucket, flags)
+        except GroupBrokenError as exc:
+            if not self.usable:
+                raise
+            failed: torch.futures.Future[Any] = torch.futures.Future()
+            failed.set_exception(exc)
+            fut = failed
+        return self.launched(bucket, fut)
+
+    def launched(self, bucket: GradBucket, fut: torch.futures.Future[Any]) -> Any:
+        """``bucket`` went to the all-reduce as ``fut`` (failed at once when the round is broken)."""
         if bucket.is_last():
             self.last_launched = True
         fut.add_done_callback(self._settled)
         return fut
 
-    def _settled(self, fut: torch.futures.Future[torch.Tensor]) -> None:
+    def _settled(self, fut: torch.futures.Future[Any]) -> None:
         try:
             fut.value()
         except Exception as exc:  # the round broke: DDP raises it from the backward; nothing written back for it
