@@ -20,7 +20,9 @@ After the table it prints the issue's criteria, each with the figures it reads a
 kill, also how much of the stall was the step in flight when the kill came (from its last step's end to the kill)
 and how much came after the kill. Under the Trainer the survivors keep the micro-batches of that step they finished
 (``event=trainer_lost_step_kept``: the samples kept of the step's global batch), and the new world's first step
-computes only the rest; with nothing kept, the work in flight is lost on every rank.
+computes only the rest; with nothing kept, the work in flight is lost on every rank. The kill's line also gives the
+gap of the step the kill came in, apart from the longest gap after it (on this box a step of the new world varies by
+a second or more with nothing happening).
 
 The Session's runs go twice with ``--transfer overlap,blocking`` (the default): the optimizer's state streamed
 while the first step of the new world runs (the default), and the whole state moved before it
@@ -231,6 +233,7 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) 
         "median_step_before_s": round(statistics.median(before), 3) if before else float("nan"),
         "median_step_after_s": round(median_after, 3),
         "longest_gap_s": round(longest, 3),
+        "first_gap_s": round(across[0], 3) if across else float("nan"),
         "stall_s": round(longest - median_after, 3),
         "regroup_gap_s": round(longest_at_regroup, 3),
         "regroup_stall_s": round(longest_at_regroup - median_after, 3),
@@ -319,15 +322,12 @@ def criteria(results: list[dict[str, Any]], best_gbs: float) -> list[str]:
         if kill is not None:
             lost = float(kill.get("in_flight_s", 0.0))
             kept = kill.get("kept", "-")
-            what = (
-                f"the survivors kept {kept} of the lost step's samples, the rest computed again"
-                if kept != "-"
-                else "lost on every rank"
-            )
+            what = f"the survivors kept {kept} of its samples" if kept != "-" else "lost on every rank"
             lines.append(
-                f"{tag}: SIGKILL stall <= 2 s at 100M: {kill['stall_s']:.2f} s ({lost:.2f} s from the last step's "
-                f"end to the kill, the step in flight: {what}; {kill['stall_s'] - lost:.2f} s after the kill): "
-                f"{verdict(kill['stall_s'] <= 2.0)}"
+                f"{tag}: SIGKILL stall <= 2 s at 100M: {kill['stall_s']:.2f} s (the longest gap "
+                f"{kill['longest_gap_s']:.2f} s less the new world's median step {kill['median_step_after_s']:.2f} s; "
+                f"the kill came {lost:.2f} s into the step in flight ({what}), whose gap was "
+                f"{kill['first_gap_s']:.2f} s): {verdict(kill['stall_s'] <= 2.0)}"
             )
     return lines
 

@@ -223,8 +223,8 @@ class KeptWork:
         t = self.trainer
         self._kept = self._armed = None
         params = self._params()
-        if self._done is None or self._step != int(t.state.global_step) or t.args.n_gpu > 1:
-            return
+        if self._done is None or self._step != int(t.state.global_step) or t.args.n_gpu > 1 or t.args.fp16:
+            return  # fp16: the gradients carry the loss scaler's scale, which a new world's scaler may not have
         scale = loss_scale(t, self._num_items)
         offsets, loss = list(self._done), self._loss
         whole = self._open and self._sync and self.watch.local_whole
@@ -253,10 +253,10 @@ class KeptWork:
         """Collective, on every member entering a world that goes on from memory: the split of the world's next
         step, from what every member kept of it. Sets this rank's first step in the loader, and whether its first
         ``training_step`` is its kept micro-batch."""
-        kept, self._kept = self._kept, None
-        self._armed = None
+        kept, self._armed = self._kept, None
         offer = kept.offer if kept is not None and own_step == agreed_step else None
         split = _exchange(offer, agreed_step, position, plan, device)
+        self._kept = None  # kept until now: another regroup, if this world fails first, may use it
         rank = dist.get_rank()
         self.loader.first_step = split.micro_batches[rank] if split is not None else None
         if split is not None and split.kept[rank]:
