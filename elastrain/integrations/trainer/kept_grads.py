@@ -184,9 +184,11 @@ class KeptWork:
         """After a micro-batch's ``training_step`` returned ``loss``: its gradients are in ``.grad``, or, after the
         step's sync one, all-reduced (nothing of the step can be kept any more)."""
         self._open = False
-        if self._sync or self._done is None:
+        if self._sync:
             self._done, self._loss = [], None
             return
+        if self._done is None:
+            return  # a micro-batch of this step was not from the stream: its gradients are in .grad, unaccounted
         if self._current is None or not isinstance(loss, torch.Tensor):
             self._done, self._loss = None, None
             return
