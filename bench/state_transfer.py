@@ -217,6 +217,7 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) 
     killed_at = min((float(t) for n in job.nodes for t in re.findall(r"XW_KILL t=([\d.]+)", n.text())), default=None)
     ends = [end for _, _, end in steps if killed_at is not None and end <= killed_at]
     in_flight = killed_at - max(ends) if killed_at is not None and ends else 0.0
+    after_kill = [g for g, end in gaps if end > (killed_at if killed_at is not None else changed_at)]
 
     def since_change(name: str) -> list[dict[str, str]]:
         return [e for n in job.nodes for e in n.events(name) if float(e.get("t", "0")) >= changed_at]
@@ -233,7 +234,7 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) 
         "median_step_before_s": round(statistics.median(before), 3) if before else float("nan"),
         "median_step_after_s": round(median_after, 3),
         "longest_gap_s": round(longest, 3),
-        "first_gap_s": round(across[0], 3) if across else float("nan"),
+        "first_gap_s": round(after_kill[0], 3) if after_kill else float("nan"),
         "stall_s": round(longest - median_after, 3),
         "regroup_gap_s": round(longest_at_regroup, 3),
         "regroup_stall_s": round(longest_at_regroup - median_after, 3),
