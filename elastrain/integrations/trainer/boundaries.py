@@ -40,7 +40,7 @@ class StepBoundaries:
     def world_size(self) -> int:
         return dist.get_world_size() if dist.is_initialized() else 1
 
-    def sync_on(self, model: Any, watch: BucketWatch | None = None) -> None:
+    def sync_on(self, model: Any, watch: BucketWatch) -> None:
         """After accelerate wrapped the model: the step flags ride on DDP's gradient sync; in live mode through
         ``watch`` (:class:`~elastrain.integrations.trainer.kept_grads.BucketWatch`), which sees each bucket."""
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -49,9 +49,8 @@ class StepBoundaries:
         m = self.membership
         try:
             if m is not None and self.live_ok and m.member is not None:
-                seen = watch if watch is not None else BucketWatch()
-                seen.attach(model)
-                model.register_comm_hook(None, seen.hook(m.member.group, flags))
+                watch.attach(model)
+                model.register_comm_hook(None, watch.hook(m.member.group, flags))
             else:
                 hook = flagged_allreduce(flags)
                 model.register_comm_hook(None, lambda state, bucket: hook(state, bucket))

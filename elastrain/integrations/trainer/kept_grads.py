@@ -212,8 +212,7 @@ class KeptWork:
                 p.grad = g
             else:
                 p.grad.add_(g)
-        self.starting(num_items)
-        self._current = kept.offer.offsets
+        self.starting(num_items)  # the sampler's first micro-batch of this step: the kept samples
         return kept.loss * ratio
 
     # -- across a regroup --------------------------------------------------------------------------
