@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar, cast
 
 from torch._C._distributed_c10d import Store
-from torch.distributed import DistError
+from torch.distributed import DistError, DistNetworkError
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -204,12 +204,24 @@ class Connection:
                 continue
         raise RendezvousStoreLostError("the rendezvous store kept moving (10 failovers in a row)")
 
-    def call(self, op: Callable[[], _T]) -> _T:
+    def call(self, op: Callable[[], _T], on: Store | None = None) -> _T:
         """One store call: bounded; :class:`StoreSwitched` once the store moved, RendezvousStoreLostError once it
-        has failed for too long."""
+        has failed for too long.
+
+        ``on`` is the store ``op`` talks to, when the caller took it before this call (default: the current one).
+        When another thread moved the store since, a failure of ``op`` is the old store's, not the current one's:
+        the call raises :class:`StoreSwitched` for its caller to retry on the new store, and never fails over
+        past the new store's live host (a survivor once split from the others that way, alone under min_nodes).
+        """
+        target = self.store if on is None else on
+        if target is not self.store:
+            raise StoreSwitched()  # taken before a move: the caller retries on the new store
         try:
-            out = self._bounded(op)
+            out = self._bounded(op, target)
         except STORE_ERRORS as exc:
+            if target is not self.store:
+                lifecycle("store_call_on_old_store", level=logging.INFO, store=self.address, error=repr(exc)[:120])
+                raise StoreSwitched() from exc
             now = time.monotonic()
             # The main and heartbeat threads both get here: read the shared field once.
             since = self._failing_since
@@ -240,7 +252,7 @@ class Connection:
         self._failing_since = None
         return out
 
-    def _bounded(self, op: Callable[[], _T]) -> _T:
+    def _bounded(self, op: Callable[[], _T], store: Store) -> _T:
         """Run one store call with a deadline (see ``store_op_timeout_s``).
 
         A call past its deadline is left blocked in its (daemon) thread and its client is marked wedged:
@@ -249,8 +261,8 @@ class Connection:
         """
         if not self._stores.movable:
             return op()  # etcd: its client bounds every request and rides out outages (retry_timeout)
-        store, address = self.store, self.address
-        if self._wedged is not None and self._wedged is store and not self.hosted_here:
+        address = self.address
+        if self._wedged is not None and self._wedged is store is self.store and not self.hosted_here:
             self._reconnect()
         try:
             return with_deadline(op, self._settings.store_op_timeout_s)
@@ -324,6 +336,8 @@ class Connection:
             return False
         if not cached.store_host and self._node_id in cached.nodes:
             return False  # a state without a host (never on c10d): no successor can be picked from it
+        if self._reconnected(exc):
+            return True
         got = self._stores.failover(cached, self._node_id, exc, self._settings.store_lost_timeout_s)
         if got is None:
             return False
@@ -336,6 +350,28 @@ class Connection:
             endpoint=self.address,
             cause=repr(exc)[:120],
         )
+        return True
+
+    def _reconnected(self, exc: BaseException) -> bool:
+        """Whether a fresh connection to the same store replaced a broken one: after a broken connection (not a
+        timeout) to a store whose port still listens, its host's process lives and its store with it. Passing
+        over that host would leave the job split in two stores. Bounded by ``store_lost_timeout``."""
+        if self.hosted_here or not _broken_connection(exc):
+            return False
+        address, stores = self.address, self._stores
+        if liveness.refused_at(address):
+            return False  # nothing listens there: the host's process is gone
+        limit = self._settings.store_lost_timeout_s
+        try:
+            backend, store = with_deadline(lambda: stores.connect_to(address, limit), limit)
+            with_deadline(lambda: store.check(["elastrain/reconnect"]), limit)  # it answers (the key need not exist)
+        except (*STORE_ERRORS, RuntimeError, ValueError) as err:  # RuntimeError, ValueError: the client's constructor
+            lifecycle("store_reconnect_failed", level=logging.INFO, store=address, error=repr(err)[:120])
+            return False
+        with self.lock:
+            self.backend, self.store, self._wedged = backend, store, None
+            self.cached_version = None
+        lifecycle("store_reconnected", level=logging.WARNING, store=address, cause=repr(exc)[:120])
         return True
 
     def answers(self, address: str) -> bool:
@@ -389,3 +425,13 @@ class Connection:
         self.address = address
         self.cached = st.RendezvousState()
         self.cached_version = None
+
+
+def _broken_connection(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what caused it) is a connection that broke (torch's typed network error, a reset or a
+    broken pipe), not a store that is slow to answer."""
+    while exc is not None:
+        if isinstance(exc, (DistNetworkError, ConnectionError)):
+            return True
+        exc = exc.__cause__
+    return False

@@ -176,7 +176,7 @@ class Heartbeat:
         self._state.ensure_keys()
         key = self._state.key(f"beat/{me}")
         store, beat = self._state.store, self._auth.seal(key, str(self._state.beats))
-        self._state.call(lambda: set_bytes(store, key, beat))
+        self._state.call(lambda: set_bytes(store, key, beat), store)
         state = self._state.read_cached()
         read_at = time.monotonic()
         stalled = clock.store_took(now, read_at) or stalled
@@ -267,15 +267,15 @@ class Heartbeat:
     def _publish_silence(self, silent_for: dict[str, float]) -> None:
         key = self._state.key("silence")
         store, payload = self._state.store, self._auth.seal(key, json.dumps(silent_for, separators=(",", ":")))
-        self._state.call(lambda: set_bytes(store, key, payload))
+        self._state.call(lambda: set_bytes(store, key, payload), store)
 
     def _read_silence(self) -> dict[str, float]:
         """The previous judge's last snapshot of how long each node had been silent ({} if none)."""
         store, key = self._state.store, self._state.key("silence")
         try:
-            if not self._state.call(lambda: store.check([key])):
+            if not self._state.call(lambda: store.check([key]), store):
                 return {}
-            raw = json.loads(self._auth.open(key, self._state.call(lambda: store.get(key))))
+            raw = json.loads(self._auth.open(key, self._state.call(lambda: store.get(key), store)))
             return {str(k): float(v) for k, v in raw.items()}
         except (ValueError, AttributeError, TypeError, RendezvousStateCorruptError) as exc:
             lifecycle("silence_snapshot_unreadable", level=logging.WARNING, error=repr(exc)[:120])
@@ -287,14 +287,14 @@ class Heartbeat:
             return {}
         store = self._state.store
         keys = [self._state.key(f"beat/{n}") for n in nodes]
-        if self._state.call(lambda: store.check(keys)):
-            values = self._state.call(lambda: store.multi_get(keys))
+        if self._state.call(lambda: store.check(keys), store):
+            values = self._state.call(lambda: store.multi_get(keys), store)
             return {n: self._beat(n, k, v) for n, k, v in zip(nodes, keys, values, strict=True)}
         # Some node has not beaten on this store yet (just joined, or a store failover): read one by one.
         out: dict[str, int] = {}
         for n, k in zip(nodes, keys, strict=True):
-            present = self._state.call(lambda k=k: store.check([k]))  # type: ignore[misc]
-            out[n] = self._beat(n, k, self._state.call(lambda k=k: store.get(k))) if present else -1  # type: ignore[misc]
+            present = self._state.call(lambda k=k: store.check([k]), store)  # type: ignore[misc]
+            out[n] = self._beat(n, k, self._state.call(lambda k=k: store.get(k), store)) if present else -1  # type: ignore[misc]
         return out
 
     def _beat(self, node: str, key: str, raw: bytes) -> int:

@@ -181,7 +181,7 @@ class Rounds:
         """Our key for the end of ``round_``, then one add to the round's count; returns the count."""
         key = self._state.key(f"rejoin/{round_}/{self._node_id}")
         store, payload = self._state.store, self._auth.seal(key, st.encode_info(info))
-        self._state.call(lambda: set_bytes(store, key, payload))
+        self._state.call(lambda: set_bytes(store, key, payload), store)
         count = self._count_rejoins(store, round_, 1)
         self.keyed = (store, round_)
         return count
@@ -192,8 +192,8 @@ class Rounds:
         per re-join at 64 agents); c10d adds ``add`` to a counter, atomically in the store."""
         if isinstance(store, PrefixCounter):
             counter = store
-            return int(self._state.call(lambda: counter.count_prefix(self._state.key(f"rejoin/{round_}/"))))
-        return int(self._state.call(lambda: store.add(self._state.key(f"rejoin/{round_}/count"), add)))
+            return int(self._state.call(lambda: counter.count_prefix(self._state.key(f"rejoin/{round_}/")), store))
+        return int(self._state.call(lambda: store.add(self._state.key(f"rejoin/{round_}/count"), add), store))
 
     def _waits_by_key(self, state: st.RendezvousState) -> bool:
         """Whether our key (on the current store) asks for the end of ``state``'s round, and still counts."""
@@ -230,9 +230,9 @@ class Rounds:
             return None  # the count is a hint only (a re-joiner evicted since counts too): the keys decide
         keys = [self._state.key(f"rejoin/{round_}/{m}") for m in pending]
         try:
-            if not self._state.call(lambda: store.check(keys)):
+            if not self._state.call(lambda: store.check(keys), store):
                 return None
-            raw = self._state.call(lambda: store.multi_get(keys))
+            raw = self._state.call(lambda: store.multi_get(keys), store)
         except StoreSwitched:
             return None
         rejoined = self._opened_rejoins(list(pending), keys, raw)

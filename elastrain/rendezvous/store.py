@@ -64,8 +64,9 @@ class StateStore:
     def cached(self) -> st.RendezvousState:
         return self.conn.cached
 
-    def call(self, op: Callable[[], _T]) -> _T:
-        return self.conn.call(op)
+    def call(self, op: Callable[[], _T], on: Store | None = None) -> _T:
+        """One store call (see :meth:`Connection.call`); ``on``: the store ``op`` uses, when taken before."""
+        return self.conn.call(op, on)
 
     def key(self, what: str) -> str:
         return f"elastrain/{self._run_id}/{what}"
@@ -79,15 +80,15 @@ class StateStore:
                 return
             key = self.key(f"beat/{self._node_id}")
             beat = self._auth.seal(key, str(self.beats))
-            self.call(lambda: set_bytes(store, key, beat))
-            self.call(lambda: store.add(self.key("version"), 0))
+            self.call(lambda: set_bytes(store, key, beat), store)
+            self.call(lambda: store.add(self.key("version"), 0), store)
             self._keys_on = store
 
         self.conn.retrying(once)
 
     def _version(self) -> int:
         store = self.conn.store
-        raw = self.call(lambda: store.get(self.key("version")))
+        raw = self.call(lambda: store.get(self.key("version")), store)
         try:
             return int(raw)
         except ValueError as exc:
@@ -96,13 +97,13 @@ class StateStore:
             key = self.key("version")
             self._quiet.log("rendezvous_value_ignored", exc, key=key)
             fresh = str(time.time_ns())
-            self.call(lambda: compare_set_bytes(store, key, bytes(raw), fresh.encode()))
+            self.call(lambda: compare_set_bytes(store, key, bytes(raw), fresh.encode()), store)
             return -1
 
     def _bump_version(self) -> None:
         store = self.conn.store
         try:
-            self.call(lambda: store.add(self.key("version"), 1))
+            self.call(lambda: store.add(self.key("version"), 1), store)
         except (StoreSwitched, ValueError, *STORE_ERRORS) as exc:  # ValueError: the counter is not a number
             self.conn.cached_version = None  # readers re-read the blob the next time anyway
             self._quiet.log("version_bump_failed", exc)
