@@ -16,7 +16,7 @@ from torch._C._distributed_c10d import Store
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
-from elastrain import fence
+from elastrain import fence, fence_moves
 from elastrain.errors import RendezvousError, StaleGenerationError
 from elastrain.log import lifecycle
 from elastrain.rendezvous import state as st
@@ -112,15 +112,10 @@ class Fencing:
             # A fresh store: a job is either starting, or running elsewhere (a store founded again at the
             # original endpoint, a restarted worker-0 pod): join that job rather than found a second one.
             top = fence.newest(root)
-            if (
-                top is not None
-                and top.store
-                and top.run_id == run_id
-                and top.store != address
-                and self._state.conn.answers(top.store)
-                and self._claim_trusted(top)
-            ):
-                self._tombstone(top.store, f"generation {top.generation} runs at {top.store}")
+            if top is not None and top.store and top.run_id == run_id:
+                for store, mac in self._stores_of(top):  # where its store moved since (newest first), then its own
+                    if store != address and self._state.conn.answers(store) and self._trusted(store, mac, top):
+                        self._tombstone(store, f"generation {top.generation} runs at {store}")
             got = fence.claim_fresh(
                 root, run_id, round_, address, state.members, store_mac=self._auth.store_mac(address),
             )  # fmt: skip
@@ -171,7 +166,7 @@ class Fencing:
                 f"{self._run_id}; refused (a forged state?). Give every node a shared secret "
                 "(--rdzv-conf secret_file=PATH) so that only the job's nodes can write its rendezvous"
             )
-        return self._state.conn.connect_waiting(address, deadline)
+        return self._state.conn.winner.connect(address, deadline)
 
     def follow(self, address: str, deadline: float) -> tuple[RendezvousBackend, Store] | None:
         """Connect to the winning world's store at ``address`` (retrying until ``deadline``); None once that world is
@@ -243,7 +238,8 @@ class Fencing:
                 top = fence.newest(self.root)
                 if top is not None and top.run_id and top.run_id != self._run_id:
                     self.foreign = other_job(self.root, top, self._run_id)
-                self.fenced_by = top.store if top is not None and self._claim_trusted(top) else "unknown"
+                stores = self._stores_of(top) if top is not None else []
+                self.fenced_by = next((a for a, mac in stores if top and self._trusted(a, mac, top)), "unknown")
                 lifecycle("world_superseded", level=logging.WARNING, node=self._node_id, why=str(exc))
             except OSError as exc:
                 self._quiet.log("fence_check_failed", exc, root=self.root)
@@ -260,15 +256,25 @@ class Fencing:
         return bool(hosts)
 
     def _claim_trusted(self, claim: fence.Claim) -> bool:
-        """A fencing claim's store is followed only if the job's secret signs it, or (without a secret) it names a
-        member of the job."""
-        ok = (
-            self._auth.signed_store(claim.store, claim.store_mac)
-            if self._auth.enabled
-            else self._names_member(claim.store)
-        )
+        return self._trusted(claim.store, claim.store_mac, claim)
+
+    def _trusted(self, store: str, mac: str, claim: fence.Claim) -> bool:
+        """A fencing claim's store (or where it moved) is followed only if the job's secret signs it, or (without a
+        secret) it names a member of the job."""
+        ok = self._auth.signed_store(store, mac) if self._auth.enabled else self._names_member(store)
         if not ok:
             why = "not signed with the job's secret" if self._auth.enabled else "it names no node of the job"
-            lifecycle("fence_claim_untrusted", level=logging.WARNING, store=claim.store, generation=claim.generation,
+            lifecycle("fence_claim_untrusted", level=logging.WARNING, store=store, generation=claim.generation,
                       why=why)  # fmt: skip
         return ok
+
+    def _stores_of(self, claim: fence.Claim) -> list[tuple[str, str]]:
+        """Where the world of ``claim`` runs its store: where it moved since the claim (newest first), then the
+        claim's own store; (address, signature) each."""
+        try:
+            moved = [(m.store, m.store_mac) for m in fence_moves.moves(self.root or "", claim.generation)
+                     if m.run_id == claim.run_id]  # fmt: skip
+        except OSError as exc:
+            self._quiet.log("fence_check_failed", exc, root=self.root)
+            moved = []
+        return [*moved, (claim.store, claim.store_mac)]

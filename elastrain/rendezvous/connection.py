@@ -146,6 +146,48 @@ def with_deadline(op: Callable[[], _T], timeout_s: float) -> _T:
     return cast(_T, box["out"])
 
 
+class WinnerDial:
+    """Connections to the winning world's store after a lost claim, and how long each such store refused them."""
+
+    def __init__(self, stores: StoreFactory, settings: HandlerSettings) -> None:
+        self._stores = stores
+        self._settings = settings
+        self._refused_since: dict[str, float] = {}
+        """Winning worlds' stores (``host:port``) whose every connection was refused since then (monotonic)."""
+
+    def connect(self, address: str, deadline: float) -> tuple[RendezvousBackend, Store]:
+        """Connect to the store at ``address`` (the winning world's), retrying until ``deadline``.
+
+        Raises :class:`WinnerGone` once that store has refused every connection for ``refound_after`` (counted
+        across calls): its host's process is gone, and with it the world that won (a world whose host died but
+        whose other nodes live fails over and records where its store moved within that time). A
+        store that is merely silent (a host frozen, cut off or taken away) is waited for until ``deadline``: a
+        node on the cut-off side of a partition must not start over and fence a live world.
+        """
+        backoff = Backoff(0.5, 5.0)
+        while True:
+            try:
+                got = self._stores.connect_to(address, self._settings.store_lost_timeout_s)
+            except STORE_ERRORS as exc:
+                now = time.monotonic()
+                if liveness.refused_at(address):
+                    since = self._refused_since.setdefault(address, now)
+                else:
+                    since = None
+                    self._refused_since.pop(address, None)
+                refused_s = 0.0 if since is None else now - since
+                lifecycle("redirect_waiting", level=logging.WARNING, store=address, refused_s=round(refused_s, 1),
+                          error=repr(exc)[:120])  # fmt: skip
+                if refused_s >= self._settings.refound_after_s:
+                    raise WinnerGone(address, refused_s) from exc
+                if now > deadline:
+                    raise RendezvousTimeoutError(f"the winning world's store at {address} did not answer") from exc
+                backoff.sleep()
+            else:
+                self._refused_since.pop(address, None)
+                return got
+
+
 class Connection:
     """The state store this node talks to now, the last state read from it, and every call to it."""
 
@@ -184,8 +226,8 @@ class Connection:
         self._wedged: object | None = None
         self._next_reconnect = 0.0
         self._reconnect_pause = 0.0
-        self._refused_since: dict[str, float] = {}
-        """Winning worlds' stores (``host:port``) whose every connection was refused since then (monotonic)."""
+        self.winner = WinnerDial(stores, settings)
+        """Where this node follows a world that won the generation claim (see :mod:`elastrain.rendezvous.claim`)."""
 
     @property
     def movable(self) -> bool:
@@ -385,38 +427,6 @@ class Connection:
     def vouches(self, address: str) -> set[str]:
         """The node addresses of the live job whose store answers at ``address`` (empty if none does)."""
         return self._stores.vouches(address, self._settings.store_lost_timeout_s)
-
-    def connect_waiting(self, address: str, deadline: float) -> tuple[RendezvousBackend, Store]:
-        """Connect to the store at ``address`` (the winning world's), retrying until ``deadline``.
-
-        Raises :class:`WinnerGone` once that store has refused every connection for ``refound_after`` (counted
-        across calls): its host's process is gone, and with it the world that won (a world whose host died but
-        whose other nodes live fails over and publishes its new store with its next claim within that time). A
-        store that is merely silent (a host frozen, cut off or taken away) is waited for until ``deadline``: a
-        node on the cut-off side of a partition must not start over and fence a live world.
-        """
-        backoff = Backoff(0.5, 5.0)
-        while True:
-            try:
-                got = self._stores.connect_to(address, self._settings.store_lost_timeout_s)
-            except STORE_ERRORS as exc:
-                now = time.monotonic()
-                if liveness.refused_at(address):
-                    since = self._refused_since.setdefault(address, now)
-                else:
-                    since = None
-                    self._refused_since.pop(address, None)
-                refused_s = 0.0 if since is None else now - since
-                lifecycle("redirect_waiting", level=logging.WARNING, store=address, refused_s=round(refused_s, 1),
-                          error=repr(exc)[:120])  # fmt: skip
-                if refused_s >= self._settings.refound_after_s:
-                    raise WinnerGone(address, refused_s) from exc
-                if now > deadline:
-                    raise RendezvousTimeoutError(f"the winning world's store at {address} did not answer") from exc
-                backoff.sleep()
-            else:
-                self._refused_since.pop(address, None)
-                return got
 
     def switch(self, backend: RendezvousBackend, store: Store, address: str) -> None:
         """Talk to another world's store from now on (hosted elsewhere); call with :attr:`lock` held."""

@@ -11,11 +11,15 @@ import contextlib
 import socket
 import threading
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
+from support.processes import free_port
+from support.rendezvous_nodes import eventually
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from elastrain import fence, fence_moves
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.backends.c10d import C10dBackend, C10dStores
 from elastrain.rendezvous.connection import Connection, StoreSwitched
@@ -170,3 +174,69 @@ def test_a_store_whose_host_is_gone_still_fails_over() -> None:
         conn.call(lambda: conn.store.get("k"))
     assert not isinstance(failed.value, StoreSwitched)  # the recording factory found no successor
     assert len(stores.failovers) == 1 and conn.store is client and conn.failing
+
+
+def _dead_address() -> str:
+    """``127.0.0.1:port`` where nothing listens any more (a store whose host's process is gone)."""
+    gone = TCPStore("127.0.0.1", 0, is_master=True, timeout=TIMEOUT)
+    address = f"127.0.0.1:{gone.port}"
+    del gone
+    return address
+
+
+def test_the_successor_that_hosts_the_store_records_where_it_moved_and_a_node_on_its_way_in_finds_it(
+    tmp_path: Path,
+) -> None:
+    """The world of generation 3 formed on b's store (its claim says so); b left or died and c hosts the store on
+    its standby port, with no new round to claim it. c records the move beside the claim, and a node starting later
+    joins c's store, instead of founding the job again at the original endpoint (whose port b's departure freed)
+    and fencing the running world 30 s later (seen once in tests/e2e/test_membership.py's spare)."""
+    root = str(tmp_path)
+    b_store = _dead_address()
+    fence.claim_fresh(root, "unit", 1, b_store, ("b", "c"))  # generation 0
+    fence.claim_fresh(root, "unit", 1, b_store, ("b", "c"))  # generation 1, the running world's
+    standby = free_port()
+    nodes = {
+        "b": st.NodeInfo(addr="127.0.0.1", master_port=1, probe_port=int(b_store.split(":")[1]), standby_port=1),
+        "c": st.NodeInfo(addr="127.0.0.1", master_port=1, standby_port=standby),
+    }
+    cached = st.RendezvousState(
+        round=1, nodes=nodes, members=["b", "c"], store_host="b", generation=1, generation_round=1
+    )
+    c = C10dStores(_params(b_store, root))
+    c.root = root
+    got = c.failover(cached, "c", ConnectionResetError("the store's host is gone"), 3.0)
+    assert got is not None
+    _, hosted, address, here = got
+    assert here and address == f"127.0.0.1:{standby}"
+    eventually(lambda: [m.store for m in fence_moves.moves(root, 1)] == [address])
+
+    newcomer = C10dStores(_params(b_store, root))
+    _, hosts, found = newcomer.first(_params(b_store, root))
+    assert found == address and not hosts
+    del hosted
+
+
+def test_a_move_of_an_older_generation_or_another_job_is_not_followed(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    live = TCPStore("127.0.0.1", 0, is_master=True, timeout=TIMEOUT)
+    address = f"127.0.0.1:{live.port}"
+    state = st.RendezvousState(round=0, nodes={"a": st.NodeInfo("127.0.0.1", 1)}, members=["a"], store_host="a")
+    C10dBackend(live, "unit").set_state(st.encode(state), None)
+    dead = _dead_address()
+    fence.claim_fresh(root, "unit", 0, dead, ("a",))
+    fence_moves.record(root, fence_moves.Moved(0, "other-job", address))
+    assert C10dStores(_params(dead, root))._published(root) is None
+    fence.claim_fresh(root, "unit", 1, dead, ("a",))  # generation 1: the move of generation 0 is history
+    fence_moves.record(root, fence_moves.Moved(0, "unit", address))
+    assert C10dStores(_params(dead, root))._published(root) is None
+    fence_moves.record(root, fence_moves.Moved(1, "unit", address))
+    published = C10dStores(_params(dead, root))._published(root)
+    assert published is not None and published[2] == address
+
+
+def _params(endpoint: str, root: str) -> RendezvousParameters:
+    return RendezvousParameters(
+        backend="c10d", endpoint=endpoint, run_id="unit", min_nodes=1, max_nodes=3, is_host="false",
+        local_addr="127.0.0.1", checkpoint_root=root, read_timeout="2",
+    )  # fmt: skip

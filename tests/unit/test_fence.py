@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from elastrain import fence
+from elastrain import fence, fence_moves
 from elastrain.errors import StaleGenerationError
 
 
@@ -126,3 +126,29 @@ def test_a_torn_vacating_mark_is_none(tmp_path: Path, text: str) -> None:
     (tmp_path / fence.FENCE_DIR).mkdir()
     (tmp_path / fence.FENCE_DIR / "vacated-000000000003.json").write_text(text)
     assert fence.vacated(str(tmp_path), 3) is None
+
+
+def test_a_worlds_store_moves_are_read_newest_first_and_pruned_by_later_ones(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    fence.claim_fresh(root, "job", 0, "a:1", ("a", "b"))
+    for store in ("b:2", "c:3"):
+        fence_moves.record(root, fence_moves.Moved(0, "job", store))
+    assert [m.store for m in fence_moves.moves(root, 0)] == ["c:3", "b:2"]
+    assert fence_moves.moves(root, 1) == []
+    assert fence.newest(root).store == "a:1"  # type: ignore[union-attr]  # the claim itself is untouched
+    for i in range(fence_moves.KEEP_MOVES + 2):
+        fence_moves.record(root, fence_moves.Moved(0, "job", f"d:{i}"))
+    kept = fence_moves.moves(root, 0)
+    assert len(kept) == fence_moves.KEEP_MOVES and kept[0].store == f"d:{fence_moves.KEEP_MOVES + 1}"
+    fence_moves.record(root, fence_moves.Moved(1, "job", "e:5"))  # a newer generation: the older moves go
+    assert fence_moves.moves(root, 0) == [] and [m.store for m in fence_moves.moves(root, 1)] == ["e:5"]
+    assert fence.generations(root) == [0]
+
+
+@pytest.mark.parametrize("text", ["", "{", "[]", '{"generation": 0}', '{"generation": "x", "run_id": 1, "store": 2}'])
+def test_a_torn_or_malformed_move_is_no_move(tmp_path: Path, text: str) -> None:
+    root = str(tmp_path)
+    fence_moves.record(root, fence_moves.Moved(0, "job", "b:2"))
+    (tmp_path / fence.FENCE_DIR / f"moved-{0:012d}-{9 * 10**19:020d}.json").write_text(text)
+    (tmp_path / fence.FENCE_DIR / "moved-x-1.json").write_text("{}")  # not a move's name: not read
+    assert [m.store for m in fence_moves.moves(root, 0)] == ["b:2"]

@@ -14,7 +14,9 @@ store instead of founding a second job at the endpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 from datetime import timedelta
 
@@ -25,7 +27,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
-from elastrain import binding, fence
+from elastrain import binding, fence, fence_moves
 from elastrain.errors import (
     RendezvousStateCorruptError,
     RendezvousStoreLostError,
@@ -162,37 +164,45 @@ class C10dStores:
             ) from exc
 
     def _published(self, root: str) -> tuple[TCPStore, bool, str] | None:
+        """The running job's store: where the newest claim's moved since (newest first), else its own; or None."""
         _, top = self._newest_claim(root)
         if top is None or not top.store:
-            return None
-        if self.auth.enabled and not self.auth.signed_store(top.store, top.store_mac):
-            lifecycle("fence_claim_untrusted", level=logging.WARNING, store=top.store, generation=top.generation,
-                      why="its store is not signed with the job's secret")  # fmt: skip
             return None
         if self._left(root, top.generation):  # its store left with its last node: nothing to wait for there
             lifecycle("published_store_vacated", store=top.store, generation=top.generation)
             return None
+        for store, mac in [*moves_of(root, self.run_id, top.generation), (top.store, top.store_mac)]:
+            found = self._published_at(store, mac, top.generation)
+            if found is not None:
+                return found
+        return None
+
+    def _published_at(self, address: str, mac: str, generation: int) -> tuple[TCPStore, bool, str] | None:
+        if self.auth.enabled and not self.auth.signed_store(address, mac):
+            lifecycle("fence_claim_untrusted", level=logging.WARNING, store=address, generation=generation,
+                      why="its store is not signed with the job's secret")  # fmt: skip
+            return None
         try:
-            host, port = split_address(top.store)
+            host, port = split_address(address)
             # A store is published once it listens, and listens as long as it lives: refused means gone (a client
             # would retry until its timeout). Never a successor's standby port: it listens once that one hosts.
-            if liveness.refused_at(top.store):
-                lifecycle("published_store_silent", store=top.store, generation=top.generation, error="refused")
+            if liveness.refused_at(address):
+                lifecycle("published_store_silent", store=address, generation=generation, error="refused")
                 return None
             store = TCPStore(host, port, is_master=False, timeout=self.timeout)
             state = self._live(self.backend(store))
             if state is None:
                 return None
         except (*STORE_ERRORS, ValueError, RendezvousStateCorruptError) as exc:
-            lifecycle("published_store_silent", store=top.store, generation=top.generation, error=repr(exc)[:120])
+            lifecycle("published_store_silent", store=address, generation=generation, error=repr(exc)[:120])
             return None
         if not self.auth.enabled and host.lower() not in {i.addr.lower() for i in state.nodes.values()}:
             # Unsigned: follow it only to a store that one of its own job's nodes hosts.
-            lifecycle("fence_claim_untrusted", level=logging.WARNING, store=top.store, generation=top.generation,
+            lifecycle("fence_claim_untrusted", level=logging.WARNING, store=address, generation=generation,
                       why="no node of the job that answers there has that address")  # fmt: skip
             return None
-        lifecycle("published_store_found", store=top.store, generation=top.generation)
-        return store, False, top.store
+        lifecycle("published_store_found", store=address, generation=generation)
+        return store, False, address
 
     def _newest_close(self, root: str, unknown: int | None) -> int | None:
         """The generation of this job's newest close recorded in ``root`` (-1: none; ``unknown`` when unreadable)."""
@@ -337,6 +347,9 @@ class C10dStores:
                     store = self.host(info.standby_port)
                     backend = self.backend(store)
                     backend.set_state(self.auth.seal_state(st.encode(st.after_store_failover(cached, me, how))), None)
+                    if self.root is not None and cached.generation >= 0:  # where newcomers find it (no new claim)
+                        move = fence_moves.Moved(cached.generation, self.run_id, address, self.auth.store_mac(address))
+                        record_move(self.root, move)
                     return backend, store, address, True
                 if info.probe_port and liveness.refused({cand: (info.addr, info.probe_port)}, 0.5):
                     continue
@@ -347,6 +360,34 @@ class C10dStores:
             except (*STORE_ERRORS, RuntimeError) as err:
                 lifecycle("store_successor_unreachable", level=logging.INFO, candidate=cand, error=repr(err)[:120])
         return None
+
+
+def moves_of(root: str, run_id: str, generation: int) -> list[tuple[str, str]]:
+    """Where the store of this job's world ``generation`` moved since its claim, newest first: (address, signature)
+    each (:mod:`elastrain.fence_moves`)."""
+    try:
+        return [(m.store, m.store_mac) for m in fence_moves.moves(root, generation) if m.run_id == run_id]
+    except OSError as exc:
+        lifecycle("fence_read_failed", level=logging.WARNING, root=root, error=repr(exc)[:200])
+        return []
+
+
+def record_move(root: str, move: fence_moves.Moved) -> None:
+    """This node hosts its world's store at ``move.store`` now: record it beside the world's claim, for nodes on
+    their way in. In a thread of its own: a failover never waits on the storage."""
+
+    move = dataclasses.replace(move, moved_at=time.time())
+
+    def write() -> None:
+        try:
+            fence_moves.record(root, move)
+        except OSError as exc:
+            lifecycle("store_move_unrecorded", level=logging.WARNING, generation=move.generation, store=move.store,
+                      root=root, error=repr(exc)[:200])  # fmt: skip
+            return
+        lifecycle("store_move_recorded", generation=move.generation, store=move.store, root=root)
+
+    threading.Thread(target=write, name="elastrain-store-move", daemon=True).start()
 
 
 def _store_error(exc: BaseException | None) -> bool:

@@ -1,0 +1,98 @@
+"""Where a world's rendezvous store moved after its claim, recorded beside the claim.
+
+A fencing claim records the store its world formed on (:mod:`elastrain.fence`). When that store's host leaves or
+dies while the world trains on, its c10d store fails over to a successor, and no new round, hence no new claim,
+says so: a node on its way in would find the claimed store gone, found the job again at the original endpoint,
+and fence the running world when its first round claims (seen in the e2e test of a spare that arrives after the
+store's host left). So the successor that now hosts the store records its address here,
+``<root>/elastrain-fence/moved-<generation>-<ns>.json``, and a node on its way in tries the newest claim's moves,
+newest first, before the claim's own store.
+
+A move is plain data, signed with the job's secret like the claim's store (``store_mac``), and followed only where a
+claim's store would be: signed, or (without a secret) naming a node of the job. Moves of older generations are
+pruned by the next record; a generation keeps its newest :data:`KEEP_MOVES`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+from elastrain.fence import fence_dir
+from elastrain.log import lifecycle
+from elastrain.storage import Storage, storage_for
+
+_PREFIX = "moved-"
+_SUFFIX = ".json"
+KEEP_MOVES = 8
+
+
+@dataclass(frozen=True)
+class Moved:
+    """The world of ``generation`` runs its rendezvous store at ``store`` since ``moved_at`` (a failover)."""
+
+    generation: int
+    run_id: str
+    store: str
+    store_mac: str = ""
+    """The signature of ``store`` with the job's rendezvous secret ("" without one), as a claim's."""
+    moved_at: float = 0.0
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Moved:
+        raw = json.loads(data)
+        return cls(
+            generation=int(raw["generation"]),
+            run_id=str(raw["run_id"]),
+            store=str(raw["store"]),
+            store_mac=str(raw.get("store_mac", "")),
+            moved_at=float(raw.get("moved_at", 0.0)),
+        )
+
+
+def _parse(name: str) -> tuple[int, int] | None:
+    """(generation, ns) of a move's file name; None for any other file."""
+    if not (name.startswith(_PREFIX) and name.endswith(_SUFFIX)):
+        return None
+    parts = name[len(_PREFIX) : -len(_SUFFIX)].split("-")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def record(root: str, move: Moved, storage: Storage | None = None) -> None:
+    """Record ``move`` (a new file each time: moves never overwrite one another); prune what no reader needs."""
+    storage = storage or storage_for(root)
+    directory = fence_dir(root, storage)
+    storage.makedirs(directory)
+    name = f"{_PREFIX}{move.generation:012d}-{time.time_ns():020d}{_SUFFIX}"
+    storage.write_atomic(storage.join(directory, name), move.to_json())
+    found = sorted(p for p in (_parse(n) for n in storage.listdir(directory)) if p is not None)
+    own = [p for p in found if p[0] == move.generation]
+    for g, ns in [p for p in found if p[0] < move.generation] + own[:-KEEP_MOVES]:
+        storage.remove(storage.join(directory, f"{_PREFIX}{g:012d}-{ns:020d}{_SUFFIX}"))
+
+
+def moves(root: str, generation: int, storage: Storage | None = None) -> list[Moved]:
+    """The readable moves of the store of the world of ``generation``, newest first."""
+    storage = storage or storage_for(root)
+    directory = fence_dir(root, storage)
+    found = sorted((p for p in (_parse(n) for n in storage.listdir(directory)) if p is not None), reverse=True)
+    out: list[Moved] = []
+    for g, ns in found:
+        if g != generation:
+            continue
+        try:
+            out.append(
+                Moved.from_json(storage.read_bytes(storage.join(directory, f"{_PREFIX}{g:012d}-{ns:020d}{_SUFFIX}")))
+            )
+        except FileNotFoundError:  # pruned meanwhile
+            continue
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not a move (torn, or not ours)
+            lifecycle("fence_move_unreadable", level=logging.WARNING, generation=g, error=repr(exc)[:200])
+    return [m for m in out if m.generation == generation]
