@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol, TypeVar, cast
+from typing import NoReturn, Protocol, TypeVar, cast
 
 from torch._C._distributed_c10d import Store
 from torch.distributed import DistError, DistNetworkError
@@ -261,38 +261,44 @@ class Connection:
         try:
             out = self._bounded(op, target)
         except STORE_ERRORS as exc:
-            if target is not self.store:
-                lifecycle("store_call_on_old_store", level=logging.INFO, store=self.address, error=repr(exc)[:120])
-                raise StoreSwitched() from exc
-            now = time.monotonic()
-            # The main and heartbeat threads both get here: read the shared field once.
-            since = self._failing_since
-            if since is None:
-                since = self._failing_since = now
-            # A node that never joined a round has nothing at stake. When the job finished meanwhile (its store's
-            # host left with the close, after the members that beat had read it), it ends too, neither taking
-            # the store over from its stale state nor founding the job again.
-            if not self.joined and self._stores.finished():
-                raise RendezvousClosedError(
-                    f"the job finished while this node waited to join it (its store at {self.address} left with it)"
-                ) from exc
-            # A node that never read the state knows no successor: it keeps looking for the store the job's world
-            # publishes with its next fencing claim (a survivor that took the store over claims when its round
-            # forms), as long as it would wait for a round; with none alive for refound_after, every member is
-            # gone with it, and it starts the job over at the endpoint; at once when the world's last node left it.
-            newcomer = not self.joined and self._node_id not in self.cached.nodes
-            if self._failover(exc) or (newcomer and self._refound_if_gone(now - since)):
-                self._failing_since = None
-                raise StoreSwitched() from exc
-            limit = self._settings.join_timeout_s if newcomer else self._settings.store_lost_timeout_s
-            if now - since >= limit:
-                raise RendezvousStoreLostError(
-                    f"the rendezvous store stopped answering for {now - since:.1f}s ({exc})"
-                    + (f"; {self._on_store_lost}" if self._on_store_lost else "")
-                ) from exc
-            raise
+            with self.lock:  # one move at a time: a call that failed on the same store meanwhile waits, then retries
+                self._failed(exc, target)
         self._failing_since = None
         return out
+
+    def _failed(self, exc: BaseException, target: Store) -> NoReturn:
+        """After a failed call on ``target``: :class:`StoreSwitched` once the store moved (now, or since the call
+        began), RendezvousStoreLostError once it has failed for too long, else ``exc`` again. Under :attr:`lock`."""
+        if target is not self.store:
+            lifecycle("store_call_on_old_store", level=logging.INFO, store=self.address, error=repr(exc)[:120])
+            raise StoreSwitched() from exc
+        now = time.monotonic()
+        # The main and heartbeat threads both get here: read the shared field once.
+        since = self._failing_since
+        if since is None:
+            since = self._failing_since = now
+        # A node that never joined a round has nothing at stake. When the job finished meanwhile (its store's
+        # host left with the close, after the members that beat had read it), it ends too, neither taking
+        # the store over from its stale state nor founding the job again.
+        if not self.joined and self._stores.finished():
+            raise RendezvousClosedError(
+                f"the job finished while this node waited to join it (its store at {self.address} left with it)"
+            ) from exc
+        # A node that never read the state knows no successor: it keeps looking for the store the job's world
+        # publishes with its next fencing claim (a survivor that took the store over claims when its round
+        # forms), as long as it would wait for a round; with none alive for refound_after, every member is
+        # gone with it, and it starts the job over at the endpoint; at once when the world's last node left it.
+        newcomer = not self.joined and self._node_id not in self.cached.nodes
+        if self._failover(exc) or (newcomer and self._refound_if_gone(now - since)):
+            self._failing_since = None
+            raise StoreSwitched() from exc
+        limit = self._settings.join_timeout_s if newcomer else self._settings.store_lost_timeout_s
+        if now - since >= limit:
+            raise RendezvousStoreLostError(
+                f"the rendezvous store stopped answering for {now - since:.1f}s ({exc})"
+                + (f"; {self._on_store_lost}" if self._on_store_lost else "")
+            ) from exc
+        raise exc
 
     def _bounded(self, op: Callable[[], _T], store: Store) -> _T:
         """Run one store call with a deadline (see ``store_op_timeout_s``).

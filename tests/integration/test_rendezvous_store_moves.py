@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -240,3 +241,38 @@ def _params(endpoint: str, root: str) -> RendezvousParameters:
         backend="c10d", endpoint=endpoint, run_id="unit", min_nodes=1, max_nodes=3, is_host="false",
         local_addr="127.0.0.1", checkpoint_root=root, read_timeout="2",
     )  # fmt: skip
+
+
+def test_two_threads_whose_calls_fail_together_move_the_store_once() -> None:
+    """The heartbeat and the main thread both meet the dead host's store: one fails over, and the other, whose
+    call failed on that same store while the first moved, retries on the new store instead of failing over again
+    (seen: a member hosted its store twice, 2 ms apart, each time seeded from its stale state)."""
+    dead_host = TCPStore("127.0.0.1", 0, is_master=True, timeout=TIMEOUT)
+    old = TCPStore("127.0.0.1", dead_host.port, is_master=False, timeout=TIMEOUT)
+    successor = TCPStore("127.0.0.1", 0, is_master=True, timeout=TIMEOUT)
+
+    class Slow(_Stores):
+        def failover(self, cached: st.RendezvousState, me: str, exc: BaseException, timeout_s: float):  # type: ignore[no-untyped-def]
+            self.failovers.append(exc)
+            time.sleep(0.5)  # the other thread's call fails meanwhile
+            return C10dBackend(successor, "unit"), successor, f"127.0.0.1:{successor.port}", False
+
+    stores = Slow(f"127.0.0.1:{dead_host.port}")
+    conn = _a_member_of(old, f"127.0.0.1:{dead_host.port}", stores)
+    del dead_host
+    start = threading.Barrier(2)
+    ended: list[BaseException] = []
+
+    def beat() -> None:
+        start.wait()
+        try:
+            conn.call(lambda: old.get("k"))
+        except StoreSwitched as exc:
+            ended.append(exc)
+
+    threads = [threading.Thread(target=beat) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(ended) == 2 and len(stores.failovers) == 1 and conn.store is successor
