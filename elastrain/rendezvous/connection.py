@@ -247,14 +247,9 @@ class Connection:
         raise RendezvousStoreLostError("the rendezvous store kept moving (10 failovers in a row)")
 
     def call(self, op: Callable[[], _T], on: Store | None = None) -> _T:
-        """One store call: bounded; :class:`StoreSwitched` once the store moved, RendezvousStoreLostError once it
-        has failed for too long.
-
-        ``on`` is the store ``op`` talks to, when the caller took it before this call (default: the current one).
-        When another thread moved the store since, a failure of ``op`` is the old store's, not the current one's:
-        the call raises :class:`StoreSwitched` for its caller to retry on the new store, and never fails over
-        past the new store's live host (a survivor once split from the others that way, alone under min_nodes).
-        """
+        """One store call, bounded (see :meth:`_failed`). ``on``: the store ``op`` talks to, when the caller took it
+        before (default: the current one). A failure on a store that another thread left since is no failure of the
+        current one: never a failover past its live host (a survivor once split from the others that way)."""
         target = self.store if on is None else on
         if target is not self.store:
             raise StoreSwitched()  # taken before a move: the caller retries on the new store
