@@ -155,14 +155,21 @@ def test_node_death_leave_rejoin_and_store_failover(tmp_path: Path) -> None:
         _no_failures_counted(nodes)
 
 
-def test_spare_waits_without_restarting_the_job_and_takes_over_from_a_node_that_fails(tmp_path: Path) -> None:
+@pytest.mark.parametrize("store_host", ["a", "b"])
+def test_spare_waits_without_restarting_the_job_and_takes_over_from_a_node_that_fails(
+    tmp_path: Path, store_host: str
+) -> None:
+    """With ``store_host`` b, the node that fails hosts the job's store: it leaves it after a and the spare c formed
+    their round on it (that round's claim names it), and the spare d, arriving later, finds the store where it moved
+    (before: d founded the job again at the endpoint, and fenced a and c's world 30 s later)."""
     port, stop, fail_b = free_port(), tmp_path / "stop", tmp_path / "fail-b"
     # The workers are forked from the zygote (the default), which notes a's broken all_reduce as an echo, so b
     # is taken for the cause even when a's agent reports first (it did in 2 of 3 loaded runs before the note).
     ckpt = ("--checkpoint-dir", str(tmp_path / "ckpt"))
-    a = Node("a", tmp_path, port, stop, *ckpt)
+    a = Node("a", tmp_path, port, stop, *ckpt, "--rdzv-conf", f"is_host={str(store_host == 'a').lower()}")
     time.sleep(0.5)
-    b = Node("b", tmp_path, port, stop, *ckpt, env={"MW_FAIL_FILE": str(fail_b)})
+    b = Node("b", tmp_path, port, stop, *ckpt, "--rdzv-conf", f"is_host={str(store_host == 'b').lower()}",
+             env={"MW_FAIL_FILE": str(fail_b)})  # fmt: skip
     with reaped(a.proc, b.proc):
         _wait_training([a, b], 2, 0, "two nodes train together")
         starts = len(a.lines("MW_START"))
@@ -184,6 +191,9 @@ def test_spare_waits_without_restarting_the_job_and_takes_over_from_a_node_that_
             d = Node("d", tmp_path, port, stop, *ckpt)  # a spare still waiting when the job finishes
             with reaped(d.proc):
                 wait_for(lambda: bool(d.events("standby")), BOUND, what="d to wait as a spare\n" + d.dump())
+                if store_host == "b":  # the store moved to a or c, which recorded it; d found it there
+                    moved = [e["store"] for n in (a, c) for e in n.events("store_move_recorded")]
+                    assert moved and d.events("published_store_found")[-1]["store"] == moved[-1], d.dump()
                 stop.touch()
                 assert a.proc.wait(timeout=BOUND) == 0, a.dump()
                 assert c.proc.wait(timeout=BOUND) == 0, c.dump()
