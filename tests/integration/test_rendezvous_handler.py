@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from support.rendezvous_nodes import FAST, eventually, handler, rendezvous_all
+from support.tcp_proxy import TcpProxy
 from torch.distributed import HashStore
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -373,41 +374,6 @@ def test_a_second_store_founded_for_the_same_job_joins_the_running_one(tmp_path:
             b.shutdown()
 
 
-class _Blackhole:
-    """A TCP proxy in front of a store that can start dropping everything silently (a network cut)."""
-
-    def __init__(self, target_port: int) -> None:
-        import socket
-
-        self.drop = threading.Event()
-        self._target = target_port
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(16)
-        self.port = int(self._sock.getsockname()[1])
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        import socket
-
-        while True:
-            try:
-                client, _ = self._sock.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self._target))
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    def _pipe(self, src: object, dst: object) -> None:
-        try:
-            while chunk := src.recv(65536):  # type: ignore[attr-defined]
-                if not self.drop.is_set():
-                    dst.sendall(chunk)  # type: ignore[attr-defined]
-        except OSError:
-            return
-
-
 def test_a_store_call_into_a_network_cut_is_abandoned_and_later_calls_fail_fast() -> None:
     """A TCPStore client whose packets are dropped blocks in its receive forever; the handler gives up in time."""
     from datetime import timedelta
@@ -418,7 +384,7 @@ def test_a_store_call_into_a_network_cut_is_abandoned_and_later_calls_fail_fast(
     from elastrain.rendezvous.backends.c10d import create_c10d_handler
 
     master = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=timedelta(seconds=10))
-    hole = _Blackhole(master.port)
+    hole = TcpProxy(master.port)
     params = RendezvousParameters(
         backend="c10d",
         endpoint=f"127.0.0.1:{hole.port}",

@@ -7,8 +7,6 @@ over a live host: the node would host a store of its own, and the job would run 
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -17,6 +15,7 @@ from pathlib import Path
 import pytest
 from support.processes import free_port
 from support.rendezvous_nodes import eventually
+from support.tcp_proxy import TcpProxy
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
@@ -28,54 +27,6 @@ from elastrain.rendezvous.pacing import Throttled
 from elastrain.rendezvous.settings import HandlerSettings
 
 TIMEOUT = timedelta(seconds=5)
-
-
-class _CuttableProxy:
-    """A TCP proxy in front of a store whose open connections can be reset (the store's process lives on)."""
-
-    def __init__(self, target_port: int) -> None:
-        self._target = target_port
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(16)
-        self.port = int(self._sock.getsockname()[1])
-        self._open: list[socket.socket] = []
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._sock.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self._target))
-            with self._lock:
-                self._open += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while chunk := src.recv(65536):
-                dst.sendall(chunk)
-        except OSError:
-            return
-        finally:
-            dst.close()
-
-    def cut(self) -> None:
-        """Reset every connection open now; new ones go through as before."""
-        with self._lock:
-            doomed, self._open = self._open, []
-        for s in doomed:
-            with contextlib.suppress(OSError):  # closed by its pipe meanwhile: nothing left to reset
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
-                s.close()
-
-    def close(self) -> None:
-        self._sock.close()
-        self.cut()
 
 
 class _Stores(C10dStores):
@@ -145,7 +96,7 @@ def test_a_broken_connection_to_a_live_store_is_replaced_by_a_fresh_one_not_fail
     and retries there, instead of taking b for silent and hosting a store of its own."""
     b_store = TCPStore("127.0.0.1", 0, is_master=True, timeout=TIMEOUT)
     b_store.set("k", b"v")
-    proxy = _CuttableProxy(b_store.port)
+    proxy = TcpProxy(b_store.port)
     address = f"127.0.0.1:{proxy.port}"
     stores = _Stores(address)
     client = TCPStore("127.0.0.1", proxy.port, is_master=False, timeout=TIMEOUT)
