@@ -5,8 +5,8 @@ dies while the world trains on, its c10d store fails over to a successor, and no
 says so: a node on its way in would find the claimed store gone, found the job again at the original endpoint,
 and fence the running world when its first round claims (seen in the e2e test of a spare that arrives after the
 store's host left). So the successor that now hosts the store records its address here,
-``<root>/elastrain-fence/moved-<generation>-<ns>.json``, and a node on its way in tries the newest claim's moves,
-newest first, before the claim's own store.
+``<root>/elastrain-fence/moved-<generation>-<ns>.json``, and a node on its way in tries the newest claim's last
+move before the claim's own store (:func:`stores_of`).
 
 A move is plain data, signed with the job's secret like the claim's store (``store_mac``), and followed only where a
 claim's store would be: signed, or (without a secret) naming a node of the job. Moves of older generations are
@@ -20,7 +20,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 
-from elastrain.fence import fence_dir
+from elastrain.fence import Claim, fence_dir
 from elastrain.log import lifecycle
 from elastrain.storage import Storage, storage_for
 
@@ -96,3 +96,10 @@ def moves(root: str, generation: int, storage: Storage | None = None) -> list[Mo
         except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not a move (torn, or not ours)
             lifecycle("fence_move_unreadable", level=logging.WARNING, generation=g, error=repr(exc)[:200])
     return [m for m in out if m.generation == generation]
+
+
+def stores_of(root: str, claim: Claim, storage: Storage | None = None) -> list[tuple[str, str]]:
+    """Where the world of ``claim`` runs its store, to try in order: where it last moved since the claim (when it
+    did), then the claim's own store; (address, signature) each. Raises OSError when ``root`` cannot be read."""
+    last = next((m for m in moves(root, claim.generation, storage) if m.run_id == claim.run_id), None)
+    return ([(last.store, last.store_mac)] if last is not None else []) + [(claim.store, claim.store_mac)]

@@ -113,7 +113,7 @@ class Fencing:
             # original endpoint, a restarted worker-0 pod): join that job rather than found a second one.
             top = fence.newest(root)
             if top is not None and top.store and top.run_id == run_id:
-                for store, mac in self._stores_of(top):  # where its store moved since (newest first), then its own
+                for store, mac in self._stores_of(top):  # where its store last moved since, then its own
                     if store != address and self._state.conn.answers(store) and self._trusted(store, mac, top):
                         self._tombstone(store, f"generation {top.generation} runs at {store}")
             got = fence.claim_fresh(
@@ -269,12 +269,10 @@ class Fencing:
         return ok
 
     def _stores_of(self, claim: fence.Claim) -> list[tuple[str, str]]:
-        """Where the world of ``claim`` runs its store: where it moved since the claim (newest first), then the
-        claim's own store; (address, signature) each."""
+        """Where the world of ``claim`` runs its store: where it last moved since the claim, then the claim's own
+        store; (address, signature) each."""
         try:
-            moved = [(m.store, m.store_mac) for m in fence_moves.moves(self.root or "", claim.generation)
-                     if m.run_id == claim.run_id]  # fmt: skip
+            return fence_moves.stores_of(self.root or "", claim)
         except OSError as exc:
             self._quiet.log("fence_check_failed", exc, root=self.root)
-            moved = []
-        return [*moved, (claim.store, claim.store_mac)]
+            return [(claim.store, claim.store_mac)]

@@ -152,3 +152,14 @@ def test_a_torn_or_malformed_move_is_no_move(tmp_path: Path, text: str) -> None:
     (tmp_path / fence.FENCE_DIR / f"moved-{0:012d}-{9 * 10**19:020d}.json").write_text(text)
     (tmp_path / fence.FENCE_DIR / "moved-x-1.json").write_text("{}")  # not a move's name: not read
     assert [m.store for m in fence_moves.moves(root, 0)] == ["b:2"]
+
+
+def test_a_claims_world_runs_its_store_where_it_last_moved_else_where_it_claimed(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    claim = fence.claim_fresh(root, "job", 0, "a:1", ("a", "b"), store_mac="m0")
+    assert fence_moves.stores_of(root, claim) == [("a:1", "m0")]
+    fence_moves.record(root, fence_moves.Moved(0, "other-job", "x:9"))  # another job's: never followed
+    assert fence_moves.stores_of(root, claim) == [("a:1", "m0")]
+    fence_moves.record(root, fence_moves.Moved(0, "job", "b:2", "m1"))
+    fence_moves.record(root, fence_moves.Moved(0, "job", "c:3", "m2"))
+    assert fence_moves.stores_of(root, claim) == [("c:3", "m2"), ("a:1", "m0")]

@@ -164,14 +164,14 @@ class C10dStores:
             ) from exc
 
     def _published(self, root: str) -> tuple[TCPStore, bool, str] | None:
-        """The running job's store: where the newest claim's moved since (newest first), else its own; or None."""
+        """The running job's store: where the newest claim's last moved since, else its own; or None."""
         _, top = self._newest_claim(root)
         if top is None or not top.store:
             return None
         if self._left(root, top.generation):  # its store left with its last node: nothing to wait for there
             lifecycle("published_store_vacated", store=top.store, generation=top.generation)
             return None
-        for store, mac in [*moves_of(root, self.run_id, top.generation), (top.store, top.store_mac)]:
+        for store, mac in stores_of(root, top):
             found = self._published_at(store, mac, top.generation)
             if found is not None:
                 return found
@@ -362,14 +362,14 @@ class C10dStores:
         return None
 
 
-def moves_of(root: str, run_id: str, generation: int) -> list[tuple[str, str]]:
-    """Where the store of this job's world ``generation`` moved since its claim, newest first: (address, signature)
-    each (:mod:`elastrain.fence_moves`)."""
+def stores_of(root: str, claim: fence.Claim) -> list[tuple[str, str]]:
+    """Where the world of ``claim`` runs its store, in order (see :func:`elastrain.fence_moves.stores_of`); the
+    claim's own store alone when the root cannot be read."""
     try:
-        return [(m.store, m.store_mac) for m in fence_moves.moves(root, generation) if m.run_id == run_id]
+        return fence_moves.stores_of(root, claim)
     except OSError as exc:
         lifecycle("fence_read_failed", level=logging.WARNING, root=root, error=repr(exc)[:200])
-        return []
+        return [(claim.store, claim.store_mac)]
 
 
 def record_move(root: str, move: fence_moves.Moved) -> None:
