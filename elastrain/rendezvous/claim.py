@@ -22,11 +22,12 @@ from elastrain.log import lifecycle
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous import trust
 from elastrain.rendezvous.auth import RendezvousAuth
-from elastrain.rendezvous.connection import STORE_ERRORS, StoreSwitched, WinnerGone
+from elastrain.rendezvous.connection import STORE_ERRORS, StoreSwitched
 from elastrain.rendezvous.pacing import Backoff, Throttled
 from elastrain.rendezvous.rounds import RoundLost, Superseded
 from elastrain.rendezvous.settings import HandlerSettings
 from elastrain.rendezvous.store import StateStore
+from elastrain.rendezvous.winner import WinnerDial, WinnerGone
 
 
 def other_job(root: str, claim: fence.Claim, run_id: str) -> RendezvousError:
@@ -67,6 +68,7 @@ class Fencing:
         self._job_hosts = job_hosts
         self._quiet = quiet
         self._next_check = 0.0
+        self._winner = WinnerDial(state.conn.stores, settings)
 
     def settle(self, state: st.RendezvousState, deadline: float) -> st.RendezvousState:
         """The round's leader claims its generation; every member waits (bounded) for it."""
@@ -166,7 +168,7 @@ class Fencing:
                 f"{self._run_id}; refused (a forged state?). Give every node a shared secret "
                 "(--rdzv-conf secret_file=PATH) so that only the job's nodes can write its rendezvous"
             )
-        return self._state.conn.winner.connect(address, deadline)
+        return self._winner.connect(address, deadline)
 
     def follow(self, address: str, deadline: float) -> tuple[RendezvousBackend, Store] | None:
         """Connect to the winning world's store at ``address`` (retrying until ``deadline``); None once that world is

@@ -22,7 +22,6 @@ from torch.distributed import DistError, DistNetworkError
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
-    RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
@@ -30,8 +29,9 @@ from elastrain.errors import RendezvousError, RendezvousStoreLostError
 from elastrain.log import lifecycle
 from elastrain.rendezvous import liveness
 from elastrain.rendezvous import state as st
-from elastrain.rendezvous.pacing import Backoff, Throttled
+from elastrain.rendezvous.pacing import Throttled
 from elastrain.rendezvous.settings import HandlerSettings
+from elastrain.rendezvous.trust import split_address
 
 _T = TypeVar("_T")
 
@@ -41,16 +41,6 @@ STORE_ERRORS = (DistError, RendezvousConnectionError, TimeoutError, ConnectionEr
 
 class StoreSwitched(Exception):
     """The state store moved to a successor; the operation restarts on the new one."""
-
-
-class WinnerGone(Exception):
-    """Nothing has listened at the winning world's store for ``refound_after``: its host's process is gone (every
-    connection refused, not merely unanswered), and no node of that world published another store since."""
-
-    def __init__(self, address: str, refused_s: float) -> None:
-        super().__init__(f"the winning world's store at {address} has refused connections for {refused_s:.1f}s")
-        self.address = address
-        self.refused_s = refused_s
 
 
 class StoreFactory(Protocol):
@@ -146,48 +136,6 @@ def with_deadline(op: Callable[[], _T], timeout_s: float) -> _T:
     return cast(_T, box["out"])
 
 
-class WinnerDial:
-    """Connections to the winning world's store after a lost claim, and how long each such store refused them."""
-
-    def __init__(self, stores: StoreFactory, settings: HandlerSettings) -> None:
-        self._stores = stores
-        self._settings = settings
-        self._refused_since: dict[str, float] = {}
-        """Winning worlds' stores (``host:port``) whose every connection was refused since then (monotonic)."""
-
-    def connect(self, address: str, deadline: float) -> tuple[RendezvousBackend, Store]:
-        """Connect to the store at ``address`` (the winning world's), retrying until ``deadline``.
-
-        Raises :class:`WinnerGone` once that store has refused every connection for ``refound_after`` (counted
-        across calls): its host's process is gone, and with it the world that won (a world whose host died but
-        whose other nodes live fails over and records where its store moved within that time). A
-        store that is merely silent (a host frozen, cut off or taken away) is waited for until ``deadline``: a
-        node on the cut-off side of a partition must not start over and fence a live world.
-        """
-        backoff = Backoff(0.5, 5.0)
-        while True:
-            try:
-                got = self._stores.connect_to(address, self._settings.store_lost_timeout_s)
-            except STORE_ERRORS as exc:
-                now = time.monotonic()
-                if liveness.refused_at(address):
-                    since = self._refused_since.setdefault(address, now)
-                else:
-                    since = None
-                    self._refused_since.pop(address, None)
-                refused_s = 0.0 if since is None else now - since
-                lifecycle("redirect_waiting", level=logging.WARNING, store=address, refused_s=round(refused_s, 1),
-                          error=repr(exc)[:120])  # fmt: skip
-                if refused_s >= self._settings.refound_after_s:
-                    raise WinnerGone(address, refused_s) from exc
-                if now > deadline:
-                    raise RendezvousTimeoutError(f"the winning world's store at {address} did not answer") from exc
-                backoff.sleep()
-            else:
-                self._refused_since.pop(address, None)
-                return got
-
-
 class Connection:
     """The state store this node talks to now, the last state read from it, and every call to it."""
 
@@ -226,8 +174,10 @@ class Connection:
         self._wedged: object | None = None
         self._next_reconnect = 0.0
         self._reconnect_pause = 0.0
-        self.winner = WinnerDial(stores, settings)
-        """Where this node follows a world that won the generation claim (see :mod:`elastrain.rendezvous.claim`)."""
+
+    @property
+    def stores(self) -> StoreFactory:
+        return self._stores
 
     @property
     def movable(self) -> bool:
@@ -262,8 +212,8 @@ class Connection:
         return out
 
     def _failed(self, exc: BaseException, target: Store) -> NoReturn:
-        """After a failed call on ``target``: :class:`StoreSwitched` once the store moved (now, or since the call
-        began), RendezvousStoreLostError once it has failed for too long, else ``exc`` again. Under :attr:`lock`."""
+        """After a failed call on ``target`` (under :attr:`lock`): :class:`StoreSwitched` once the store moved (now,
+        or since the call began), RendezvousStoreLostError once it has failed for too long, else ``exc`` again."""
         if target is not self.store:
             lifecycle("store_call_on_old_store", level=logging.INFO, store=self.address, error=repr(exc)[:120])
             raise StoreSwitched() from exc
@@ -272,17 +222,15 @@ class Connection:
         since = self._failing_since
         if since is None:
             since = self._failing_since = now
-        # A node that never joined a round has nothing at stake. When the job finished meanwhile (its store's
-        # host left with the close, after the members that beat had read it), it ends too, neither taking
-        # the store over from its stale state nor founding the job again.
+        # A node that never joined a round has nothing at stake. When the job finished meanwhile (its store's host
+        # left with the close), it ends too, neither taking the store over from its stale state nor founding it again.
         if not self.joined and self._stores.finished():
             raise RendezvousClosedError(
                 f"the job finished while this node waited to join it (its store at {self.address} left with it)"
             ) from exc
-        # A node that never read the state knows no successor: it keeps looking for the store the job's world
-        # publishes with its next fencing claim (a survivor that took the store over claims when its round
-        # forms), as long as it would wait for a round; with none alive for refound_after, every member is
-        # gone with it, and it starts the job over at the endpoint; at once when the world's last node left it.
+        # A node that never read the state knows no successor: it looks for the store the job's world publishes
+        # (its claim, or where its store moved since) as long as it would wait for a round; with none alive for
+        # refound_after, it starts the job over at the endpoint; at once when the world's last node left it.
         newcomer = not self.joined and self._node_id not in self.cached.nodes
         if self._failover(exc) or (newcomer and self._refound_if_gone(now - since)):
             self._failing_since = None
@@ -396,14 +344,17 @@ class Connection:
         return True
 
     def _reconnected(self, exc: BaseException) -> bool:
-        """Whether a fresh connection to the same store replaced a broken one: after a broken connection (not a
-        timeout) to a store whose port still listens, its host's process lives and its store with it. Passing
-        over that host would leave the job split in two stores. Bounded by ``store_lost_timeout``."""
+        """Whether a fresh connection to the same store replaced a broken one (not a timeout) while its host's process
+        lives: passing over that host would split the job in two stores. Bounded by ``store_lost_timeout``."""
         if self.hosted_here or not _broken_connection(exc):
             return False
         address, stores = self.address, self._stores
-        if liveness.refused_at(address):
-            return False  # nothing listens there: the host's process is gone
+        probes = {"store": split_address(address)}
+        host = self.cached.nodes.get(self.cached.store_host)
+        if host is not None and host.probe_port:  # its host's process: a store there now may be another's
+            probes["host"] = (host.addr, host.probe_port)
+        if liveness.refused(probes, 0.5):
+            return False
         limit = self._settings.store_lost_timeout_s
         try:
             backend, store = with_deadline(lambda: stores.connect_to(address, limit), limit)
@@ -412,8 +363,7 @@ class Connection:
             lifecycle("store_reconnect_failed", level=logging.INFO, store=address, error=repr(err)[:120])
             return False
         with self.lock:
-            self.backend, self.store, self._wedged = backend, store, None
-            self.cached_version = None
+            self.backend, self.store, self._wedged, self.cached_version = backend, store, None, None
         lifecycle("store_reconnected", level=logging.WARNING, store=address, cause=repr(exc)[:120])
         return True
 

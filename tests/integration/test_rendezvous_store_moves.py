@@ -7,6 +7,7 @@ over a live host: the node would host a store of its own, and the job would run 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from datetime import timedelta
@@ -109,6 +110,30 @@ def test_a_broken_connection_to_a_live_store_is_replaced_by_a_fresh_one_not_fail
         assert not stores.failovers
         assert conn.store is not client and conn.address == address
         assert conn.call(lambda: conn.store.get("k")) == b"v"  # the fresh connection, to the same store
+    finally:
+        proxy.close()
+
+
+def test_a_store_port_that_listens_again_after_its_hosts_process_died_is_not_reconnected_to() -> None:
+    """b's process is gone (its probe port refuses), yet something listens at its store's port again (a replaced VM
+    that hosts the endpoint anew, with a fresh state): that is not b's store, and c fails over as before."""
+    b_store = TCPStore("127.0.0.1", 0, is_master=True, timeout=TIMEOUT)
+    proxy = TcpProxy(b_store.port)
+    address = f"127.0.0.1:{proxy.port}"
+    stores = _Stores(address)
+    conn = _a_member_of(TCPStore("127.0.0.1", proxy.port, is_master=False, timeout=TIMEOUT), address, stores)
+    b = conn.cached.nodes["b"]
+    nodes = {
+        **conn.cached.nodes,
+        "b": st.NodeInfo(b.addr, b.master_port, probe_port=int(_dead_address().split(":")[1])),
+    }
+    conn.cached = dataclasses.replace(conn.cached, nodes=nodes)
+    try:
+        proxy.cut()
+        with pytest.raises(Exception) as failed:
+            conn.call(lambda: conn.store.get("k"))
+        assert not isinstance(failed.value, StoreSwitched)
+        assert len(stores.failovers) == 1  # straight to the failover (the recording factory finds no successor)
     finally:
         proxy.close()
 
