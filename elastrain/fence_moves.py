@@ -65,32 +65,37 @@ def _parse(name: str) -> tuple[int, int] | None:
     return int(parts[0]), int(parts[1])
 
 
+def _name(generation: int, ns: int) -> str:
+    return f"{_PREFIX}{generation:012d}-{ns:020d}{_SUFFIX}"
+
+
+def _listed(directory: str, storage: Storage) -> list[tuple[int, int]]:
+    """(generation, ns) of every move in ``directory``, oldest first."""
+    return sorted(p for p in (_parse(n) for n in storage.listdir(directory)) if p is not None)
+
+
 def record(root: str, move: Moved, storage: Storage | None = None) -> None:
     """Record ``move`` (a new file each time: moves never overwrite one another); prune what no reader needs."""
     storage = storage or storage_for(root)
     directory = fence_dir(root, storage)
     storage.makedirs(directory)
-    name = f"{_PREFIX}{move.generation:012d}-{time.time_ns():020d}{_SUFFIX}"
-    storage.write_atomic(storage.join(directory, name), move.to_json())
-    found = sorted(p for p in (_parse(n) for n in storage.listdir(directory)) if p is not None)
+    storage.write_atomic(storage.join(directory, _name(move.generation, time.time_ns())), move.to_json())
+    found = _listed(directory, storage)
     own = [p for p in found if p[0] == move.generation]
     for g, ns in [p for p in found if p[0] < move.generation] + own[:-KEEP_MOVES]:
-        storage.remove(storage.join(directory, f"{_PREFIX}{g:012d}-{ns:020d}{_SUFFIX}"))
+        storage.remove(storage.join(directory, _name(g, ns)))
 
 
 def moves(root: str, generation: int, storage: Storage | None = None) -> list[Moved]:
     """The readable moves of the store of the world of ``generation``, newest first."""
     storage = storage or storage_for(root)
     directory = fence_dir(root, storage)
-    found = sorted((p for p in (_parse(n) for n in storage.listdir(directory)) if p is not None), reverse=True)
     out: list[Moved] = []
-    for g, ns in found:
+    for g, ns in reversed(_listed(directory, storage)):
         if g != generation:
             continue
         try:
-            out.append(
-                Moved.from_json(storage.read_bytes(storage.join(directory, f"{_PREFIX}{g:012d}-{ns:020d}{_SUFFIX}")))
-            )
+            out.append(Moved.from_json(storage.read_bytes(storage.join(directory, _name(g, ns)))))
         except FileNotFoundError:  # pruned meanwhile
             continue
         except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not a move (torn, or not ours)
@@ -100,6 +105,11 @@ def moves(root: str, generation: int, storage: Storage | None = None) -> list[Mo
 
 def stores_of(root: str, claim: Claim, storage: Storage | None = None) -> list[tuple[str, str]]:
     """Where the world of ``claim`` runs its store, to try in order: where it last moved since the claim (when it
-    did), then the claim's own store; (address, signature) each. Raises OSError when ``root`` cannot be read."""
-    last = next((m for m in moves(root, claim.generation, storage) if m.run_id == claim.run_id), None)
+    did), then the claim's own store; (address, signature) each. The claim's store alone when ``root`` cannot be
+    read (logged)."""
+    try:
+        last = next((m for m in moves(root, claim.generation, storage) if m.run_id == claim.run_id), None)
+    except OSError as exc:
+        lifecycle("fence_read_failed", level=logging.WARNING, root=root, error=repr(exc)[:200])
+        last = None
     return ([(last.store, last.store_mac)] if last is not None else []) + [(claim.store, claim.store_mac)]

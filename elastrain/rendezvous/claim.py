@@ -115,7 +115,7 @@ class Fencing:
             # original endpoint, a restarted worker-0 pod): join that job rather than found a second one.
             top = fence.newest(root)
             if top is not None and top.store and top.run_id == run_id:
-                for store, mac in self._stores_of(top):  # where its store last moved since, then its own
+                for store, mac in fence_moves.stores_of(root, top):  # where its store last moved since, then its own
                     if store != address and self._state.conn.answers(store) and self._trusted(store, mac, top):
                         self._tombstone(store, f"generation {top.generation} runs at {store}")
             got = fence.claim_fresh(
@@ -144,7 +144,7 @@ class Fencing:
                 continue
             if winner is not None and winner.run_id and winner.run_id != run_id:
                 raise other_job(root, winner, run_id)
-            store = winner.store if winner is not None and self._claim_trusted(winner) else ""
+            store = winner.store if winner is not None and self._trusted(winner.store, winner.store_mac, winner) else ""
             self._tombstone(store, f"generation {parent + 1} was claimed by another world")
         raise StaleGenerationError(f"could not claim a generation after {parent} in {root} (100 tries)")
 
@@ -240,8 +240,7 @@ class Fencing:
                 top = fence.newest(self.root)
                 if top is not None and top.run_id and top.run_id != self._run_id:
                     self.foreign = other_job(self.root, top, self._run_id)
-                stores = self._stores_of(top) if top is not None else []
-                self.fenced_by = next((a for a, mac in stores if top and self._trusted(a, mac, top)), "unknown")
+                self.fenced_by = self._running_at(top) if top is not None else "unknown"
                 lifecycle("world_superseded", level=logging.WARNING, node=self._node_id, why=str(exc))
             except OSError as exc:
                 self._quiet.log("fence_check_failed", exc, root=self.root)
@@ -257,9 +256,6 @@ class Fencing:
         self._job_hosts.add(hosts)
         return bool(hosts)
 
-    def _claim_trusted(self, claim: fence.Claim) -> bool:
-        return self._trusted(claim.store, claim.store_mac, claim)
-
     def _trusted(self, store: str, mac: str, claim: fence.Claim) -> bool:
         """A fencing claim's store (or where it moved) is followed only if the job's secret signs it, or (without a
         secret) it names a member of the job."""
@@ -270,11 +266,7 @@ class Fencing:
                       why=why)  # fmt: skip
         return ok
 
-    def _stores_of(self, claim: fence.Claim) -> list[tuple[str, str]]:
-        """Where the world of ``claim`` runs its store: where it last moved since the claim, then the claim's own
-        store; (address, signature) each."""
-        try:
-            return fence_moves.stores_of(self.root or "", claim)
-        except OSError as exc:
-            self._quiet.log("fence_check_failed", exc, root=self.root)
-            return [(claim.store, claim.store_mac)]
+    def _running_at(self, claim: fence.Claim) -> str:
+        """The trusted store where the world of ``claim`` runs (see :func:`fence_moves.stores_of`), or "unknown"."""
+        stores = fence_moves.stores_of(self.root or "", claim)
+        return next((a for a, mac in stores if self._trusted(a, mac, claim)), "unknown")

@@ -346,7 +346,7 @@ class Connection:
     def _reconnected(self, exc: BaseException) -> bool:
         """Whether a fresh connection to the same store replaced a broken one (not a timeout) while its host's process
         lives: passing over that host would split the job in two stores. Bounded by ``store_lost_timeout``."""
-        if self.hosted_here or not _broken_connection(exc):
+        if self.hosted_here or not caused_by(exc, (DistNetworkError, ConnectionError)):  # broken, not slow
             return False
         address, stores = self.address, self._stores
         probes = {"store": split_address(address)}
@@ -388,11 +388,10 @@ class Connection:
         self.cached_version = None
 
 
-def _broken_connection(exc: BaseException | None) -> bool:
-    """Whether ``exc`` (or what caused it) is a connection that broke (torch's typed network error, a reset or a
-    broken pipe), not a store that is slow to answer."""
+def caused_by(exc: BaseException | None, types: tuple[type[BaseException], ...]) -> bool:
+    """Whether ``exc``, or what caused it (``raise ... from``), is one of ``types``."""
     while exc is not None:
-        if isinstance(exc, (DistNetworkError, ConnectionError)):
+        if isinstance(exc, types):
             return True
         exc = exc.__cause__
     return False

@@ -163,3 +163,12 @@ def test_a_claims_world_runs_its_store_where_it_last_moved_else_where_it_claimed
     fence_moves.record(root, fence_moves.Moved(0, "job", "b:2", "m1"))
     fence_moves.record(root, fence_moves.Moved(0, "job", "c:3", "m2"))
     assert fence_moves.stores_of(root, claim) == [("c:3", "m2"), ("a:1", "m0")]
+
+
+def test_a_root_that_cannot_be_read_leaves_the_claims_own_store(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    claim = fence.Claim(0, "job", 0, "a:1", store_mac="m0")
+    (tmp_path / "a-file").write_text("")
+    assert fence_moves.stores_of(str(tmp_path / "a-file"), claim) == [("a:1", "m0")]  # its fence folder: not a folder
+    assert "event=fence_read_failed" in caplog.text

@@ -38,7 +38,7 @@ from elastrain.log import lifecycle
 from elastrain.rendezvous import liveness
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import RendezvousAuth
-from elastrain.rendezvous.connection import STORE_ERRORS, with_deadline
+from elastrain.rendezvous.connection import STORE_ERRORS, caused_by, with_deadline
 from elastrain.rendezvous.handler import ElastrainRendezvousHandler
 from elastrain.rendezvous.trust import host_of, split_address
 
@@ -171,7 +171,7 @@ class C10dStores:
         if self._left(root, top.generation):  # its store left with its last node: nothing to wait for there
             lifecycle("published_store_vacated", store=top.store, generation=top.generation)
             return None
-        for store, mac in stores_of(root, top):
+        for store, mac in fence_moves.stores_of(root, top):
             found = self._published_at(store, mac, top.generation)
             if found is not None:
                 return found
@@ -329,7 +329,7 @@ class C10dStores:
             and bool(host_info.probe_port)
             and cached.store_host in liveness.refused({cached.store_host: (host_info.addr, host_info.probe_port)}, 0.5)
         )
-        if not refused and not _store_error(exc):
+        if not refused and not caused_by(exc, (DistError, TimeoutError, ConnectionError)):  # a store's error
             return None  # the host's process may be alive and the error unrelated to the store
         how = st.Departure.DEAD if refused else st.Departure.SILENT
         if me not in cached.nodes and self.root:
@@ -362,16 +362,6 @@ class C10dStores:
         return None
 
 
-def stores_of(root: str, claim: fence.Claim) -> list[tuple[str, str]]:
-    """Where the world of ``claim`` runs its store, in order (see :func:`elastrain.fence_moves.stores_of`); the
-    claim's own store alone when the root cannot be read."""
-    try:
-        return fence_moves.stores_of(root, claim)
-    except OSError as exc:
-        lifecycle("fence_read_failed", level=logging.WARNING, root=root, error=repr(exc)[:200])
-        return [(claim.store, claim.store_mac)]
-
-
 def record_move(root: str, move: fence_moves.Moved) -> None:
     """This node hosts its world's store at ``move.store`` now: record it beside the world's claim, for nodes on
     their way in. In a thread of its own: a failover never waits on the storage."""
@@ -388,15 +378,6 @@ def record_move(root: str, move: fence_moves.Moved) -> None:
         lifecycle("store_move_recorded", generation=move.generation, store=move.store, root=root)
 
     threading.Thread(target=write, name="elastrain-store-move", daemon=True).start()
-
-
-def _store_error(exc: BaseException | None) -> bool:
-    """Whether ``exc`` (or what caused it) is torch's typed store error: timeout or broken connection."""
-    while exc is not None:
-        if isinstance(exc, (DistError, TimeoutError, ConnectionError)):
-            return True
-        exc = exc.__cause__
-    return False
 
 
 def _wait_seeded(backend: RendezvousBackend, timeout_s: float) -> bool:
