@@ -158,3 +158,27 @@ def test_a_node_lost_in_a_step_leaves_the_survivors_finished_micro_batches_to_co
     got, want = norms(run), norms(ref)
     for step in range(1, kill_at + 1):
         assert got[step] == pytest.approx(want[step], rel=1e-4), f"{where}: step {step}: {got[step]} vs {want[step]}"
+
+
+def test_a_step_lost_after_its_first_micro_batch_counts_its_tokens_once(assets: Path, tmp_path: Path) -> None:
+    """run_clm.py counting its tokens (``--include_num_input_tokens_seen``: the Trainer gathers the count after each
+    micro-batch) with two micro-batches per step on three nodes; one SIGKILLs itself at the end of a step's second
+    backward pass. Every member had counted the step's first micro-batch; the world of two trains the step again and
+    counts its tokens once: the count the Trainer logs at every step is the uninterrupted run's."""
+    base = causal_lm(assets, max_steps=12)
+    extra = ("--gradient_accumulation_steps", "2", "--logging_steps", "1", "--include_num_input_tokens_seen", "true")
+    w = Workload(base.script, (*base.args, *extra), base.max_steps)
+    kill_at = random.Random(SEED).randint(3, 7)
+    where = f"seed {SEED} (TRAINER_TRACE_SEED): node of group rank 2 SIGKILLed in step {kill_at}'s second backward"
+    env = {"LEDGER_KILL": f"{kill_at}:2:3", "LEDGER_KILL_BACKWARD": "2"}
+    run = trace(w, tmp_path / "trace", [], first=("a", "b", "c"), nnodes="2:3", env=env)
+    ref = reference(w, tmp_path / "ref", nproc=3)
+    check(run, ref, w, sigkills=1, where=where)
+    sizes = run.ledger.world_sizes()
+    assert sizes == [3] * (kill_at - 1) + [2] * (w.max_steps - kill_at + 1), f"{where}: world sizes {sizes}"
+
+    def tokens(r: Run) -> dict[int, int]:
+        return {int(h["step"]): int(h["num_input_tokens_seen"]) for h in r.state()["log_history"] if "loss" in h}
+
+    got, want = tokens(run), tokens(ref)
+    assert got == want, f"{where}: tokens counted (elastic, uninterrupted): {[(s, got.get(s), want[s]) for s in want]}"

@@ -36,6 +36,23 @@ def test_progress_travels_as_plain_values_into_a_fresh_trainer_state() -> None:
     assert (fresh.global_step, fresh.epoch, fresh.best_metric, fresh.log_history) == (42, 1.5, 0.25, held.log_history)
 
 
+def test_the_token_count_kept_is_the_last_completed_steps() -> None:
+    """The Trainer counts each micro-batch's tokens as it finishes it: a step lost half-way must not count twice."""
+    state = TrainerState(global_step=6, num_input_tokens_seen=600)
+    progress = Progress()
+    progress.track(state)
+    progress.step_begins(state)  # step 7 begins
+    state.num_input_tokens_seen += 50  # its first micro-batch finished; then the world broke
+    assert progress.state_dict()["num_input_tokens_seen"] == 600
+    progress.snapshot()
+    fresh = TrainerState()
+    progress.apply(fresh)
+    assert (fresh.global_step, fresh.num_input_tokens_seen) == (6, 600)
+    state.num_input_tokens_seen += 50
+    state.global_step = 7  # the step completed: its whole count is progress
+    assert progress.state_dict()["num_input_tokens_seen"] == 700
+
+
 def test_a_deferred_state_waits_for_its_object() -> None:
     class Sched:
         def __init__(self) -> None:

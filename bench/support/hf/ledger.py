@@ -17,9 +17,10 @@ join), so the job outlasts the trace on a slow machine without burning CPU.
 With ``LEDGER_KILL=<step>:<group rank>:<world size>[:<hold s>:<forward|backward>]``, the node of that group rank
 SIGKILLs itself (its agent, the agent's zygote and its worker: ``bench/support/node_kill.py``) at the end of the first
 backward pass of that step, when it trains in a world of that size: a machine lost in the middle of a step, whose
-peers have finished a micro-batch of it. With a hold, the other nodes wait that long in their second micro-batch of
-that step, before its forward pass or at the start of its backward pass: they meet the broken world there, not
-waiting in the step's gradient all-reduce.
+peers have finished a micro-batch of it (``LEDGER_KILL_BACKWARD=<n>``: at the end of its n-th backward pass of that
+step instead, when its peers have finished and counted n - 1 micro-batches). With a hold, the other nodes wait that
+long in their second micro-batch of that step, before its forward pass or at the start of its backward pass: they
+meet the broken world there, not waiting in the step's gradient all-reduce.
 """
 
 from __future__ import annotations
@@ -103,14 +104,22 @@ class _Hold:
             time.sleep(self.seconds)
 
 
-def _kill_own_node(grad: Any) -> Any:
-    import sys
+class _KillAtBackward:
+    """The embedding's gradient (the last of a backward pass): SIGKILL this node at the ``n``-th from now."""
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from node_kill import kill_own_node
+    def __init__(self, n: int) -> None:
+        self.left = n
 
-    kill_own_node()
-    return grad
+    def __call__(self, grad: Any) -> Any:
+        self.left -= 1
+        if self.left == 0:
+            import sys
+
+            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            from node_kill import kill_own_node
+
+            kill_own_node()
+        return grad
 
 
 class Callback(TrainerCallback):
@@ -125,8 +134,9 @@ class Callback(TrainerCallback):
         _write({**row, "phase": "begin"})
         kill = _kill_at()
         if kill is not None and (row["step"], row["world"]) == (kill[0], kill[2]):
-            if os.environ.get("GROUP_RANK") == kill[1]:  # the embedding's gradient: the last of a backward pass
-                kwargs["model"].get_input_embeddings().weight.register_hook(_kill_own_node)
+            if os.environ.get("GROUP_RANK") == kill[1]:
+                n = int(os.environ.get("LEDGER_KILL_BACKWARD", "1"))
+                kwargs["model"].get_input_embeddings().weight.register_hook(_KillAtBackward(n))
             elif kill[3] > 0:
                 _Hold(kwargs["model"], kill[3], kill[4])
 

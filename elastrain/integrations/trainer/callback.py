@@ -114,6 +114,7 @@ class ElasticTrainerCallback(TrainerCallback):
         if step is not None:
             self.trigger().hold(step)  # after a requested save: the change it announced comes now
         d.boundaries.boundary()
+        d.held.progress.step_begins(state)
         d.flags.begin_step()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -53,20 +53,34 @@ _PROGRESS_FIELDS = (
 
 
 class Progress:
-    """The Trainer's progress (its ``TrainerState``) as plain values, kept or received at a regroup."""
+    """The Trainer's progress (its ``TrainerState``) as plain values, kept or received at a regroup.
+
+    The progress of the last completed optimizer step: the Trainer adds each micro-batch's tokens to
+    ``num_input_tokens_seen`` as it finishes it (``include_num_input_tokens_seen``), so in a step lost to a broken
+    world the count already holds that step's finished micro-batches, which the next world trains (and counts) again.
+    The count at the step's start (:meth:`step_begins`) is the one kept.
+    """
 
     def __init__(self) -> None:
         self.values: dict[str, Any] | None = None
         self._source: Any = None
+        self._tokens_at: tuple[int, Any] | None = None
+        """``(global_step, num_input_tokens_seen)`` when the step after ``global_step`` began."""
 
     def track(self, trainer_state: Any) -> None:
         """Send ``trainer_state``'s progress when this member is the source."""
         self._source = trainer_state
 
+    def step_begins(self, trainer_state: Any) -> None:
+        """A step begins (the Trainer's ``on_step_begin``, before its first micro-batch): its token count so far."""
+        self._tokens_at = (int(trainer_state.global_step), trainer_state.num_input_tokens_seen)
+
     def state_dict(self) -> dict[str, Any]:
         if self._source is None:
             return {}
         values = {name: getattr(self._source, name) for name in _PROGRESS_FIELDS}
+        if self._tokens_at is not None and self._tokens_at[0] == int(self._source.global_step):
+            values["num_input_tokens_seen"] = self._tokens_at[1]  # not the lost step's finished micro-batches
         return dict(json.loads(json.dumps(values)))  # plain values only (log_history may hold numpy scalars)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
