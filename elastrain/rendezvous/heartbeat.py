@@ -23,6 +23,7 @@ from elastrain.rendezvous import liveness
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import RendezvousAuth, set_bytes
 from elastrain.rendezvous.connection import STORE_ERRORS, StoreSwitched
+from elastrain.rendezvous.death_watch import DeathWatch
 from elastrain.rendezvous.pacing import Throttled
 from elastrain.rendezvous.settings import HandlerSettings
 from elastrain.rendezvous.store import StateStore
@@ -87,6 +88,10 @@ class Heartbeat:
         self._judged_last: str | None = None
         self._watch = FailureWatch(node_id)
         self._pulse = liveness.Pulse(settings.heartbeat_interval_s, settings.heartbeat_timeout_s)
+        self._wake = threading.Event()
+        """Beat now: a watched peer's connection closed (:mod:`~elastrain.rendezvous.death_watch`), a worker
+        failed, or the thread stops."""
+        self._deaths = DeathWatch(self._wake, rearm_s=settings.heartbeat_interval_s)
 
     def silent_since(self, since: float) -> bool:
         """Whether this node was frozen (or starved) for a heartbeat timeout after ``since`` (monotonic), while it
@@ -98,24 +103,28 @@ class Heartbeat:
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop.clear()
+        self._wake.clear()
         self._thread = threading.Thread(target=self._loop, name="elastrain-heartbeat", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
             if self._thread.is_alive():  # inside a store call that has not answered: it ends with that call
                 lifecycle("heartbeat_stop_pending", level=logging.WARNING, node=self._node_id, waited_s=2)
         self._pulse.stop()
+        self._deaths.close()
 
     def forget(self) -> None:
         """This node moved to another world's store: what it observed of this one's nodes no longer counts."""
         self._obs = st.Observations()
 
     def probe_peers(self) -> None:
-        """Probe every peer at the next tick."""
+        """Probe every peer now."""
         self._probe_all = True
+        self._wake.set()
 
     def report_failure(self, round_: int, echo: bool, watch_s: float) -> None:
         """This node's workers failed in ``round_``: record it in the round (``echo``: they said a collective broke
@@ -148,7 +157,11 @@ class Heartbeat:
     def _loop(self) -> None:
         clock = self._clock
         clock.next_at = None
-        while not self._stop.wait(clock.wait_s(time.monotonic())):
+        while True:
+            self._wake.wait(clock.wait_s(time.monotonic()))
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             now = time.monotonic()
             stalled = clock.woke(now)
             try:
@@ -204,6 +217,7 @@ class Heartbeat:
         # probes of late but live nodes, which answer), all at once with one deadline: a refused
         # probe proves death at once. After a worker failure, probe every peer once.
         probe_all, self._probe_all = self._probe_all, False
+        closed = self._deaths.closed()  # a peer whose connection closed is probed now
         candidates = [n for n in state.heartbeats if n != me] if probe_all else watched
         suspects = {
             n: (state.nodes[n].addr, state.nodes[n].probe_port)
@@ -212,9 +226,11 @@ class Heartbeat:
             and n not in dead
             and (
                 probe_all
+                or n in closed
                 or read_at - self._obs.seen.get(n, (0, read_at))[1] >= s.suspect_after * s.heartbeat_interval_s
             )
         }
+        self._deaths.follow(_death_targets(state, me, watched))
         gone = liveness.refused(suspects, timeout_s=min(0.5, s.heartbeat_interval_s * 2)) if suspects else set()
         others = [m for m in st.live_members(state) if m != me]
         if (
@@ -237,32 +253,7 @@ class Heartbeat:
             self._publish_silence(st.silence(self._obs, read_at))
         silent = set(dead)
         if silent or gone:
-            self._evict(silent, gone, read_at)
-
-    def _evict(self, silent: set[str], gone: set[str], read_at: float) -> None:
-        evicted: list[tuple[str, st.Departure]] = []
-
-        def _remove(cur: st.RendezvousState) -> st.RendezvousState:
-            evicted[:] = [(d, st.Departure.DEAD) for d in sorted(gone) if d in cur.heartbeats]
-            evicted.extend((d, st.Departure.SILENT) for d in sorted(silent - gone) if d in cur.heartbeats)
-            out = cur
-            for d, how in evicted:
-                out = st.remove(out, [d], how.value)
-            return out
-
-        after = self._state.update(_remove)
-        for d, how in evicted:
-            if d not in after.heartbeats:
-                lifecycle(
-                    "node_dead",
-                    level=logging.WARNING,
-                    node=d,
-                    how="probe_refused" if how is st.Departure.DEAD else "heartbeat_timeout",
-                    silent_s=round(read_at - self._obs.seen[d][1], 3) if d in self._obs.seen else None,
-                    round=after.round,
-                    member=d in after.members,
-                    by=self._node_id,
-                )
+            _evict(self._state, self._obs, me, silent, gone, read_at)
 
     def _publish_silence(self, silent_for: dict[str, float]) -> None:
         key = self._state.key("silence")
@@ -304,6 +295,39 @@ class Heartbeat:
         except (ValueError, RendezvousStateCorruptError) as exc:
             self._quiet.log("rendezvous_value_ignored", exc, key=key)
             return self._obs.seen.get(node, (-1, 0.0))[0]
+
+
+def _evict(state: StateStore, obs: st.Observations, me: str, silent: set[str], gone: set[str], read_at: float) -> None:
+    """Remove the dead (``gone``: their probe refused) and the silent from the state, each logged."""
+    evicted: list[tuple[str, st.Departure]] = []
+
+    def _remove(cur: st.RendezvousState) -> st.RendezvousState:
+        evicted[:] = [(d, st.Departure.DEAD) for d in sorted(gone) if d in cur.heartbeats]
+        evicted.extend((d, st.Departure.SILENT) for d in sorted(silent - gone) if d in cur.heartbeats)
+        out = cur
+        for d, how in evicted:
+            out = st.remove(out, [d], how.value)
+        return out
+
+    after = state.update(_remove)
+    for d, how in evicted:
+        if d not in after.heartbeats:
+            lifecycle(
+                "node_dead",
+                level=logging.WARNING,
+                node=d,
+                how="probe_refused" if how is st.Departure.DEAD else "heartbeat_timeout",
+                silent_s=round(read_at - obs.seen[d][1], 3) if d in obs.seen else None,
+                round=after.round,
+                member=d in after.members,
+                by=me,
+            )
+
+
+def _death_targets(state: st.RendezvousState, me: str, watched: list[str]) -> dict[str, tuple[str, int]]:
+    """The peers whose death this node learns at once: those it watches, and its store's host."""
+    names = {*watched, state.store_host} - {me, ""}
+    return {n: (state.nodes[n].addr, state.nodes[n].probe_port) for n in names if n in state.nodes}
 
 
 def linger_until_seen(

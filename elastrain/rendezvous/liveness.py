@@ -31,7 +31,13 @@ from elastrain.rendezvous.trust import split_address
 
 
 class ProbeListener:
-    """A listening socket that exists exactly as long as this process: peers probe it to detect our death."""
+    """A listening socket that exists exactly as long as this process: peers probe it to detect our death.
+
+    A connection a peer keeps open (:mod:`~elastrain.rendezvous.death_watch`) is held, silent, until that peer closes
+    it: the kernel closes it when this process dies, and the peer reads that at once. At most ``HELD`` are held; a
+    connection beyond them is closed at once, as a probe's is."""
+
+    HELD = 4096
 
     def __init__(self, host: str = "") -> None:
         """Listen on ``host`` (the interface of this node's advertised address; "" for every one)."""
@@ -42,13 +48,33 @@ class ProbeListener:
         threading.Thread(target=self._serve, name="elastrain-probe", daemon=True).start()
 
     def _serve(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ, None)
         while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError as exc:
-                lifecycle("probe_listener_closed", level=logging.DEBUG, error=repr(exc))
-                return
-            conn.close()
+            for key, _ in sel.select():
+                if key.data is not None:  # a held connection: its peer closed it (or sent what nobody reads)
+                    conn = cast(socket.socket, key.fileobj)
+                    try:
+                        if conn.recv(4096):
+                            continue
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        pass  # reset: closed as well
+                    sel.unregister(conn)
+                    conn.close()
+                    continue
+                try:
+                    conn, _ = self._sock.accept()
+                except OSError as exc:
+                    lifecycle("probe_listener_closed", level=logging.DEBUG, error=repr(exc))
+                    sel.close()
+                    return
+                if len(sel.get_map()) > self.HELD:
+                    conn.close()
+                    continue
+                conn.setblocking(False)
+                sel.register(conn, selectors.EVENT_READ, True)
 
 
 def refused_at(address: str, timeout_s: float = 0.5) -> bool:

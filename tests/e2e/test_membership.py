@@ -94,6 +94,11 @@ def _same_round(nodes: list[Node]) -> None:
     assert len({(s["round"], s["restart"]) for s in starts}) == 1, starts
 
 
+def _closed_for(watcher: Node, dead: Node) -> bool:
+    """Whether ``watcher`` saw the connection to ``dead``'s probe port close (node ids hold the agent's pid)."""
+    return any(f"_{dead.proc.pid}_" in e["node"] for e in watcher.events("peer_connection_closed"))
+
+
 def _no_failures_counted(nodes: list[Node]) -> None:
     for n in nodes:
         for e in n.events("workers_restarting"):
@@ -119,6 +124,8 @@ def test_node_death_leave_rejoin_and_store_failover(tmp_path: Path) -> None:
         os.kill(b.proc.pid, signal.SIGKILL)
         wait_for(lambda: not alive(b_workers), 5, what="b's orphaned worker to die")
         _wait_training([a], 1, t, "a trains alone after b's agent died")
+        # a, the judge, learnt of b's death from the connection b's kernel closed (death_watch.py), not a heartbeat.
+        assert _closed_for(a, b), a.dump()
 
         # A new node arrives: scale-up with default settings; both see the same round and restart count.
         c = Node("c", tmp_path, port, stop, *ckpt)
@@ -148,6 +155,7 @@ def test_node_death_leave_rejoin_and_store_failover(tmp_path: Path) -> None:
             victims = kill_tree(a.proc.pid)
             _wait_training([d], 1, t, "d trains alone after the store host died")
             assert d.events("store_failover"), d.dump()
+            assert _closed_for(d, a), d.dump()  # the store's host is watched by every node
             wait_for(lambda: not alive(victims), 5, what="a's processes to be gone")
 
             stop.touch()

@@ -323,12 +323,9 @@ class C10dStores:
         self, cached: st.RendezvousState, me: str, exc: BaseException, timeout_s: float
     ) -> tuple[RendezvousBackend, Store, str, bool] | None:
         """Move the state store to the first reachable successor of its dead host."""
-        host_info = cached.nodes.get(cached.store_host)
-        refused = (
-            host_info is not None
-            and bool(host_info.probe_port)
-            and cached.store_host in liveness.refused({cached.store_host: (host_info.addr, host_info.probe_port)}, 0.5)
-        )
+        host = cached.nodes.get(cached.store_host)
+        probe = {cached.store_host: (host.addr, host.probe_port)} if host is not None and host.probe_port else {}
+        refused = bool(probe) and bool(liveness.refused(probe, 0.5))
         if not refused and not caused_by(exc, (DistError, TimeoutError, ConnectionError)):  # a store's error
             return None  # the host's process may be alive and the error unrelated to the store
         how = st.Departure.DEAD if refused else st.Departure.SILENT
@@ -353,6 +350,7 @@ class C10dStores:
                     return backend, store, address, True
                 if info.probe_port and liveness.refused({cand: (info.addr, info.probe_port)}, 0.5):
                     continue
+                _await_listening(info.addr, info.standby_port, timeout_s)
                 store = self.connect(info.addr, info.standby_port, timeout_s)
                 backend = self.backend(store)
                 if _wait_seeded(backend, timeout_s):
@@ -378,6 +376,19 @@ def record_move(root: str, move: fence_moves.Moved) -> None:
         lifecycle("store_move_recorded", generation=move.generation, store=move.store, root=root)
 
     threading.Thread(target=write, name="elastrain-store-move", daemon=True).start()
+
+
+def _await_listening(addr: str, port: int, timeout_s: float) -> None:
+    """Wait (at most a second) while nothing listens at the live successor's standby port: it opens its store as soon
+    as it sees the host gone, at the same moment as this node when both learn it from the host's closed connection,
+    and a client that connects before then backs off inside torch (about half a second, seen here). The client's own
+    connect follows either way, with its own timeout."""
+    deadline = time.monotonic() + min(timeout_s, 1.0)
+    while liveness.refused({"standby": (addr, port)}, 0.5):
+        if time.monotonic() >= deadline:
+            lifecycle("store_successor_not_listening", level=logging.INFO, store=f"{addr}:{port}")
+            return
+        time.sleep(0.01)
 
 
 def _wait_seeded(backend: RendezvousBackend, timeout_s: float) -> bool:
