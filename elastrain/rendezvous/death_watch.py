@@ -47,6 +47,7 @@ class DeathWatch:
         self._thread: threading.Thread | None = None
         self._poke_r, self._poke_w = socket.socketpair()
         self._poke_r.setblocking(False)
+        self._poke_w.setblocking(False)  # a poke never blocks the heartbeat (one pending is enough)
 
     def follow(self, targets: Mapping[str, Target]) -> None:
         """Watch exactly ``targets`` (name -> probe address) from now on (called at each beat)."""
@@ -98,6 +99,8 @@ class DeathWatch:
                             self._poke_r.recv(4096)
                     else:
                         self._readable(sel, str(key.data))
+        except Exception as exc:  # a bug: deaths are then learnt at the heartbeat's beats, as without the watch
+            lifecycle("death_watch_failed", level=logging.ERROR, error=repr(exc)[:300])
         finally:
             for _, sock in self._open.values():
                 sock.close()
