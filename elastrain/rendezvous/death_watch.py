@@ -75,8 +75,12 @@ class DeathWatch:
         with self._lock:
             self._stopping = True
             thread = self._thread
+        if thread is None:  # never followed anyone: no thread to close the poke pair on its way out
+            self._poke_r.close()
+            self._poke_w.close()
+            return
         self._poke()
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not threading.current_thread():
             thread.join(timeout=2)
 
     def _poke(self) -> None:

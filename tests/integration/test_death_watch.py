@@ -103,3 +103,13 @@ def test_a_peer_no_longer_followed_is_let_go() -> None:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         assert not wake.wait(0.5) and w.closed() == set()
+
+
+def test_a_watch_that_never_followed_anyone_closes_its_sockets() -> None:
+    wake = threading.Event()
+    w = DeathWatch(wake, 1.0)
+    before = len(os.listdir("/proc/self/fd"))
+    w.close()
+    assert len(os.listdir("/proc/self/fd")) == before - 2  # its poke pair
+    w.follow({"p": ("127.0.0.1", free_port())})  # after close: nothing starts
+    assert not wake.wait(0.3)
