@@ -134,11 +134,24 @@ def listen_host(address: str) -> str:
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (``host`` from :func:`listen_host`; port 0: any free one), listening."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    """A TCP socket bound to ``host:port`` (``host`` from :func:`listen_host`; port 0: any free one), listening.
+
+    :data:`ANY` listens on every interface of both families where this machine has IPv6 (as torch's ``TCPStore``
+    does), else on every IPv4 one: a peer that resolves this node's name to either reaches it."""
+    if host == ANY and socket.has_ipv6:
+        try:
+            return _listening(socket.AF_INET6, "::", port, dual_stack=True)
+        except OSError as exc:  # no IPv6 on this machine
+            lifecycle("listen_ipv4_only", level=logging.DEBUG, error=repr(exc)[:120])
+    return _listening(socket.AF_INET6 if ":" in host else socket.AF_INET, host, port, dual_stack=False)
+
+
+def _listening(family: int, host: str, port: int, dual_stack: bool) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if dual_stack:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         sock.bind((host, port))
         sock.listen(512)
     except OSError:

@@ -24,8 +24,10 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
+from typing import cast
 
 from elastrain.log import lifecycle
+from elastrain.rendezvous import dial
 
 Target = tuple[str, int]
 """A peer's probe address: (host, port)."""
@@ -42,7 +44,8 @@ class DeathWatch:
         self._held: dict[str, float] = {}
         """Peers whose connection closed, and when (monotonic): not connected again for ``rearm_s``."""
         self._closed: set[str] = set()
-        self._open: dict[str, tuple[Target, socket.socket]] = {}  # the watch thread's own
+        self._open: dict[str, tuple[Target, list[socket.socket]]] = {}  # the watch thread's own: one per address
+        self._reported: set[str] = set()  # the watch thread's own: peers whose close was logged
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._poke_r, self._poke_w = socket.socketpair()
@@ -102,12 +105,13 @@ class DeathWatch:
                         with contextlib.suppress(OSError):
                             self._poke_r.recv(4096)
                     else:
-                        self._readable(sel, str(key.data))
+                        self._readable(sel, str(key.data), cast(socket.socket, key.fileobj))
         except Exception as exc:  # a bug: deaths are then learnt at the heartbeat's beats, as without the watch
             lifecycle("death_watch_failed", level=logging.ERROR, error=repr(exc)[:300])
         finally:
-            for _, sock in self._open.values():
-                sock.close()
+            for _, socks in self._open.values():
+                for sock in socks:
+                    sock.close()
             self._open.clear()
             sel.close()
             self._poke_r.close()
@@ -115,24 +119,30 @@ class DeathWatch:
 
     def _sync(self, sel: selectors.BaseSelector, want: dict[str, Target], held: set[str]) -> None:
         """Close the connections to peers no longer watched (or at another address); open the missing ones."""
-        for name, (target, sock) in list(self._open.items()):
+        for name, (target, socks) in list(self._open.items()):
             if want.get(name) != target:
-                sel.unregister(sock)
-                sock.close()
-                del self._open[name]
+                self._drop(sel, name, socks)
+        self._reported &= set(want)
         for name, target in want.items():
             if name in self._open or name in held:
                 continue
-            conn = _connect(target)
-            if conn is None:
+            socks = _connect(target)
+            if not socks:
                 continue
-            self._open[name] = (target, conn)
-            sel.register(conn, selectors.EVENT_READ, name)
+            self._open[name] = (target, socks)
+            for sock in socks:
+                sel.register(sock, selectors.EVENT_READ, name)
 
-    def _readable(self, sel: selectors.BaseSelector, name: str) -> None:
-        """A peer's connection is readable: closed (end of file, a reset, a refused connect), as its listener never
-        sends anything."""
-        _, sock = self._open[name]
+    def _drop(self, sel: selectors.BaseSelector, name: str, socks: list[socket.socket]) -> None:
+        for sock in socks:
+            sel.unregister(sock)
+            sock.close()
+        del self._open[name]
+
+    def _readable(self, sel: selectors.BaseSelector, name: str, sock: socket.socket) -> None:
+        """A connection to a peer is readable: closed (end of file, a reset, a refused connect), as its listener never
+        sends anything. A refusal at one of the peer's addresses while another is still open proves nothing (it
+        listens on one of them)."""
         try:
             if sock.recv(64):
                 return
@@ -141,33 +151,33 @@ class DeathWatch:
             return
         except OSError as exc:
             why = errno.errorcode.get(exc.errno or 0, repr(exc))
+        socks = self._open[name][1]
         sel.unregister(sock)
         sock.close()
-        del self._open[name]
+        socks.remove(sock)
+        if why == "ECONNREFUSED" and socks:
+            return
+        self._drop(sel, name, socks)
+        again = why == "ECONNREFUSED" and name in self._reported  # still dead at a rearm: said already
+        self._reported.add(name)
         with self._lock:
             self._held[name] = time.monotonic()
             self._closed.add(name)
-        lifecycle("peer_connection_closed", node=name, why=why)
+        lifecycle("peer_connection_closed", level=logging.DEBUG if again else logging.INFO, node=name, why=why)
         self._wake.set()
 
 
-def _connect(target: Target) -> socket.socket | None:
-    """A non-blocking connection under way to ``target`` (a refused one reads as closed at once); None when no
-    socket could be made (no proof of anything: the heartbeat judges as before)."""
-    host, port = target
-    try:
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    except OSError as exc:
-        lifecycle("death_watch_socket_failed", level=logging.WARNING, error=repr(exc)[:120])
-        return None
-    sock.setblocking(False)
-    try:
-        code = sock.connect_ex((host, port))
-    except OSError as exc:  # a name that does not resolve, say
-        lifecycle("death_watch_connect_failed", level=logging.DEBUG, host=host, error=repr(exc)[:120])
-        sock.close()
-        return None
-    if code not in (0, errno.EINPROGRESS, errno.EAGAIN, errno.ECONNREFUSED):
-        sock.close()
-        return None
-    return sock
+def _connect(target: Target) -> list[socket.socket]:
+    """Non-blocking connections under way to each address of ``target`` (:mod:`~elastrain.rendezvous.dial`; a
+    refused one reads as closed at once); none when the host does not resolve or no socket could be made (no proof of
+    anything: the heartbeat judges as before)."""
+    out = []
+    for address in dial.addresses(*target):
+        sock, code = dial.start(address)
+        if sock is None:
+            continue
+        if code in dial.UNDER_WAY or code == errno.ECONNREFUSED:
+            out.append(sock)
+        else:
+            sock.close()
+    return out

@@ -26,7 +26,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import cast
 
+from elastrain import binding
 from elastrain.log import lifecycle
+from elastrain.rendezvous import dial
 from elastrain.rendezvous.trust import split_address
 
 
@@ -41,9 +43,7 @@ class ProbeListener:
 
     def __init__(self, host: str = "") -> None:
         """Listen on ``host`` (the interface of this node's advertised address; "" for every one)."""
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind((host, 0))
-        self._sock.listen(128)
+        self._sock = binding.bound_socket(host, 0)
         self.port = int(self._sock.getsockname()[1])
         threading.Thread(target=self._serve, name="elastrain-probe", daemon=True).start()
 
@@ -83,34 +83,31 @@ def refused_at(address: str, timeout_s: float = 0.5) -> bool:
 
 
 def refused(targets: Mapping[str, tuple[str, int]], timeout_s: float) -> set[str]:
-    """The targets (name -> (addr, port)) whose connection is actively refused, all probed at once.
+    """The targets (name -> (host, port)) whose connection is actively refused at every address the host resolves to
+    (:mod:`~elastrain.rendezvous.dial`), all probed at once.
 
-    Non-blocking connects share one deadline; whatever has not answered by then (frozen, cut off,
-    unreachable) is not counted as refused.
+    Non-blocking connects share one deadline; whatever has not answered by then (frozen, cut off, unreachable), and
+    a host that does not resolve, is not counted as refused.
     """
     sel = selectors.DefaultSelector()
     socks: list[socket.socket] = []
-    out: set[str] = set()
+    dialled: dict[str, int] = {}
+    refusals: dict[str, int] = {}
     try:
-        for name, (addr, port) in targets.items():
+        for name, (host, port) in targets.items():
             if not port:
                 continue
-            try:
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            except OSError as exc:
-                lifecycle("probe_socket_failed", level=logging.WARNING, error=repr(exc))
-                continue
-            socks.append(s)
-            s.setblocking(False)
-            try:
-                code = s.connect_ex((addr, port))
-            except OSError as exc:  # a name that does not resolve, say: no proof of death
-                lifecycle("probe_failed", level=logging.DEBUG, node=name, error=repr(exc))
-                continue
-            if code == errno.ECONNREFUSED:
-                out.add(name)
-            elif code in (0, errno.EINPROGRESS, errno.EAGAIN):
-                sel.register(s, selectors.EVENT_WRITE, name)
+            addrs = dial.addresses(host, port)
+            dialled[name], refusals[name] = len(addrs), 0
+            for address in addrs:
+                sock, code = dial.start(address)
+                if sock is None:
+                    continue
+                socks.append(sock)
+                if code == errno.ECONNREFUSED:
+                    refusals[name] += 1
+                elif code in dial.UNDER_WAY:
+                    sel.register(sock, selectors.EVENT_WRITE, name)
         deadline = time.monotonic() + timeout_s
         while sel.get_map():
             left = deadline - time.monotonic()
@@ -119,13 +116,13 @@ def refused(targets: Mapping[str, tuple[str, int]], timeout_s: float) -> set[str
             for key, _ in sel.select(left):
                 sock = cast(socket.socket, key.fileobj)
                 if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ECONNREFUSED:
-                    out.add(str(key.data))
+                    refusals[str(key.data)] += 1
                 sel.unregister(sock)
     finally:
         sel.close()
         for s in socks:
             s.close()
-    return out
+    return {name for name, n in dialled.items() if n and refusals[name] == n}
 
 
 @dataclass

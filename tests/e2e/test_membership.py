@@ -37,7 +37,14 @@ BOUND = 60.0  # generous: one worker cold start on a loaded 2-core machine is 2-
 
 class Node:
     def __init__(
-        self, name: str, tmp: Path, port: int, stop_file: Path, *extra: str, env: dict[str, str] | None = None
+        self,
+        name: str,
+        tmp: Path,
+        port: int,
+        stop_file: Path,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.name = name
         self.log = tmp / f"{name}.log"
@@ -49,7 +56,8 @@ class Node:
             "--rdzv-backend",
             "c10d",
             "--rdzv-endpoint",
-            f"127.0.0.1:{port}",
+            f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+            *(("--local-addr", host) if ":" in host else ()),
             "--rdzv-id",
             "membership-test",
             "--max-restarts",
@@ -161,6 +169,33 @@ def test_node_death_leave_rejoin_and_store_failover(tmp_path: Path) -> None:
             stop.touch()
             assert d.proc.wait(timeout=BOUND) == 0, d.dump()
         _no_failures_counted(nodes)
+
+
+def test_an_ipv6_job_proves_a_killed_node_dead_and_fails_its_store_over(tmp_path: Path) -> None:
+    """Every node on ``::1``: the store, the probes and the death watch in IPv6. A SIGKILLed node is evicted by its
+    refused probe at once (before, probes dialled IPv4 only: it waited out the heartbeat timeout), and the store's
+    host's death fails the store over to the survivor's standby."""
+    port, stop = free_port(), tmp_path / "stop"
+    a = Node("a", tmp_path, port, stop, host="::1")  # hosts the c10d store
+    time.sleep(0.5)
+    b = Node("b", tmp_path, port, stop, host="::1")
+    with reaped(a.proc, b.proc):
+        _wait_training([a, b], 2, 0, "two nodes train together on ::1")
+        t = time.time()
+        kill_tree(b.proc.pid)
+        _wait_training([a], 1, t, "a trains alone after b was SIGKILLed")
+        assert [e["how"] for e in a.events("node_dead")] == ["probe_refused"], a.dump()
+
+        c = Node("c", tmp_path, port, stop, host="::1")
+        with reaped(c.proc):
+            _wait_training([a, c], 2, time.time(), "a and c train together")
+            t = time.time()
+            kill_tree(a.proc.pid)
+            _wait_training([c], 1, t, "c trains alone after the store's host died")
+            assert c.events("store_failover") and _closed_for(c, a), c.dump()
+            stop.touch()
+            assert c.proc.wait(timeout=BOUND) == 0, c.dump()
+        _no_failures_counted([a, c])
 
 
 @pytest.mark.parametrize("store_host", ["a", "b"])

@@ -28,6 +28,7 @@ import functools
 import itertools
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -35,6 +36,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 PREFIX = "etpart"
+ETC_NETNS = "/etc/netns"
+"""``ip netns exec NS`` mounts the files of ``/etc/netns/NS`` over ``/etc``'s, for the command it runs."""
 SUBNET = "10.213.0"  # a private /24 that exists only inside namespaces created here
 STALE_AFTER_S = 3600.0
 NODE_IF = "eth0"  # the node's interface, inside its own namespace (GLOO_SOCKET_IFNAME)
@@ -93,11 +96,13 @@ def _pids_in(ns: str) -> list[int]:
 
 
 def _delete_namespace(ns: str) -> None:
-    """Kill what runs in ``ns`` (by pid) and delete it; deleting a namespace deletes its veth ends too."""
+    """Kill what runs in ``ns`` (by pid) and delete it, with its files in ``/etc/netns``; deleting a namespace
+    deletes its veth ends too."""
     for pid in _pids_in(ns):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     _run("ip", "netns", "delete", ns, check=False)
+    shutil.rmtree(os.path.join(ETC_NETNS, ns), ignore_errors=True)
 
 
 def remove_stale(now: float | None = None, older_than_s: float = STALE_AFTER_S) -> list[str]:
@@ -207,6 +212,18 @@ class Network:
             _run("ip", "-n", self.hub, "link", "set", name, "up")
             self._bridges.append(name)
         return self._bridges[g]
+
+    def add_address(self, i: int, cidr: str) -> None:
+        """One more address on node ``i``'s ``eth0`` (an IPv6 one, say: ``2001:db8::1/64``), usable at once."""
+        _run("ip", "-n", self.nodes[i].ns, "addr", "add", cidr, "dev", NODE_IF, "nodad")
+
+    def hosts(self, i: int, names: dict[str, list[str]]) -> None:
+        """Commands run in node ``i``'s namespace resolve each name to its addresses (their own ``/etc/hosts``)."""
+        folder = os.path.join(ETC_NETNS, self.nodes[i].ns)
+        os.makedirs(folder, exist_ok=True)
+        lines = ["127.0.0.1 localhost"] + [f"{a} {name}" for name, addrs in names.items() for a in addrs]
+        with open(os.path.join(folder, "hosts"), "w", encoding="ascii") as f:
+            f.write("\n".join(lines) + "\n")
 
     def link_down(self, i: int) -> None:
         """Take node ``i``'s hub port down: its ``eth0`` loses carrier (a pulled cable)."""
