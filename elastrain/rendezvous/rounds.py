@@ -131,15 +131,15 @@ class Rounds:
                     lifecycle("standby", node=self._node_id, round=state.round, members=len(live), max_nodes=max_nodes)
             ready_since = (now if ready_since is None else ready_since) if len(state.joining) >= min_nodes else None
             ready_for = 0.0 if ready_since is None else now - ready_since
-            # A job's first start waits a last call for the nodes launched with it; a job started over (its nodes
-            # gone, a node on its way in took it on) waits as a running one does for nodes arriving together.
-            last_call = s.scale_up_window_s if self._state.conn.resumes_job else s.last_call_s
+            started_over = self._state.conn.resumes_job
+            last_call = st.last_call(state, started_over, s.last_call_s, s.scale_up_window_s)
             if st.can_complete(state, min_nodes, max_nodes, ready_for, last_call):
 
                 def _complete(
-                    cur: st.RendezvousState, ready_for: float = ready_for, last_call: float = last_call
+                    cur: st.RendezvousState, ready_for: float = ready_for, started_over: bool = started_over
                 ) -> st.RendezvousState | None:
-                    ok = st.can_complete(cur, min_nodes, max_nodes, ready_for, last_call)
+                    wait = st.last_call(cur, started_over, s.last_call_s, s.scale_up_window_s)
+                    ok = st.can_complete(cur, min_nodes, max_nodes, ready_for, wait)
                     return st.complete(cur, max_nodes) if ok else None
 
                 state = self._state.update(_complete)

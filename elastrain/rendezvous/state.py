@@ -320,6 +320,17 @@ def can_complete(
     return ready_for_s >= last_call_s
 
 
+def last_call(state: RendezvousState, started_over: bool, last_call_s: float, window_s: float) -> float:
+    """How long joiners with no live member to join wait for more nodes before they form a round.
+
+    A job's first start (no round formed yet in this store) waits the last call for the nodes launched with it. A job
+    that already trained and lost every member (the last ones died while a node was on its way in: that node took
+    the store over), or that a node started over (``started_over``: refound, revived), waits ``window_s``, as a
+    running job does for nodes arriving together: the nodes it would wait for are gone.
+    """
+    return window_s if started_over or state.round >= 0 else last_call_s
+
+
 def round_over(state: RendezvousState) -> bool:
     """Whether the state already shows every live member of the round that the round is over: a member
     departed (:attr:`ChangeKind.DEPARTED` for all), or a member re-joined through the state (REGROUP for the

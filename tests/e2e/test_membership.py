@@ -198,6 +198,29 @@ def test_an_ipv6_job_proves_a_killed_node_dead_and_fails_its_store_over(tmp_path
         _no_failures_counted([a, c])
 
 
+def test_a_spare_carries_the_job_on_at_once_when_every_member_dies(tmp_path: Path) -> None:
+    """Both members, the store's host among them, SIGKILLed together while a spare waits: the spare takes the store
+    over (it is in the state: a successor) and forms a round of its own. The job already trained, so that round does
+    not wait the first start's last call (600 s here; before, it did)."""
+    port, stop = free_port(), tmp_path / "stop"
+    opts = ("--checkpoint-dir", str(tmp_path / "ckpt"), "--rdzv-conf", "last_call_timeout=600")
+    a = Node("a", tmp_path, port, stop, *opts)  # hosts the c10d store
+    time.sleep(0.5)
+    b = Node("b", tmp_path, port, stop, *opts)
+    with reaped(a.proc, b.proc):
+        _wait_training([a, b], 2, 0, "two nodes train together")
+        c = Node("c", tmp_path, port, stop, *opts)
+        with reaped(c.proc):
+            wait_for(lambda: bool(c.events("standby")), BOUND, 0.1, "c to wait as a spare")
+            t = time.time()
+            victims = kill_tree(a.proc.pid) + kill_tree(b.proc.pid)
+            _wait_training([c], 1, t, "c trains alone after every member died")
+            assert c.events("store_failover"), c.dump()
+            wait_for(lambda: not alive(victims), 5, what="a's and b's processes to be gone")
+            stop.touch()
+            assert c.proc.wait(timeout=BOUND) == 0, c.dump()
+
+
 @pytest.mark.parametrize("store_host", ["a", "b"])
 def test_spare_waits_without_restarting_the_job_and_takes_over_from_a_node_that_fails(
     tmp_path: Path, store_host: str

@@ -92,6 +92,28 @@ def test_can_complete_first_round(
     assert st.can_complete(joined(*joiners), min_nodes, max_nodes, ready_for, last_call_s=1.0) is expected
 
 
+@pytest.mark.parametrize(
+    ("state", "started_over", "expected"),
+    [
+        (joined("a"), False, 30.0),  # the job's first start: the last call, for the nodes launched with it
+        (joined("a"), True, 1.0),  # a job a node started over (refound, revived)
+        (joined("c", base=st.remove(formed("a", "b"), ["a", "b"], "dead")), False, 1.0),  # every member gone
+    ],
+)
+def test_only_a_jobs_first_start_waits_the_last_call(
+    state: st.RendezvousState, started_over: bool, expected: float
+) -> None:
+    assert st.last_call(state, started_over, last_call_s=30.0, window_s=1.0) == expected
+
+
+def test_a_newcomer_left_alone_by_every_member_forms_the_round_after_the_window() -> None:
+    s = joined("c", base=st.remove(formed("a", "b"), ["a", "b"], "dead"))
+    wait = st.last_call(s, False, last_call_s=30.0, window_s=1.0)
+    assert not st.can_complete(s, 1, 3, ready_for_s=0.5, last_call_s=wait)
+    assert st.can_complete(s, 1, 3, ready_for_s=1.0, last_call_s=wait)
+    assert st.complete(s, 3).members == ("c",)
+
+
 def test_round_completes_when_every_live_member_rejoined_without_last_call() -> None:
     s = formed("a", "b")
     s = st.remove(s, ["b"], "dead")
