@@ -350,7 +350,8 @@ class C10dStores:
                     return backend, store, address, True
                 if info.probe_port and liveness.refused({cand: (info.addr, info.probe_port)}, 0.5):
                     continue
-                _await_listening(info.addr, info.standby_port, timeout_s)
+                if not _successor_listens(cand, info, timeout_s):
+                    continue
                 store = self.connect(info.addr, info.standby_port, timeout_s)
                 backend = self.backend(store)
                 if _wait_seeded(backend, timeout_s):
@@ -378,17 +379,25 @@ def record_move(root: str, move: fence_moves.Moved) -> None:
     threading.Thread(target=write, name="elastrain-store-move", daemon=True).start()
 
 
-def _await_listening(addr: str, port: int, timeout_s: float) -> None:
+def _successor_listens(cand: str, info: st.NodeInfo, timeout_s: float) -> bool:
     """Wait (at most a second) while nothing listens at the live successor's standby port: it opens its store as soon
     as it sees the host gone, at the same moment as this node when both learn it from the host's closed connection,
-    and a client that connects before then backs off inside torch (about half a second, seen here). The client's own
-    connect follows either way, with its own timeout."""
+    and a client that connects before then retries inside torch until its timeout. False when the successor's own
+    process died meanwhile (its probe port refuses: killed with the host, say), so that the next one is tried at once;
+    True otherwise, and the client's own connect follows, with its own timeout."""
     deadline = time.monotonic() + min(timeout_s, 1.0)
-    while liveness.refused({"standby": (addr, port)}, 0.5):
+    probes = {"standby": (info.addr, info.standby_port)}
+    if info.probe_port:
+        probes["process"] = (info.addr, info.probe_port)
+    while "standby" in (gone := liveness.refused(probes, 0.5)):
+        if "process" in gone:
+            lifecycle("store_successor_dead", level=logging.INFO, candidate=cand)
+            return False
         if time.monotonic() >= deadline:
-            lifecycle("store_successor_not_listening", level=logging.INFO, store=f"{addr}:{port}")
-            return
+            lifecycle("store_successor_not_listening", level=logging.INFO, store=f"{info.addr}:{info.standby_port}")
+            return True
         time.sleep(0.01)
+    return True
 
 
 def _wait_seeded(backend: RendezvousBackend, timeout_s: float) -> bool:
