@@ -20,12 +20,20 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import sys
 import time
 
 import torch
 from torch.utils.data import TensorDataset
 
 from elastrain.session import Session
+
+
+def say(line: str) -> None:
+    """One line to stdout in one write: print() writes the line and its newline apart, and a log line of another
+    thread (to the same file) can land between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
@@ -96,16 +104,15 @@ def main() -> None:
     with session:
         rank = session.rank
         group_rank = int(os.environ.get("GROUP_RANK", "0"))
-        print(f"LW_START rank={rank} ws={session.world_size} pid={os.getpid()} round={session.env.round}", flush=True)
+        say(f"LW_START rank={rank} ws={session.world_size} pid={os.getpid()} round={session.env.round}")
         seen_regroups = 0
         for step in session:
             live = session.live
             if live is not None and live.regroups != seen_regroups:
                 seen_regroups = live.regroups
-                print(
+                say(
                     f"LW_AGREED rank={session.rank} ws={session.world_size} step={session.state.step} "
-                    f"hash={state_hash(model, optimizer)} regroups={seen_regroups}",
-                    flush=True,
+                    f"hash={state_hash(model, optimizer)} regroups={seen_regroups}"
                 )
             if stop_at_ws and stop_at is None and session.world_size >= stop_at_ws:
                 stop_at = session.state.step + extra
@@ -114,7 +121,7 @@ def main() -> None:
             if stop_at is not None and session.state.step >= stop_at:
                 break
             if hang_node == group_rank and step.number == hang_at and session.env.round == 0:
-                print(f"LW_HANG rank={session.rank} step={step.number}", flush=True)
+                say(f"LW_HANG rank={session.rank} step={step.number}")
                 time.sleep(hang_s)  # deaf to the regroup notice: the agent must restart this worker
             dying["armed"] = step.number == die_at and group_rank == die_node
             for mb in step:
@@ -124,22 +131,20 @@ def main() -> None:
                 die(torch.zeros(1))
             step.optimizer_step()
             if not step.abandoned:
-                print(
+                say(
                     f"LW_STEP rank={session.rank} ws={session.world_size} step={session.state.step} "
                     f"hash={state_hash(model, optimizer)} samples={session.state.samples_seen} "
                     f"cursor={session.sampler.position.cursor if session.sampler else -1} t={time.time():.3f} "
-                    f"whole={int(session.caught_up)}",
-                    flush=True,
+                    f"whole={int(session.caught_up)}"
                 )
             time.sleep(sleep)
-        print(
+        say(
             f"LW_DONE rank={session.rank} step={session.state.step} samples={session.state.samples_seen} "
-            f"hash={state_hash(model, optimizer)}",
-            flush=True,
+            f"hash={state_hash(model, optimizer)}"
         )
     hold_file = os.environ.get("LW_END_HOLD_FILE", "")
     if hold_file:  # the session closed; the process is still busy (uploading results, say) until the file exists
-        print(f"LW_CLOSED rank={rank}", flush=True)
+        say(f"LW_CLOSED rank={rank}")
         deadline = time.monotonic() + 120
         while not os.path.exists(hold_file) and time.monotonic() < deadline:
             time.sleep(0.05)
