@@ -11,7 +11,10 @@ timeout, as before.
 
 A peer whose connection closed is connected again at a :meth:`DeathWatch.follow` (each beat) at least ``rearm_s`` (a
 heartbeat interval) later: a dead peer that stays in the state costs one refused connection, and one early beat, per
-interval, never a busy loop.
+interval, never a busy loop (logged once: a refusal of a peer already reported closed is logged at debug level).
+
+A peer is dialled at every address its name resolves to (:mod:`~elastrain.rendezvous.dial`): it listens on one of
+them, so a refusal at one address while another connection to it is open proves nothing and wakes nothing.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def test_a_watched_peer_killed_wakes_the_watcher_through_its_closed_connection(
         assert whys and not any("ECONNREFUSED" in m for m in whys), whys
 
 
-def test_a_dead_port_is_dialled_again_only_after_the_rearm() -> None:
+def test_a_dead_port_is_dialled_again_only_after_the_rearm(caplog: pytest.LogCaptureFixture) -> None:
     dead = ("127.0.0.1", free_port())  # nothing listens there
     with watch(rearm_s=60.0) as (w, wake):
         w.follow({"d": dead})
@@ -86,12 +86,14 @@ def test_a_dead_port_is_dialled_again_only_after_the_rearm() -> None:
         wake.clear()
         w.follow({"d": dead})  # the next beat, well within the rearm: not dialled again
         assert not wake.wait(0.5) and w.closed() == set()
-    with watch(rearm_s=0.0) as (w, wake):
+    with watch(rearm_s=0.0) as (w, wake), caplog.at_level(logging.DEBUG, logger="elastrain"):
         w.follow({"d": dead})
         assert wake.wait(30) and w.closed() == {"d"}
         wake.clear()
         w.follow({"d": dead})  # past the rearm: dialled again, refused again
         assert wake.wait(30) and w.closed() == {"d"}
+    levels = [r.levelno for r in caplog.records if "peer_connection_closed" in r.getMessage()]
+    assert levels[-2:] == [logging.INFO, logging.DEBUG]  # a peer still dead at its rearm is said once
 
 
 def test_a_peer_no_longer_followed_is_let_go() -> None:
