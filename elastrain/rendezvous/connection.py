@@ -85,6 +85,12 @@ class StoreFactory(Protocol):
         world of the job runs any more."""
         ...
 
+    def known_gone(self, cached: st.RendezvousState) -> bool:
+        """Whether every node of the job this node knows of is proved gone (its probe port refuses): the nodes of
+        ``cached``, else those of the state it found the job's store with. Only where the job can be started over
+        safely (a fencing root: a world still alive somewhere is fenced, never doubled)."""
+        ...
+
 
 class FixedStores:
     """:class:`StoreFactory` of a store that never moves (etcd): no failover, no refound, no other world's store."""
@@ -112,6 +118,9 @@ class FixedStores:
         return False  # the state lives on in the cluster and says so itself
 
     def vacated(self) -> bool:
+        return False
+
+    def known_gone(self, cached: st.RendezvousState) -> bool:
         return False
 
 
@@ -287,14 +296,10 @@ class Connection:
         lifecycle("store_reconnected", store=address)
 
     def _refound_if_gone(self, silent_s: float) -> bool:
-        """A newcomer with no live store starts the job over: at once when its world's last node left it (the mark
-        is read only once the failover found no store), else once it has looked for ``refound_after``."""
-        vacated = self._stores.vacated()
-        if not vacated and silent_s < self._settings.refound_after_s:
-            return False
-        return self._refound(silent_s, vacated)
+        why = refound_why(self._stores, self.cached, silent_s, self._settings)
+        return why is not None and self._refound(silent_s, why)
 
-    def _refound(self, silent_s: float, vacated: bool) -> bool:
+    def _refound(self, silent_s: float, why: str) -> bool:
         """Start the job over at the endpoint's store (c10d; hosted here when this node may host it)."""
         try:
             got = self._stores.refound()
@@ -314,9 +319,7 @@ class Connection:
             store=address,
             hosts=hosts,
             silent_s=round(silent_s, 1),
-            why="no live store of this job: "
-            + ("its world's last node left it" if vacated else "its published store is silent")
-            + " and this node never joined a round",
+            why=f"no live store of this job: {why}, and this node never joined a round",
         )
         return True
 
@@ -386,6 +389,23 @@ class Connection:
         self.address = address
         self.cached = st.RendezvousState()
         self.cached_version = None
+
+
+def refound_why(
+    stores: StoreFactory, cached: st.RendezvousState, silent_s: float, settings: HandlerSettings
+) -> str | None:
+    """Why a newcomer whose store failed ``silent_s`` ago, with no live store found since, starts the job over now;
+    None while it looks on. At once when its world's last node left it (the mark is read only once the failover found
+    no store); after ``heartbeat_timeout`` when every node of the job it knows of refuses its probe (they died
+    together: a member it never saw, had it taken the store over, would have recorded the move by then, and the
+    failover would have found it); else once it has looked for ``refound_after``."""
+    if stores.vacated():
+        return "its world's last node left it"
+    if silent_s >= settings.refound_after_s:
+        return "its published store is silent"
+    if silent_s >= settings.heartbeat_timeout_s and stores.known_gone(cached):
+        return "every node of the job it knew of is gone (probes refused)"
+    return None
 
 
 def caused_by(exc: BaseException | None, types: tuple[type[BaseException], ...]) -> bool:

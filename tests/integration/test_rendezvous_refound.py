@@ -99,23 +99,29 @@ def newcomer_of(world_log: Path, generation: int, root: Path, **conf: str) -> El
     return newcomer
 
 
-@pytest.mark.parametrize("end", ["killed", "left"])
+@pytest.mark.parametrize("end", ["killed", "stopped", "left"])
 def test_a_newcomer_whose_job_is_gone_with_its_store_starts_it_over(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, end: str
 ) -> None:
-    """The world's one member, which hosts the store, is SIGKILLed (the newcomer looks for a live store for
-    ``refound_after`` first) or leaves (its mark says so: at once; ``refound_after`` as long as the join here). The
-    last call is as long as the join too: a job started over does not wait for nodes launched with it."""
+    """The world's one member, which hosts the store, is SIGKILLed: every node the newcomer knows of (from the state
+    it found the store with) refuses its probe, and it starts the job over after ``heartbeat_timeout``. Frozen
+    (SIGSTOP) instead, it proves nothing (its ports still accept): the newcomer looks for a live store for
+    ``refound_after`` first. When the member leaves, its mark says so: at once. ``refound_after`` is as long as the
+    join where it must not decide, and so is the last call: a job started over does not wait for nodes launched with
+    it."""
     world, log, leave = start_world(tmp_path)
     with reaped(world):
-        refound_after = "4" if end == "killed" else "600"
-        newcomer = newcomer_of(log, 0, tmp_path, refound_after=refound_after, join_timeout="600",
+        # Frozen: short store timeouts, so that each bounded call to the frozen store costs seconds, not tens.
+        frozen = {"refound_after": "4", "read_timeout": "1", "store_op_timeout": "2"} if end == "stopped" else {}
+        newcomer = newcomer_of(log, 0, tmp_path, **{"refound_after": "600", **frozen}, join_timeout="600",
                                last_call_timeout="600")  # fmt: skip
         published = newcomer._store_address
         try:
             if end == "killed":
                 world.send_signal(signal.SIGKILL)  # before the newcomer joined a round
                 world.wait(timeout=10)
+            elif end == "stopped":
+                world.send_signal(signal.SIGSTOP)
             else:
                 leave.write_text("leave")
                 assert world.wait(timeout=30) == 0, log.read_text()
@@ -133,12 +139,16 @@ def test_a_newcomer_whose_job_is_gone_with_its_store_starts_it_over(
             assert len(refounded) == 1, events
             silent = float(refounded[0].split("silent_s=")[1].split()[0])
             if end == "killed":
-                assert silent >= 4.0 and "published store is silent" in refounded[0]  # it looked for one first
+                assert silent >= 1.0 and "every node of the job it knew of is gone" in refounded[0], events
+            elif end == "stopped":
+                assert silent >= 4.0 and "published store is silent" in refounded[0], events  # it looked for one
             else:
                 assert "last node left" in refounded[0], events
             assert fence.newest_closed(str(tmp_path)) is None  # gone, not finished
         finally:
             newcomer.shutdown()
+            if end == "stopped":
+                world.send_signal(signal.SIGKILL)
 
 
 def test_a_newcomer_whose_job_finished_before_it_joined_ends_with_it(

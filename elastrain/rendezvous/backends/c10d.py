@@ -125,6 +125,8 @@ class C10dStores:
         self.auth = auth or RendezvousAuth(None, self.run_id)
         # Where this node listens when it hosts a store after a failover: its advertised address's interface.
         self.addr = binding.advertised_address(params.local_addr, str(params.endpoint))
+        self._found = st.RendezvousState()
+        """The live state read where this node found the job's published store (the nodes it knows of first)."""
 
     def first(self, params: RendezvousParameters) -> tuple[TCPStore, bool, str]:
         """The store to start on, whether this process hosts it, and its ``host:port``.
@@ -134,7 +136,7 @@ class C10dStores:
         root = params.get("checkpoint_root", None)
         self.root = str(root) if root else None
         if root:
-            self._closed_before = self._newest_close(str(root), -1)
+            self._closed_before = _newest_close(str(root), -1, self.run_id, self.auth)
             published = self._published(str(root))
             if published is not None:
                 return published
@@ -165,10 +167,11 @@ class C10dStores:
 
     def _published(self, root: str) -> tuple[TCPStore, bool, str] | None:
         """The running job's store: where the newest claim's last moved since, else its own; or None."""
-        _, top = self._newest_claim(root)
+        _, top = _newest_claim(root)
         if top is None or not top.store:
             return None
-        if self._left(root, top.generation):  # its store left with its last node: nothing to wait for there
+        # its store left with its last node: nothing to wait for there
+        if _left(root, top.generation, self.run_id, self.auth):
             lifecycle("published_store_vacated", store=top.store, generation=top.generation)
             return None
         for store, mac in fence_moves.stores_of(root, top):
@@ -189,7 +192,8 @@ class C10dStores:
             if liveness.refused_at(address):
                 lifecycle("published_store_silent", store=address, generation=generation, error="refused")
                 return None
-            store = TCPStore(host, port, is_master=False, timeout=self.timeout)
+            # Bounded: the client's handshake with a frozen host's store (SIGSTOP, a paused VM) never returns.
+            store = self.connect(host, port, self.timeout.total_seconds())
             state = self._live(self.backend(store))
             if state is None:
                 return None
@@ -202,22 +206,8 @@ class C10dStores:
                       why="no node of the job that answers there has that address")  # fmt: skip
             return None
         lifecycle("published_store_found", store=address, generation=generation)
+        self._found = state
         return store, False, address
-
-    def _newest_close(self, root: str, unknown: int | None) -> int | None:
-        """The generation of this job's newest close recorded in ``root`` (-1: none; ``unknown`` when unreadable)."""
-        try:
-            mark = fence.newest_closed(root)
-        except OSError as exc:
-            lifecycle("fence_read_failed", level=logging.WARNING, root=root, error=repr(exc)[:200])
-            return unknown
-        if mark is None or mark.run_id != self.run_id:
-            return -1
-        if self.auth.enabled and not self.auth.signed_close(mark.generation, mark.mac):
-            lifecycle("fence_close_untrusted", level=logging.WARNING, generation=mark.generation,
-                      why="it is not signed with the job's secret")  # fmt: skip
-            return -1
-        return mark.generation
 
     def finished(self) -> bool:
         """Whether this job closed since this node first looked: a close newer than the root's newest then, by the
@@ -225,10 +215,10 @@ class C10dStores:
         the same folder finds the earlier run's close there when it starts, and is not taken for a node of it."""
         if self.root is None or self._closed_before is None:
             return False
-        closed = self._newest_close(self.root, None)
+        closed = _newest_close(self.root, None, self.run_id, self.auth)
         if closed is None or closed <= self._closed_before:
             return False
-        read, top = self._newest_claim(self.root)
+        read, top = _newest_claim(self.root)
         return read and (top is None or top.generation <= closed)
 
     def vacated(self) -> bool:
@@ -236,31 +226,17 @@ class C10dStores:
         the claims, signed with the job's secret when it has one): no live store of the job exists."""
         if self.root is None:
             return False
-        _, top = self._newest_claim(self.root)
-        return top is not None and self._left(self.root, top.generation)
+        _, top = _newest_claim(self.root)
+        return top is not None and _left(self.root, top.generation, self.run_id, self.auth)
 
-    def _newest_claim(self, root: str) -> tuple[bool, fence.Claim | None]:
-        """(whether ``root`` could be read, its newest claim); a failed read is logged."""
-        try:
-            return True, fence.newest(root)
-        except OSError as exc:
-            lifecycle("fence_read_failed", level=logging.WARNING, root=root, error=repr(exc)[:200])
-            return False, None
-
-    def _left(self, root: str, generation: int) -> bool:
-        """Whether this job's world ``generation`` was left by its last node (a trusted mark in ``root``)."""
-        try:
-            mark = fence.vacated(root, generation)
-        except OSError as exc:
-            lifecycle("fence_read_failed", level=logging.WARNING, root=root, error=repr(exc)[:200])
+    def known_gone(self, cached: st.RendezvousState) -> bool:
+        if self.root is None:
             return False
-        if mark is None or mark.run_id != self.run_id:
-            return False
-        if self.auth.enabled and not self.auth.signed_vacate(generation, mark.mac):
-            lifecycle("fence_vacate_untrusted", level=logging.WARNING, generation=generation,
-                      why="it is not signed with the job's secret")  # fmt: skip
-            return False
-        return True
+        nodes = (cached if cached.nodes else self._found).nodes
+        targets = {n: (i.addr, i.probe_port) for n, i in nodes.items() if i.probe_port}
+        if not nodes or len(targets) < len(nodes):
+            return False  # a node that cannot be probed is never proved gone
+        return liveness.refused(targets, 0.5) == set(targets)
 
     def _live(self, backend: RendezvousBackend) -> st.RendezvousState | None:
         """The state at ``backend`` when a live job's rendezvous runs there (opened with the job's secret)."""
@@ -359,6 +335,47 @@ class C10dStores:
             except (*STORE_ERRORS, RuntimeError) as err:
                 lifecycle("store_successor_unreachable", level=logging.INFO, candidate=cand, error=repr(err)[:120])
         return None
+
+
+def _newest_close(root: str, unknown: int | None, run_id: str, auth: RendezvousAuth) -> int | None:
+    """The generation of job ``run_id``'s newest close recorded in ``root`` (-1: none; ``unknown`` when unreadable)."""
+    try:
+        mark = fence.newest_closed(root)
+    except OSError as exc:
+        lifecycle("fence_read_failed", level=logging.WARNING, root=root, error=repr(exc)[:200])
+        return unknown
+    if mark is None or mark.run_id != run_id:
+        return -1
+    if auth.enabled and not auth.signed_close(mark.generation, mark.mac):
+        lifecycle("fence_close_untrusted", level=logging.WARNING, generation=mark.generation,
+                  why="it is not signed with the job's secret")  # fmt: skip
+        return -1
+    return mark.generation
+
+
+def _newest_claim(root: str) -> tuple[bool, fence.Claim | None]:
+    """(whether ``root`` could be read, its newest claim); a failed read is logged."""
+    try:
+        return True, fence.newest(root)
+    except OSError as exc:
+        lifecycle("fence_read_failed", level=logging.WARNING, root=root, error=repr(exc)[:200])
+        return False, None
+
+
+def _left(root: str, generation: int, run_id: str, auth: RendezvousAuth) -> bool:
+    """Whether job ``run_id``'s world ``generation`` was left by its last node (a trusted mark in ``root``)."""
+    try:
+        mark = fence.vacated(root, generation)
+    except OSError as exc:
+        lifecycle("fence_read_failed", level=logging.WARNING, root=root, error=repr(exc)[:200])
+        return False
+    if mark is None or mark.run_id != run_id:
+        return False
+    if auth.enabled and not auth.signed_vacate(generation, mark.mac):
+        lifecycle("fence_vacate_untrusted", level=logging.WARNING, generation=generation,
+                  why="it is not signed with the job's secret")  # fmt: skip
+        return False
+    return True
 
 
 def record_move(root: str, move: fence_moves.Moved) -> None:
