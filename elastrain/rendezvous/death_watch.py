@@ -129,12 +129,12 @@ class DeathWatch:
         for name, target in want.items():
             if name in self._open or name in held:
                 continue
-            socks, refused = _connect(target)
-            if socks:
-                self._open[name] = (target, socks)
-                for sock in socks:
+            begun = dial.begin(*target)
+            if begun.under_way:
+                self._open[name] = (target, begun.under_way)
+                for sock in begun.under_way:
                     sel.register(sock, selectors.EVENT_READ, name)
-            elif refused:  # refused at every address at once (the connect did not even wait)
+            elif begun.addresses and begun.refused == begun.addresses:  # every address refused at once
                 self._report(name, "ECONNREFUSED")
 
     def _drop(self, sel: selectors.BaseSelector, name: str, socks: list[socket.socket]) -> None:
@@ -159,36 +159,16 @@ class DeathWatch:
         sel.unregister(sock)
         sock.close()
         socks.remove(sock)
-        if why in _REFUSED and socks:
+        if why == "ECONNREFUSED" and socks:
             return
         self._drop(sel, name, socks)
         self._report(name, why)
 
     def _report(self, name: str, why: str) -> None:
-        again = why in _REFUSED and name in self._reported  # still dead at a rearm: said already
+        again = why == "ECONNREFUSED" and name in self._reported  # still dead at a rearm: said already
         self._reported.add(name)
         with self._lock:
             self._held[name] = time.monotonic()
             self._closed.add(name)
         lifecycle("peer_connection_closed", level=logging.DEBUG if again else logging.INFO, node=name, why=why)
         self._wake.set()
-
-
-_REFUSED = frozenset({"ECONNREFUSED", "ENOTCONN"})
-"""How a connect refused after it was begun reads (``ENOTCONN``: a socket whose connect failed, read again)."""
-
-
-def _connect(target: Target) -> tuple[list[socket.socket], bool]:
-    """Non-blocking connections under way to each address of ``target`` (:mod:`~elastrain.rendezvous.dial`; one
-    refused later reads as closed), and whether every address refused at once. No connection and no refusal when the
-    host does not resolve or no socket could be made: no proof of anything (the heartbeat judges as before)."""
-    out, refused, addresses = [], 0, dial.addresses(*target)
-    for address in addresses:
-        sock, code = dial.start(address)
-        if sock is not None and code in dial.UNDER_WAY:
-            out.append(sock)
-            continue
-        refused += code == errno.ECONNREFUSED
-        if sock is not None:
-            sock.close()
-    return out, not out and bool(addresses) and refused == len(addresses)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 from elastrain.log import lifecycle
@@ -51,3 +52,28 @@ def start(address: Address) -> tuple[socket.socket | None, int]:
         lifecycle("probe_failed", level=logging.DEBUG, address=str(sockaddr[0]), error=repr(exc)[:120])
         sock.close()
         return None, -1
+
+
+@dataclass(frozen=True)
+class Begun:
+    """Connections begun to every address of one host: those under way (the caller closes them), how many addresses
+    refused at once, and how many there were."""
+
+    under_way: list[socket.socket]
+    refused: int
+    addresses: int
+
+
+def begin(host: str, port: int) -> Begun:
+    """A non-blocking connection begun to each address ``host`` resolves to (:func:`addresses`). One refused at once,
+    or that no socket could be made for, is closed here; one that failed otherwise is no proof of anything."""
+    under_way, refused, addrs = [], 0, addresses(host, port)
+    for address in addrs:
+        sock, code = start(address)
+        if sock is not None and code in UNDER_WAY:
+            under_way.append(sock)
+            continue
+        refused += code == errno.ECONNREFUSED
+        if sock is not None:
+            sock.close()
+    return Begun(under_way, refused, len(addrs))

@@ -97,17 +97,11 @@ def refused(targets: Mapping[str, tuple[str, int]], timeout_s: float) -> set[str
         for name, (host, port) in targets.items():
             if not port:
                 continue
-            addrs = dial.addresses(host, port)
-            dialled[name], refusals[name] = len(addrs), 0
-            for address in addrs:
-                sock, code = dial.start(address)
-                if sock is None:
-                    continue
+            begun = dial.begin(host, port)
+            dialled[name], refusals[name] = begun.addresses, begun.refused
+            for sock in begun.under_way:
                 socks.append(sock)
-                if code == errno.ECONNREFUSED:
-                    refusals[name] += 1
-                elif code in dial.UNDER_WAY:
-                    sel.register(sock, selectors.EVENT_WRITE, name)
+                sel.register(sock, selectors.EVENT_WRITE, name)
         deadline = time.monotonic() + timeout_s
         while sel.get_map():
             left = deadline - time.monotonic()
