@@ -324,9 +324,7 @@ class C10dStores:
                         move = fence_moves.Moved(cached.generation, self.run_id, address, self.auth.store_mac(address))
                         record_move(self.root, move)
                     return backend, store, address, True
-                if info.probe_port and liveness.refused({cand: (info.addr, info.probe_port)}, 0.5):
-                    continue
-                if not _successor_listens(cand, info, timeout_s):
+                if not _successor_listens(cand, info, timeout_s):  # its process gone: the next one
                     continue
                 store = self.connect(info.addr, info.standby_port, timeout_s)
                 backend = self.backend(store)
@@ -400,21 +398,23 @@ def _successor_listens(cand: str, info: st.NodeInfo, timeout_s: float) -> bool:
     """Wait (at most a second) while nothing listens at the live successor's standby port: it opens its store as soon
     as it sees the host gone, at the same moment as this node when both learn it from the host's closed connection,
     and a client that connects before then retries inside torch until its timeout. False when the successor's own
-    process died meanwhile (its probe port refuses: killed with the host, say), so that the next one is tried at once;
-    True otherwise, and the client's own connect follows, with its own timeout."""
+    process is gone, now or meanwhile (its probe port refuses: killed with the host, say), so that the next one is
+    tried at once; True otherwise, and the client's own connect follows, with its own timeout."""
     deadline = time.monotonic() + min(timeout_s, 1.0)
     probes = {"standby": (info.addr, info.standby_port)}
     if info.probe_port:
         probes["process"] = (info.addr, info.probe_port)
-    while "standby" in (gone := liveness.refused(probes, 0.5)):
+    while True:
+        gone = liveness.refused(probes, 0.5)
         if "process" in gone:
             lifecycle("store_successor_dead", level=logging.INFO, candidate=cand)
             return False
+        if "standby" not in gone:
+            return True
         if time.monotonic() >= deadline:
             lifecycle("store_successor_not_listening", level=logging.INFO, store=f"{info.addr}:{info.standby_port}")
             return True
         time.sleep(0.01)
-    return True
 
 
 def _wait_seeded(backend: RendezvousBackend, timeout_s: float) -> bool:
