@@ -141,8 +141,10 @@ def bound_socket(host: str, port: int) -> socket.socket:
     if host == ANY and socket.has_ipv6:
         try:
             return _listening(socket.AF_INET6, "::", port, dual_stack=True)
-        except OSError as exc:  # no IPv6 on this machine
-            lifecycle("listen_ipv4_only", level=logging.DEBUG, error=repr(exc)[:120])
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise  # the port is taken (in either family): not a machine without IPv6
+            lifecycle("listen_ipv4_only", level=logging.DEBUG, error=repr(exc)[:120])  # no IPv6 on this machine
     return _listening(socket.AF_INET6 if ":" in host else socket.AF_INET, host, port, dual_stack=False)
 
 
@@ -176,24 +178,23 @@ def free_port(address: str) -> int:
     """A port that is free now on the interface this node listens on for ``address``.
 
     It is bound later by another process (a round's rank 0), so it is drawn where no outgoing connection takes
-    it as its source port in the meantime (:mod:`elastrain.ports`), and checked free here. Falls back to the
+    it as its source port in the meantime (:mod:`elastrain.ports`), and checked free here the way it will be bound
+    (:func:`bound_socket`: on every interface, a port taken in either family is not free). Falls back to the
     kernel's choice when no drawn port is free.
     """
     host = listen_host(address)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     span = ports.handed_out(
         ports.ephemeral_range(_read(ports.EPHEMERAL_RANGE_FILE)),
         ports.reserved_ports(_read(ports.RESERVED_PORTS_FILE)),
     )
     for port in random.sample(span, min(_DRAWS, len(span))):
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+        try:
+            # Checked as it will be bound: on every interface, both families (ANY), as bound_socket and torch do.
+            with bound_socket(host, port):
+                return port
+        except OSError:
+            continue
+    with bound_socket(host, 0) as s:
         return int(s.getsockname()[1])
 
 

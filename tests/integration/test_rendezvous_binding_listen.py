@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 
 import psutil
+import pytest
 
 from elastrain import binding
 from elastrain.rendezvous import liveness
@@ -45,3 +47,20 @@ def test_rank_zero_starts_the_workers_store_on_master_addr_before_the_script() -
     torch_store = TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=5), multi_tenant=True)
     torch_store.set("a", "b")
     assert torch_store.get("a") == b"b"
+
+
+def test_a_port_taken_on_ipv6_only_is_not_free_for_every_interface(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A node that listens on every interface binds both families there (as torch's TCPStore does): a port another
+    # process holds on IPv6 alone is not free for it, though an IPv4 bind of it would succeed.
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as taken:
+        taken.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        taken.bind(("::", 0))
+        taken.listen(1)
+        port = int(taken.getsockname()[1])
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as v4:
+            v4.bind(("", port))  # the check the old free_port made, which passed
+        monkeypatch.setattr(binding.ports, "handed_out", lambda *_: [port])
+        got = binding.free_port("")
+        assert got != port and got > 0
+        with binding.bound_socket(binding.ANY, got):
+            pass
