@@ -153,8 +153,9 @@ class Fencing:
         self._state.update(lambda cur: st.supersede(cur, store))
         raise Superseded(store)
 
-    def connect_winner(self, address: str, deadline: float) -> tuple[RendezvousBackend, Store]:
-        """Connect to ``address`` (the winning world's store), if this node may follow the state there."""
+    def connect_winner(self, address: str, deadline: float) -> tuple[RendezvousBackend, Store, str]:
+        """Connect to ``address`` (the winning world's store, or where that world moved it since), if this node may
+        follow the state there; the store, and its address."""
         if not self._state.conn.movable or not address or address == "unknown":
             raise RendezvousError(
                 f"another world of run {self._run_id} holds a newer generation in {self.root} "
@@ -168,10 +169,26 @@ class Fencing:
                 f"{self._run_id}; refused (a forged state?). Give every node a shared secret "
                 "(--rdzv-conf secret_file=PATH) so that only the job's nodes can write its rendezvous"
             )
-        return self._winner.connect(address, deadline)
+        return self._winner.connect(address, deadline, self._winner_store)
 
-    def follow(self, address: str, deadline: float) -> tuple[RendezvousBackend, Store] | None:
-        """Connect to the winning world's store at ``address`` (retrying until ``deadline``); None once that world is
+    def _winner_store(self) -> str | None:
+        """Where the job's newest world runs its store now (its claim, or where it moved since), read again from the
+        root; None when unknown (no root, unreadable, another job's claim, nothing trusted)."""
+        if not self.root:
+            return None
+        try:
+            top = fence.newest(self.root)
+        except OSError as exc:
+            lifecycle("fence_read_failed", level=logging.WARNING, root=self.root, error=repr(exc)[:200])
+            return None
+        if top is None or not top.store or top.run_id != self._run_id:
+            return None
+        store = self._running_at(top)
+        return None if store == "unknown" else store
+
+    def follow(self, address: str, deadline: float) -> tuple[RendezvousBackend, Store, str] | None:
+        """Connect to the winning world's store at ``address`` (retrying until ``deadline``, and following it where it
+        moves meanwhile); the store and its address, or None once that world is
         gone whole (nothing listens there: :class:`WinnerGone`), after lifting this lineage's tombstone, so that its
         next round claims the job's next free generation afresh and trains on from the newest checkpoint (or joins a
         store published meanwhile that answers)."""
@@ -193,7 +210,7 @@ class Fencing:
             except (StoreSwitched, *STORE_ERRORS) as exc:  # the next round's forming meets the store again
                 self._quiet.log("rendezvous_store_failed", exc, node=self._node_id)
             return None
-        lifecycle("redirected", node=self._node_id, store=address)
+        lifecycle("redirected", node=self._node_id, store=got[2])
         return got
 
     def mark_closed(self) -> None:

@@ -163,7 +163,7 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         got = self._fencing.follow(address, deadline)
         with self._conn.lock:
             if got is not None:
-                self._conn.switch(*got, address)
+                self._conn.switch(*got)
             self._beat.forget()
             self._fencing.forget()
         self._history.redirected()  # its world lost the claim: another one trained on

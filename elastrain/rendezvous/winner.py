@@ -2,13 +2,17 @@
 
 A world that loses the claim joins the winner's store (:mod:`elastrain.rendezvous.claim`). That store may be slow to
 answer (a host frozen, cut off), which is waited for, or refuse every connection (its host's process is gone), which
-is counted across tries: after ``refound_after`` the winner is taken for gone (:class:`WinnerGone`).
+is counted across tries: after ``refound_after`` the winner is taken for gone (:class:`WinnerGone`). While it does not
+answer, where the winning world runs its store is read again (its claim, and where a failover of its own moved the
+store since: :mod:`elastrain.fence_moves`): a winner whose store's host died after this node first looked has moved
+its store to a successor, which is followed at once.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from torch._C._distributed_c10d import Store
 from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
@@ -40,8 +44,14 @@ class WinnerDial:
         self._refused_since: dict[str, float] = {}
         """Winning worlds' stores (``host:port``) whose every connection was refused since then (monotonic)."""
 
-    def connect(self, address: str, deadline: float) -> tuple[RendezvousBackend, Store]:
-        """Connect to the store at ``address`` (the winning world's), retrying until ``deadline``.
+    def connect(
+        self, address: str, deadline: float, moved: Callable[[], str | None] = lambda: None
+    ) -> tuple[RendezvousBackend, Store, str]:
+        """Connect to the store at ``address`` (the winning world's), retrying until ``deadline``; the store
+        connected to, and its address.
+
+        ``moved``: where the winning world runs its store now (read again after each failed try; None: unknown). When
+        that is another address (the winner failed its store over since), it is followed at once.
 
         Raises :class:`WinnerGone` once that store has refused every connection for ``refound_after`` (counted
         across calls): its host's process is gone, and with it the world that won (a world whose host died but
@@ -55,6 +65,12 @@ class WinnerDial:
                 got = self._stores.connect_to(address, self._settings.store_lost_timeout_s)
             except STORE_ERRORS as exc:
                 now = time.monotonic()
+                elsewhere = moved()
+                if elsewhere and elsewhere != address:
+                    lifecycle("redirect_moved", store=elsewhere, was=address)
+                    self._refused_since.pop(address, None)
+                    address = elsewhere
+                    continue
                 if liveness.refused_at(address):
                     since = self._refused_since.setdefault(address, now)
                 else:
@@ -70,4 +86,4 @@ class WinnerDial:
                 backoff.sleep()
             else:
                 self._refused_since.pop(address, None)
-                return got
+                return (*got, address)

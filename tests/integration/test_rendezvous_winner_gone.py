@@ -7,6 +7,8 @@ thaws into a world that lost the claim to a dead one: nothing listens at the win
 of waiting for the dead winner until ``join_timeout`` (the soak's seed 91127 stalled 180 s there). When ``b`` is
 only frozen (a partition looks the same from ``a``: connections go unanswered, none is refused), ``a`` keeps
 waiting and claims nothing, then joins ``b``'s world once ``b`` answers: a cut-off node never fences a live world.
+When the winner's store moves while ``a`` waits for it (its host frozen, and another node of the winning world fails
+the store over to itself), ``a`` follows it there at once.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ NODE = textwrap.dedent(
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from elastrain.rendezvous.backends.c10d import create_c10d_handler
-    params = RendezvousParameters(backend="c10d", endpoint=sys.argv[1], run_id="gone", min_nodes=1, max_nodes=2,
-                                  local_addr="127.0.0.1", checkpoint_root=sys.argv[2], **json.loads(sys.argv[3]))
+    params = RendezvousParameters(backend="c10d", endpoint=sys.argv[1], run_id="gone", min_nodes=1,
+                                  max_nodes=int(sys.argv[4]), local_addr="127.0.0.1", checkpoint_root=sys.argv[2],
+                                  **json.loads(sys.argv[3]))
     h = create_c10d_handler(params)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -57,10 +60,10 @@ NODE = textwrap.dedent(
 
 
 class Node:
-    def __init__(self, name: str, tmp: Path, port: int) -> None:
+    def __init__(self, name: str, tmp: Path, port: int, max_nodes: int = 2) -> None:
         self.log = tmp / f"{name}.log"
         self.proc = subprocess.Popen(
-            [PYTHON, "-c", NODE, f"127.0.0.1:{port}", str(tmp / "root"), json.dumps(CONF)],
+            [PYTHON, "-c", NODE, f"127.0.0.1:{port}", str(tmp / "root"), json.dumps(CONF), str(max_nodes)],
             stdout=self.log.open("wb"), stderr=subprocess.STDOUT, env=worker_env(), start_new_session=True,
         )  # fmt: skip
 
@@ -143,3 +146,39 @@ def test_a_node_whose_winner_is_only_silent_waits_and_joins_it(tmp_path: Path) -
         detail = f"{a.dump()}\n{b.dump()}"
         assert a.formed()[-1]["store"] == won["store"], detail  # on the winner's store
         assert not a.events("winner_gone"), detail
+
+
+def test_a_node_follows_the_winners_store_where_it_moved_while_it_waited(tmp_path: Path) -> None:
+    port = free_port()
+    a = Node("a", tmp_path, port, max_nodes=3)  # hosts the store at the endpoint
+    wait_for(lambda: bool(a.formed()), BOUND, what="a's first world")
+    b, c = Node("b", tmp_path, port, max_nodes=3), Node("c", tmp_path, port, max_nodes=3)
+    nodes = (a, b, c)
+
+    def detail() -> str:
+        return "\n".join(n.dump() for n in nodes)
+
+    with reaped(a.proc, b.proc, c.proc):
+        try:
+            wait_for(lambda: all(n.formed() and n.formed()[-1]["world"] == 3 for n in nodes), BOUND,
+                     what="a world of the three nodes")  # fmt: skip
+            kill_tree(a.proc.pid, signal.SIGSTOP)
+            wait_for(lambda: all(n.formed()[-1]["world"] == 2 for n in (b, c)), BOUND,
+                     what="b and c to fail the store over and train on")  # fmt: skip
+            host, other = (b, c) if b.events("store_move_recorded") else (c, b)
+            assert host.events("store_move_recorded"), "neither b nor c hosts the store"
+            won = host.formed()[-1]
+            # The winner's store host freezes: ``a``, thawed, finds it silent, while ``other`` fails the store over
+            # to itself and claims the job's next generation, with its store there.
+            kill_tree(host.proc.pid, signal.SIGSTOP)
+            kill_tree(a.proc.pid, signal.SIGCONT)
+            wait_for(lambda: other.formed()[-1]["world"] == 1, BOUND, what="the other node to train on alone")
+            moved = other.formed()[-1]
+            assert moved["store"] != won["store"]
+            wait_for(lambda: a.formed()[-1]["store"] == moved["store"] and a.formed()[-1]["world"] >= 2, BOUND,
+                     what="a to follow the winner's store where it moved")  # fmt: skip
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{detail()}") from None
+        assert not a.events("winner_gone"), detail()
+        top = fence.newest(str(tmp_path / "root"))
+        assert top is not None and top.store == moved["store"], detail()  # ``a`` claimed nothing of its own
