@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -340,7 +341,7 @@ def _check_rendezvous(args: argparse.Namespace, conf: dict[str, str], min_nodes:
     found now: one line naming the flag instead of a traceback from inside the agent."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from elastrain.rendezvous import auth, registry
+    from elastrain.rendezvous import auth, conf_keys, registry
     from elastrain.rendezvous.backends import c10d, etcd_options
     from elastrain.rendezvous.settings import HandlerSettings
 
@@ -358,6 +359,8 @@ def _check_rendezvous(args: argparse.Namespace, conf: dict[str, str], min_nodes:
                 f"torch's {backend} backend would ignore it",
             )
         return  # torch's own handlers read the rest of --rdzv-conf their own way
+    for key in conf_keys.unknown_keys(conf):
+        print(f"elastrain-run: warning: --rdzv-conf {key}: no rendezvous reads this key; ignored", file=sys.stderr)
     params = RendezvousParameters(
         backend, endpoint, args.rdzv_id or "none", min_nodes, max_nodes, args.local_addr, **conf
     )

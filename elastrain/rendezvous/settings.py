@@ -20,6 +20,7 @@ Options (``--rdzv-conf key=value``), in seconds:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -65,6 +66,15 @@ class HandlerSettings:
                 f"must be at least 2 x heartbeat_interval + 0.2 s ({2 * self.heartbeat_interval_s + 0.2:.2f}), "
                 f"got {self.heartbeat_timeout_s}: a shorter one evicts live but busy nodes",
             )
+        for key, value in (
+            ("join_timeout", self.join_timeout_s),
+            ("store_lost_timeout", self.store_lost_timeout_s),
+            ("store_op_timeout", self.store_op_timeout_s),
+        ):
+            if value <= 0:
+                raise UsageError(f"--rdzv-conf {key}", f"must be > 0 seconds, got {value}")
+        if self.last_call_s < 0:
+            raise UsageError("--rdzv-conf last_call_timeout", f"must be >= 0, got {self.last_call_s}")
         if self.scale_up_window_s < 0:
             raise UsageError("--rdzv-conf scale_up_window", f"must be >= 0, got {self.scale_up_window_s}")
         if self.claim_grace_s is not None and self.claim_grace_s < 0:
@@ -96,9 +106,12 @@ class HandlerSettings:
             if raw is None:
                 return default
             try:
-                return float(raw)
+                value = float(raw)
             except (TypeError, ValueError):
                 raise UsageError(f"--rdzv-conf {key}", f"expected seconds, got {raw!r}") from None
+            if not math.isfinite(value):
+                raise UsageError(f"--rdzv-conf {key}", f"expected a finite number of seconds, got {raw!r}")
+            return value
 
         d = cls()
 

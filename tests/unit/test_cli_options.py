@@ -132,6 +132,12 @@ def test_single_node_default_like_torchrun() -> None:
         (["--standalone", "--rdzv-conf", "secret=hunter2", SCRIPT], "--rdzv-conf secret"),
         (["--standalone", "--rdzv-conf", "secret_file=/no/such/file", SCRIPT], "--rdzv-conf secret_file"),
         (["--nnodes", "2", "--rdzv-conf", f"secret_file={SCRIPT}", SCRIPT], "--rdzv-conf secret_file"),  # static
+        (["--standalone", "--rdzv-conf", "heartbeat_timout=10", SCRIPT], "--rdzv-conf heartbeat_timout"),  # a typo
+        (["--standalone", "--rdzv-conf", "join_timeout_s=10", SCRIPT], "--rdzv-conf join_timeout_s"),
+        (["--standalone", "--rdzv-conf", "store_op_timeout=0", SCRIPT], "--rdzv-conf store_op_timeout"),
+        (["--standalone", "--rdzv-conf", "join_timeout=0", SCRIPT], "--rdzv-conf join_timeout"),
+        (["--standalone", "--rdzv-conf", "last_call_timeout=-1", SCRIPT], "--rdzv-conf last_call_timeout"),
+        (["--standalone", "--rdzv-conf", "heartbeat_interval=nan", SCRIPT], "--rdzv-conf heartbeat_interval"),
         (
             [
                 "--nnodes",
@@ -154,6 +160,14 @@ def test_bad_input_is_one_line_naming_the_flag(argv: list[str], flag: str, capsy
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"elastrain-run: error: {flag}"), err
+
+
+def test_an_unknown_rdzv_conf_key_is_reported_once_and_torch_keys_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    parse(["--standalone", "--rdzv-conf", "for_my_plugin=1,timeout=900,close_timeout=10,keep_alive_interval=5", SCRIPT])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["elastrain-run: warning: --rdzv-conf for_my_plugin: no rendezvous reads this key; ignored"], err
+    parse(["--nnodes", "2", "--rdzv-backend", "static", "--rdzv-conf", "heartbeat_timout=1", SCRIPT])  # torch's own
+    assert capsys.readouterr().err == ""
 
 
 def test_a_malformed_rdzv_conf_never_echoes_a_secret(capsys: pytest.CaptureFixture[str]) -> None:
