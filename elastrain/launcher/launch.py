@@ -18,7 +18,7 @@ from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _ge
 
 from elastrain import binding
 from elastrain.env import TRAINER_INTEGRATION
-from elastrain.errors import NodeLeftError, RendezvousStoreLostError
+from elastrain.errors import NodeLeftError, RendezvousStoreLostError, UsageError
 from elastrain.launcher import orphans
 from elastrain.launcher.agent import ElastrainAgent
 from elastrain.launcher.options import ElastrainOptions
@@ -28,6 +28,7 @@ from elastrain.preemption import start_monitor
 from elastrain.rendezvous.api import membership_of
 from elastrain.rendezvous.registry import ETCD_V3
 from elastrain.rendezvous.state import Departure
+from elastrain.storage import is_url, storage_for
 
 
 def launch(
@@ -49,6 +50,7 @@ def launch(
         local_addr=config.local_addr,
         **config.rdzv_configs,
     )
+    _check_checkpoint_dir(options.checkpoint_dir)
     if options.checkpoint_dir and params.get("checkpoint_root", None) is None:
         # The fencing generation lives in the checkpoint root: at most one world of the job commits there.
         params.config["checkpoint_root"] = options.checkpoint_dir
@@ -210,3 +212,19 @@ def _script_kind(entrypoint: Callable[..., Any] | str, args: list[Any]) -> Scrip
     while argv and argv[0] == "-u":
         argv = argv[1:]
     return classify(argv, os.getcwd(), sys.path[1:])
+
+
+def _check_checkpoint_dir(path: str | None) -> None:
+    """A checkpoint URL the job could not use (its filesystem's package missing, no credentials, a bad address),
+    found now: one line naming the flag instead of a traceback from the first read of its fencing marks."""
+    if not path or not is_url(path):
+        return  # a local directory's problems are named where it is first written (the fencing claim)
+    flag, scheme = f"--checkpoint-dir {path}", path.split("://", 1)[0]
+    try:
+        storage_for(path).exists(path)
+    except ImportError as exc:
+        raise UsageError(flag, f"{scheme}:// needs a package that is not installed here ({exc})") from None
+    except Exception as exc:  # whatever its client raises is the user's to fix: said in one line
+        raise UsageError(
+            flag, f"cannot be reached ({type(exc).__name__}: {str(exc)[:200]}); check its address and credentials"
+        ) from None

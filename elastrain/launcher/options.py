@@ -308,6 +308,14 @@ def validate_and_default(
                 "--local-ranks-filter", f"expected comma-separated integers, got {args.local_ranks_filter!r}"
             ) from None
     _check_script(args)
+    if args.log_dir and os.path.exists(args.log_dir) and not os.path.isdir(args.log_dir):
+        raise UsageError("--log-dir", f"{args.log_dir} is a file; give a directory")
+    if args.standalone and min_nodes > 1:
+        raise UsageError(
+            "--standalone",
+            f"runs one node, on a store of its own that no other node can reach: --nnodes {args.nnodes} would wait "
+            "for nodes that never come; give every node --rdzv-endpoint HOST:PORT instead",
+        )
 
     if args.standalone:
         args.rdzv_backend = ELASTIC_DEFAULT_BACKEND

@@ -133,6 +133,9 @@ def test_single_node_default_like_torchrun() -> None:
         (["--standalone", "--rdzv-conf", "secret_file=/no/such/file", SCRIPT], "--rdzv-conf secret_file"),
         (["--nnodes", "2", "--rdzv-conf", f"secret_file={SCRIPT}", SCRIPT], "--rdzv-conf secret_file"),  # static
         (["--standalone", "--rdzv-conf", "heartbeat_timout=10", SCRIPT], "--rdzv-conf heartbeat_timout"),  # a typo
+        (["--standalone", "--nnodes", "2", SCRIPT], "--standalone"),
+        (["--log-dir", SCRIPT, SCRIPT], "--log-dir"),
+        (["--checkpoint-dir", "nope://bucket/ckpt", SCRIPT], "--checkpoint-dir nope://bucket/ckpt"),
         (["--standalone", "--rdzv-conf", "join_timeout_s=10", SCRIPT], "--rdzv-conf join_timeout_s"),
         (["--standalone", "--rdzv-conf", "store_op_timeout=0", SCRIPT], "--rdzv-conf store_op_timeout"),
         (["--standalone", "--rdzv-conf", "join_timeout=0", SCRIPT], "--rdzv-conf join_timeout"),
