@@ -237,6 +237,7 @@ class ElasticTrainer:
             world_size=f"{resume.world_size if resume else 'none'}->{self.world_size}",
             cursor=held.position.cursor,
             global_batch=held.position.global_batch,
+            **({} if resume else {"why": "no committed checkpoint; starting fresh"}),
         )
         return resume.path if resume else None
 
