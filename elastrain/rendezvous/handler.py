@@ -122,7 +122,8 @@ class ElastrainRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         deadline = time.monotonic() + self._settings.join_timeout_s
-        info = st.NodeInfo(self._addr, binding.free_port(self._addr), self._probe.port, self._standby_port)
+        nnodes = (self._params.min_nodes, self._params.max_nodes)
+        info = st.NodeInfo(self._addr, binding.free_port(self._addr), self._probe.port, self._standby_port, nnodes)
         self._decided, self._decision_fresh = None, False
         if self._fencing.foreign is not None:
             raise self._fencing.foreign

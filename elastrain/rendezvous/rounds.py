@@ -26,7 +26,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastrain.errors import NodeLeftError, RendezvousError, RendezvousStateCorruptError
+from elastrain.errors import NodeLeftError, RendezvousError, RendezvousStateCorruptError, UsageError
 from elastrain.log import lifecycle
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import RendezvousAuth, set_bytes
@@ -264,6 +264,15 @@ class Rounds:
 
     def _joined(self, info: st.NodeInfo) -> Callable[[st.RendezvousState], st.RendezvousState]:
         def fn(cur: st.RendezvousState) -> st.RendezvousState:
+            conflict = st.nnodes_conflict(cur, self._node_id, info.nnodes)
+            if conflict is not None and info.nnodes != (0, 0):
+                other, theirs = conflict
+                raise UsageError(
+                    "--nnodes",
+                    f"this node says {info.nnodes[0]}:{info.nnodes[1]}, but node {other} ({theirs.addr}) of the same "
+                    f"job (--rdzv-id) says {theirs.nnodes[0]}:{theirs.nnodes[1]}; every node decides rounds by its "
+                    "own, so launch them all with the same --nnodes",
+                )
             new = st.join(cur, self._node_id, info)
             if self._state.conn.hosted_here and new.store_host != self._node_id:
                 new = replace(new, store_host=self._node_id)

@@ -52,6 +52,9 @@ class NodeInfo:
     probe_port: int = 0
     standby_port: int = 0
     """Where this node would host the state store if the store's host died (c10d failover)."""
+    nnodes: tuple[int, int] = (0, 0)
+    """The node's ``--nnodes`` (min, max): every node of a job decides rounds by its own, so they must agree
+    (:func:`nnodes_conflict`); (0, 0): not said."""
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,7 @@ def encode(state: RendezvousState) -> bytes:
             "members": list(state.members),
             "joining": list(state.joining),
             "departed": dict(state.departed),
-            "nodes": {n: [i.addr, i.master_port, i.probe_port, i.standby_port] for n, i in state.nodes.items()},
+            "nodes": {n: _info_fields(i) for n, i in state.nodes.items()},
             "heartbeats": dict(state.heartbeats),
             "closed": state.closed,
             "store_host": state.store_host,
@@ -156,8 +159,12 @@ def encode(state: RendezvousState) -> bytes:
     ).encode()
 
 
+def _info_fields(i: NodeInfo) -> list[object]:
+    return [i.addr, i.master_port, i.probe_port, i.standby_port, *i.nnodes]
+
+
 def encode_info(info: NodeInfo) -> bytes:
-    return json.dumps([info.addr, info.master_port, info.probe_port, info.standby_port]).encode()
+    return json.dumps(_info_fields(info)).encode()
 
 
 # Decoding checks every field's type: JSON of another shape (another launcher's state, a forged one) is a
@@ -197,9 +204,10 @@ def _dict(v: object) -> dict[str, object]:
 
 def _info(v: object) -> NodeInfo:
     items = _list(v)
-    if len(items) != 4:
-        raise ValueError(f"a node's address has 4 fields, got {len(items)}")
-    return NodeInfo(_str(items[0]), _int(items[1]), _int(items[2]), _int(items[3]))
+    if len(items) not in (4, 6):
+        raise ValueError(f"a node's address has 4 or 6 fields, got {len(items)}")
+    nnodes = (_int(items[4]), _int(items[5])) if len(items) == 6 else (0, 0)
+    return NodeInfo(_str(items[0]), _int(items[1]), _int(items[2]), _int(items[3]), nnodes)
 
 
 def decode_info(data: bytes) -> NodeInfo:
@@ -281,6 +289,16 @@ def vacated(state: RendezvousState) -> bool:
     """Whether nobody is left in this lineage: no live member and no joiner or spare (its last node left). A store
     hosted by that node leaves with it, and no node of the state would carry the lineage on by a failover."""
     return not state.closed and not live_members(state) and not state.joining
+
+
+def nnodes_conflict(state: RendezvousState, node: str, nnodes: tuple[int, int]) -> tuple[str, NodeInfo] | None:
+    """The first other node of the state (a live member, or a node waiting for a round) that said another
+    ``--nnodes`` than ``nnodes``; None when every one that said agrees."""
+    for other in (*live_members(state), *state.joining):
+        info = state.nodes.get(other)
+        if other != node and info is not None and info.nnodes != (0, 0) and info.nnodes != nnodes:
+            return other, info
+    return None
 
 
 def newcomers(state: RendezvousState) -> tuple[str, ...]:

@@ -33,6 +33,50 @@ def test_encode_roundtrip() -> None:
     assert st.decode(st.encode(s)) == s
 
 
+def test_a_nodes_nnodes_round_trips_and_an_address_without_it_reads_as_unsaid() -> None:
+    s = st.join(formed("a"), "b", replace(INFO, nnodes=(1, 3)))
+    assert st.decode(st.encode(s)).nodes["b"].nnodes == (1, 3)
+    assert st.decode_info(st.encode_info(replace(INFO, nnodes=(2, 4)))).nnodes == (2, 4)
+    assert st.decode_info(json.dumps(["127.0.0.1", 1, 2, 3]).encode()).nnodes == (0, 0)  # 4 fields: not said
+
+
+def _with(
+    nodes: dict[str, tuple[int, int]], members: tuple[str, ...], joining: tuple[str, ...] = ()
+) -> st.RendezvousState:
+    s = st.RendezvousState()
+    for n in (*members, *joining):
+        s = st.join(s, n, replace(INFO, nnodes=nodes[n]))
+    return st.join(st.complete(s, max_nodes=8), "x", INFO) if not joining else s
+
+
+@pytest.mark.parametrize(
+    ("nodes", "members", "joining", "mine", "conflict"),
+    [
+        ({"a": (1, 3)}, ("a",), (), (1, 3), None),  # the same range
+        ({"a": (1, 3)}, ("a",), (), (2, 4), "a"),  # a member says another
+        ({"a": (0, 0)}, ("a",), (), (2, 4), None),  # a member that said nothing (an older node)
+        ({"a": (1, 3), "b": (1, 3)}, (), ("a", "b"), (1, 4), "a"),  # nodes waiting for the first round count too
+        ({"me": (2, 4)}, (), ("me",), (1, 3), None),  # this node's own earlier entry is no conflict
+    ],
+)
+def test_nnodes_conflict_names_the_first_other_node_that_says_another_range(
+    nodes: dict[str, tuple[int, int]],
+    members: tuple[str, ...],
+    joining: tuple[str, ...],
+    mine: tuple[int, int],
+    conflict: str | None,
+) -> None:
+    found = st.nnodes_conflict(_with(nodes, members, joining), "me", mine)
+    assert (found[0] if found else None) == conflict
+
+
+def test_nnodes_conflict_ignores_a_member_that_departed() -> None:
+    s = st.remove(_with({"a": (1, 3), "b": (1, 3)}, ("a", "b")), ["a"], "dead")
+    s = st.join(s, "c", replace(INFO, nnodes=(2, 4)))
+    assert st.nnodes_conflict(s, "me", (2, 4)) == ("b", s.nodes["b"])
+    assert st.nnodes_conflict(s, "me", (1, 3)) == ("c", s.nodes["c"])
+
+
 def test_decode_rejects_foreign_state() -> None:
     with pytest.raises(RendezvousStateCorruptError, match="rdzv-id"):
         st.decode(b'{"some": "other launcher"}')
