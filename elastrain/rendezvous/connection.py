@@ -50,6 +50,11 @@ class StoreFactory(Protocol):
     """Whether the store lives in a node: its calls get a deadline (a TCPStore client whose packets are dropped
     blocks forever), and it can fail over, be founded again, or be left for another world's."""
 
+    resumes: bool
+    """Whether this node started on a store founded afresh for a job that had trained and not finished (a claim of
+    its own is in the fencing root, and no store of it answered): its nodes were launched again, and the first round
+    there goes on with that job (``state.last_call``)."""
+
     def failover(
         self, cached: st.RendezvousState, me: str, exc: BaseException, timeout_s: float
     ) -> tuple[RendezvousBackend, Store, str, bool] | None:
@@ -96,6 +101,7 @@ class FixedStores:
     """:class:`StoreFactory` of a store that never moves (etcd): no failover, no refound, no other world's store."""
 
     movable = False
+    resumes = False  # the state lives on in the cluster: its rounds say that the job ran
 
     def failover(
         self, cached: st.RendezvousState, me: str, exc: BaseException, timeout_s: float
@@ -171,9 +177,10 @@ class Connection:
         self.cached_version: int | None = None
         self.joined = False
         """Whether this node was ever a member of a completed round (then it has something at stake)."""
-        self.resumes_job = False
-        """Whether this node started a job that ran over (a refound, a lineage revived after its winner died): the
-        first round on its new store continues that job, and no user is launching its nodes together."""
+        self.resumes_job = stores.resumes
+        """Whether the first round on this node's store continues a job that ran: the store was founded afresh
+        for it, by this node's start (its nodes launched again), a refound, or a lineage revived after its winner
+        died."""
         self._stores = stores
         self._settings = settings
         self._node_id = node_id

@@ -8,7 +8,8 @@ Options (``--rdzv-conf key=value``), in seconds:
   merely CPU-starved, as seen with 1.25 s on a loaded 2-core machine);
 * ``last_call_timeout`` (30, as torch): how long a job's *first* round waits for more than
   ``min_nodes``; later rounds never wait for it, nor does the first round of a job that a node started over
-  (refound, revived) or that lost every member while a node was on its way in, which waits ``scale_up_window``;
+  (refound, revived), that lost every member while a node was on its way in, or whose nodes were all launched again
+  after every one died (its claim in the checkpoint root), which waits ``scale_up_window``;
 * ``join_timeout`` (600): how long a node waits for a round while no round of the job is running
   (a spare waits as long as the job runs);
 * ``store_lost_timeout`` (3): how long the store may fail before giving up;

@@ -343,8 +343,9 @@ def last_call(state: RendezvousState, started_over: bool, last_call_s: float, wi
 
     A job's first start (no round formed yet in this store) waits the last call for the nodes launched with it. A job
     that already trained and lost every member (the last ones died while a node was on its way in: that node took
-    the store over), or that a node started over (``started_over``: refound, revived), waits ``window_s``, as a
-    running job does for nodes arriving together: the nodes it would wait for are gone.
+    the store over), or that goes on on a store founded afresh for it (``started_over``: its nodes launched again
+    after all of them died, a refound, a revived lineage), waits ``window_s``, as a running job does for nodes
+    arriving together: a node that comes later joins it as it would have joined the running job.
     """
     return window_s if started_over or state.round >= 0 else last_call_s
 

@@ -221,6 +221,28 @@ def test_a_spare_carries_the_job_on_at_once_when_every_member_dies(tmp_path: Pat
             assert c.proc.wait(timeout=BOUND) == 0, c.dump()
 
 
+def test_a_job_launched_again_after_every_node_died_trains_without_the_first_starts_last_call(tmp_path: Path) -> None:
+    """Both nodes SIGKILLed, then one launched again alone (a scheduler's relaunch, a spot VM back): its store at the
+    endpoint is founded afresh, but the job's claim is in the checkpoint root, so its first round waits
+    ``scale_up_window``, not the first start's last call (600 s here; before, it did)."""
+    port, stop = free_port(), tmp_path / "stop"
+    opts = ("--checkpoint-dir", str(tmp_path / "ckpt"), "--rdzv-conf", "last_call_timeout=600")
+    a = Node("a", tmp_path, port, stop, *opts)  # hosts the c10d store
+    time.sleep(0.5)
+    b = Node("b", tmp_path, port, stop, *opts)
+    with reaped(a.proc, b.proc):
+        _wait_training([a, b], 2, 0, "two nodes train together")
+        victims = kill_tree(a.proc.pid) + kill_tree(b.proc.pid)
+        wait_for(lambda: not alive(victims), 10, what="a's and b's processes to be gone")
+    t = time.time()
+    again = Node("a-again", tmp_path, port, stop, *opts)
+    with reaped(again.proc):
+        _wait_training([again], 1, t, "the node launched again trains alone")
+        assert again.events("job_launched_again"), again.dump()
+        stop.touch()
+        assert again.proc.wait(timeout=BOUND) == 0, again.dump()
+
+
 @pytest.mark.parametrize("store_host", ["a", "b"])
 def test_spare_waits_without_restarting_the_job_and_takes_over_from_a_node_that_fails(
     tmp_path: Path, store_host: str

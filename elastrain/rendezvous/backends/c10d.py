@@ -27,7 +27,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
-from elastrain import binding, fence, fence_moves
+from elastrain import binding, fence_moves
 from elastrain.errors import (
     RendezvousStateCorruptError,
     RendezvousStoreLostError,
@@ -35,7 +35,7 @@ from elastrain.errors import (
     UsageError,
 )
 from elastrain.log import lifecycle
-from elastrain.rendezvous import liveness
+from elastrain.rendezvous import fence_marks, liveness
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import RendezvousAuth
 from elastrain.rendezvous.connection import STORE_ERRORS, caused_by, with_deadline
@@ -125,6 +125,7 @@ class C10dStores:
         self.auth = auth or RendezvousAuth(None, self.run_id)
         # Where this node listens when it hosts a store after a failover: its advertised address's interface.
         self.addr = binding.advertised_address(params.local_addr, str(params.endpoint))
+        self.resumes = False
         self._found = st.RendezvousState()
         """The live state read where this node found the job's published store (the nodes it knows of first)."""
 
@@ -136,11 +137,24 @@ class C10dStores:
         root = params.get("checkpoint_root", None)
         self.root = str(root) if root else None
         if root:
-            self._closed_before = _newest_close(str(root), -1, self.run_id, self.auth)
+            self._closed_before = fence_marks.newest_close(str(root), -1, self.run_id, self.auth)
             published = self._published(str(root))
             if published is not None:
                 return published
+            self.resumes = self._ran_before(str(root))
         return self.at_endpoint()
+
+    def _ran_before(self, root: str) -> bool:
+        """Whether this job trained before this node started and did not finish: its newest claim in ``root`` is
+        newer than its last close (unknown: no)."""
+        _, top = fence_marks.newest_claim(root)
+        closed = self._closed_before
+        ran = top is not None and top.run_id == self.run_id and closed is not None and closed < top.generation
+        if ran and top is not None:
+            lifecycle("job_launched_again", generation=top.generation, why="the job's claim is in the checkpoint "
+                      "root and no store of it answered: its first round here waits scale_up_window, not the "
+                      "last call")  # fmt: skip
+        return ran
 
     def at_endpoint(self) -> tuple[TCPStore, bool, str]:
         """The store at ``--rdzv-endpoint``: hosted here when this node is the endpoint's host (and the port is
@@ -167,11 +181,11 @@ class C10dStores:
 
     def _published(self, root: str) -> tuple[TCPStore, bool, str] | None:
         """The running job's store: where the newest claim's last moved since, else its own; or None."""
-        _, top = _newest_claim(root)
+        _, top = fence_marks.newest_claim(root)
         if top is None or not top.store:
             return None
         # its store left with its last node: nothing to wait for there
-        if _left(root, top.generation, self.run_id, self.auth):
+        if fence_marks.left(root, top.generation, self.run_id, self.auth):
             lifecycle("published_store_vacated", store=top.store, generation=top.generation)
             return None
         for store, mac in fence_moves.stores_of(root, top):
@@ -215,10 +229,10 @@ class C10dStores:
         the same folder finds the earlier run's close there when it starts, and is not taken for a node of it."""
         if self.root is None or self._closed_before is None:
             return False
-        closed = _newest_close(self.root, None, self.run_id, self.auth)
+        closed = fence_marks.newest_close(self.root, None, self.run_id, self.auth)
         if closed is None or closed <= self._closed_before:
             return False
-        read, top = _newest_claim(self.root)
+        read, top = fence_marks.newest_claim(self.root)
         return read and (top is None or top.generation <= closed)
 
     def vacated(self) -> bool:
@@ -226,8 +240,8 @@ class C10dStores:
         the claims, signed with the job's secret when it has one): no live store of the job exists."""
         if self.root is None:
             return False
-        _, top = _newest_claim(self.root)
-        return top is not None and _left(self.root, top.generation, self.run_id, self.auth)
+        _, top = fence_marks.newest_claim(self.root)
+        return top is not None and fence_marks.left(self.root, top.generation, self.run_id, self.auth)
 
     def known_gone(self, cached: st.RendezvousState) -> bool:
         if self.root is None:
@@ -333,47 +347,6 @@ class C10dStores:
             except (*STORE_ERRORS, RuntimeError) as err:
                 lifecycle("store_successor_unreachable", level=logging.INFO, candidate=cand, error=repr(err)[:120])
         return None
-
-
-def _newest_close(root: str, unknown: int | None, run_id: str, auth: RendezvousAuth) -> int | None:
-    """The generation of job ``run_id``'s newest close recorded in ``root`` (-1: none; ``unknown`` when unreadable)."""
-    try:
-        mark = fence.newest_closed(root)
-    except OSError as exc:
-        lifecycle("fence_read_failed", level=logging.WARNING, root=root, error=repr(exc)[:200])
-        return unknown
-    if mark is None or mark.run_id != run_id:
-        return -1
-    if auth.enabled and not auth.signed_close(mark.generation, mark.mac):
-        lifecycle("fence_close_untrusted", level=logging.WARNING, generation=mark.generation,
-                  why="it is not signed with the job's secret")  # fmt: skip
-        return -1
-    return mark.generation
-
-
-def _newest_claim(root: str) -> tuple[bool, fence.Claim | None]:
-    """(whether ``root`` could be read, its newest claim); a failed read is logged."""
-    try:
-        return True, fence.newest(root)
-    except OSError as exc:
-        lifecycle("fence_read_failed", level=logging.WARNING, root=root, error=repr(exc)[:200])
-        return False, None
-
-
-def _left(root: str, generation: int, run_id: str, auth: RendezvousAuth) -> bool:
-    """Whether job ``run_id``'s world ``generation`` was left by its last node (a trusted mark in ``root``)."""
-    try:
-        mark = fence.vacated(root, generation)
-    except OSError as exc:
-        lifecycle("fence_read_failed", level=logging.WARNING, root=root, error=repr(exc)[:200])
-        return False
-    if mark is None or mark.run_id != run_id:
-        return False
-    if auth.enabled and not auth.signed_vacate(generation, mark.mac):
-        lifecycle("fence_vacate_untrusted", level=logging.WARNING, generation=generation,
-                  why="it is not signed with the job's secret")  # fmt: skip
-        return False
-    return True
 
 
 def record_move(root: str, move: fence_moves.Moved) -> None:
