@@ -427,6 +427,7 @@ def test_a_call_stuck_on_a_store_left_meanwhile_never_replaces_the_store_hosted_
 
     class Successors:
         movable = True
+        resumes = False
 
         def __init__(self) -> None:
             self.reconnected: list[str] = []
