@@ -198,15 +198,21 @@ def test_an_ipv6_job_proves_a_killed_node_dead_and_fails_its_store_over(tmp_path
         _no_failures_counted([a, c])
 
 
-def test_a_spare_carries_the_job_on_at_once_when_every_member_dies(tmp_path: Path) -> None:
-    """Both members, the store's host among them, SIGKILLed together while a spare waits: the spare takes the store
-    over (it is in the state: a successor) and forms a round of its own. The job already trained, so that round does
-    not wait the first start's last call (600 s here; before, it did)."""
+def _two_nodes_with_a_long_last_call(tmp_path: Path) -> tuple[int, Path, tuple[str, ...], Node, Node]:
+    """Nodes a (the store's host) and b of a job with a checkpoint root and a 600 s last call: (port, stop file,
+    the nodes' options, a, b)."""
     port, stop = free_port(), tmp_path / "stop"
     opts = ("--checkpoint-dir", str(tmp_path / "ckpt"), "--rdzv-conf", "last_call_timeout=600")
     a = Node("a", tmp_path, port, stop, *opts)  # hosts the c10d store
     time.sleep(0.5)
-    b = Node("b", tmp_path, port, stop, *opts)
+    return port, stop, opts, a, Node("b", tmp_path, port, stop, *opts)
+
+
+def test_a_spare_carries_the_job_on_at_once_when_every_member_dies(tmp_path: Path) -> None:
+    """Both members, the store's host among them, SIGKILLed together while a spare waits: the spare takes the store
+    over (it is in the state: a successor) and forms a round of its own. The job already trained, so that round does
+    not wait the first start's last call (600 s here; before, it did)."""
+    port, stop, opts, a, b = _two_nodes_with_a_long_last_call(tmp_path)
     with reaped(a.proc, b.proc):
         _wait_training([a, b], 2, 0, "two nodes train together")
         c = Node("c", tmp_path, port, stop, *opts)
@@ -225,11 +231,7 @@ def test_a_job_launched_again_after_every_node_died_trains_without_the_first_sta
     """Both nodes SIGKILLed, then one launched again alone (a scheduler's relaunch, a spot VM back): its store at the
     endpoint is founded afresh, but the job's claim is in the checkpoint root, so its first round waits
     ``scale_up_window``, not the first start's last call (600 s here; before, it did)."""
-    port, stop = free_port(), tmp_path / "stop"
-    opts = ("--checkpoint-dir", str(tmp_path / "ckpt"), "--rdzv-conf", "last_call_timeout=600")
-    a = Node("a", tmp_path, port, stop, *opts)  # hosts the c10d store
-    time.sleep(0.5)
-    b = Node("b", tmp_path, port, stop, *opts)
+    port, stop, opts, a, b = _two_nodes_with_a_long_last_call(tmp_path)
     with reaped(a.proc, b.proc):
         _wait_training([a, b], 2, 0, "two nodes train together")
         victims = kill_tree(a.proc.pid) + kill_tree(b.proc.pid)
