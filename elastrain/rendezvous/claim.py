@@ -19,8 +19,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from elastrain import fence, fence_moves
 from elastrain.errors import RendezvousError, StaleGenerationError
 from elastrain.log import lifecycle
+from elastrain.rendezvous import fence_marks, trust
 from elastrain.rendezvous import state as st
-from elastrain.rendezvous import trust
 from elastrain.rendezvous.auth import RendezvousAuth
 from elastrain.rendezvous.connection import STORE_ERRORS, StoreSwitched
 from elastrain.rendezvous.pacing import Backoff, Throttled
@@ -176,11 +176,7 @@ class Fencing:
         root; None when unknown (no root, unreadable, another job's claim, nothing trusted)."""
         if not self.root:
             return None
-        try:
-            top = fence.newest(self.root)
-        except OSError as exc:
-            lifecycle("fence_read_failed", level=logging.WARNING, root=self.root, error=repr(exc)[:200])
-            return None
+        _, top = fence_marks.newest_claim(self.root)
         if top is None or not top.store or top.run_id != self._run_id:
             return None
         store = self._running_at(top)
