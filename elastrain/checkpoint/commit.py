@@ -156,11 +156,6 @@ class Commit:
         (:meth:`WorldFence.claim`)."""
         return self.world_fence.claim()
 
-    def ensure_current(self) -> None:
-        """Collective: raise (as :meth:`prepare` would) if a newer world claimed the root. For a format whose files
-        are written before the commit without :meth:`prepare` (the Trainer's): a stale world writes nothing."""
-        self.world_fence.ensure_current()
-
     # -- 1. prepare ------------------------------------------------------------------------------
     def prepare(self, step: int) -> str | None:
         """Collective: the directory to write ``step`` into (created, owned), or ``None`` if already committed."""

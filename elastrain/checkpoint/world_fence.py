@@ -79,20 +79,3 @@ class WorldFence:
                 action="this world stops: its workers exit with EX_CONFIG (78) and elastrain-run ends its nodes",
             )
         return WorldSupersededExit(message)
-
-    def ensure_current(self) -> None:
-        """Collective: raise (as a commit's prepare would) if a newer world claimed the root. For a format whose
-        files are written before the commit without a prepare (the Trainer's): a stale world writes nothing."""
-        self.claim()
-        verdict: str | None = None
-        if self.group.rank == 0:
-            try:
-                self.check()
-                verdict = ""
-            except StaleGenerationError as e:
-                verdict = str(e)
-            except OSError:
-                verdict = ""  # storage trouble: the commit reports it, naming the step
-        stale: str = self.group.broadcast(verdict)
-        if stale:
-            raise self.stale(stale)

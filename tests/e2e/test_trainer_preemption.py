@@ -26,6 +26,8 @@ from support.trainer_trace import (
     trace,
 )
 
+from elastrain.integrations.trainer.checkpoints import is_committed
+
 pytestmark = pytest.mark.slow
 SEED = int(os.environ.get("TRAINER_TRACE_SEED", random.randrange(1 << 20)))
 
@@ -182,3 +184,79 @@ def test_a_step_lost_after_its_first_micro_batch_counts_its_tokens_once(assets: 
 
     got, want = tokens(run), tokens(ref)
     assert got == want, f"{where}: tokens counted (elastic, uninterrupted): {[(s, got.get(s), want[s]) for s in want]}"
+
+
+@pytest.mark.parametrize("lost_in", ["eval", "step_end"], ids=["in-the-evaluation", "right-after-the-step"])
+def test_a_node_lost_in_a_steps_evaluation_or_save_leaves_them_to_the_next_world(
+    lost_in: str, assets: Path, tmp_path: Path
+) -> None:
+    """run_clm.py evaluating and saving every 30 steps, and evaluating as it starts, on three nodes; one SIGKILLs
+    itself in the evaluation after such a step, or right after the step (its peers meet the broken world in the step's
+    log). The world of two evaluates and saves that step before it trains on: the run's log history holds every
+    evaluation of the uninterrupted run once, at the same steps (up to the kill with the same loss), the evaluation as
+    the run started too, and every one of those steps' checkpoints is committed."""
+    base = causal_lm(assets, max_steps=90)
+    extra = (
+        "--validation_file", str(assets / "text" / "validation.txt"), "--do_eval", "--eval_strategy", "steps",
+        "--eval_steps", "30", "--save_steps", "30", "--eval_on_start", "true",
+    )  # fmt: skip
+    w = Workload(base.script, (*base.args, *extra), base.max_steps)
+    kill_at = random.Random(SEED).choice([30, 60])
+    where = f"seed {SEED} (TRAINER_TRACE_SEED): node of group rank 2 SIGKILLed {lost_in} of step {kill_at}"
+    env = {"LEDGER_KILL_AFTER": f"{kill_at}:2:3:{lost_in}"}
+    run = trace(w, tmp_path / "trace", [], first=("a", "b", "c"), nnodes="2:3", env=env)
+    ref = reference(w, tmp_path / "ref", nproc=3)
+    check(run, ref, w, sigkills=1, where=where)
+    sizes = run.ledger.world_sizes()
+    assert sizes == [3] * kill_at + [2] * (w.max_steps - kill_at), f"{where}: world sizes {sizes}\n{run.dump()}"
+
+    def evals(r: Run) -> list[tuple[int, float]]:
+        return [(int(h["step"]), float(h["eval_loss"])) for h in r.state()["log_history"] if "eval_loss" in h]
+
+    got, want = evals(run), evals(ref)
+    assert [g[0] for g in got] == [0, 30, 60, 90] == [w_[0] for w_ in want], f"{where}: {got} vs {want}\n{run.dump()}"
+    for (step, loss), (_, want_loss) in zip(got, want, strict=True):
+        tolerance = 1e-4 if step <= kill_at else 3e-2  # the same state up to the kill; then as check()'s losses
+        assert loss == pytest.approx(want_loss, rel=tolerance), f"{where}: step {step}: {got} vs {want}"
+    redone = [e for log in run.logs.values() for e in events_in(log, "trainer_epilogue_redone")]
+    assert [e["step"] for e in redone] == [str(kill_at)], f"{where}: {redone}\n{run.dump()}"
+    for step in (30, 60, 90):
+        folder = run.out / "model" / f"checkpoint-{step}"
+        assert is_committed(str(folder)), f"{where}: {folder} not committed\n{run.dump()}"
+
+
+def test_a_trainer_by_epochs_evaluates_and_saves_at_each_epochs_end_through_a_kill_there(
+    assets: Path, tmp_path: Path
+) -> None:
+    """run_classification.py for two epochs, evaluating and saving at each epoch's end (``--eval_strategy epoch``, the
+    way Hugging Face's text-classification examples run), on two nodes; one SIGKILLs itself in the evaluation at the
+    end of the first epoch and comes back. The Trainer's epochs are the stream's: the run evaluates and saves at the
+    end of each, as the uninterrupted run does, every sample once per epoch; the evaluation the kill cut short is run
+    again by the world of one, with the uninterrupted run's metrics."""
+    base = classification(assets)
+    args = [a for a in base.args]
+    del args[args.index("--save_steps") : args.index("--save_steps") + 2]
+    del args[args.index("--max_steps") : args.index("--max_steps") + 2]
+    epochs = ("--num_train_epochs", "2", "--eval_strategy", "epoch", "--save_strategy", "epoch")
+    w = Workload(base.script, (*args, *epochs), 200)  # 1600 samples, 16 a step
+    where = "node of group rank 1 SIGKILLed in the evaluation at the end of the first epoch (step 100)"
+    events = [Event("start", "b", at=100, world=1), Event("wait", "b", at=100, world=2)]
+    run = trace(w, tmp_path / "trace", events, env={"LEDGER_KILL_AFTER": "100:1:2:eval"})
+    ref = reference(w, tmp_path / "ref")
+    check(run, ref, w, sigkills=1, where=where)
+    assert run.codes["b2"] == 0, run.dump()
+
+    def evals(r: Run) -> list[tuple[int, float, float]]:
+        history = r.state()["log_history"]
+        return [(int(h["step"]), h["eval_loss"], h["eval_accuracy"]) for h in history if "eval_loss" in h]
+
+    got, want = evals(run), evals(ref)
+    assert [g[0] for g in got] == [100, 200] == [w_[0] for w_ in want], f"{where}: {got} vs {want}\n{run.dump()}"
+    # The same model at step 100: the same accuracy. (Not the same loss: transformers scales a model's loss by the
+    # number of processes when its forward takes **kwargs, as BERT's does, and the world of one evaluated it.)
+    assert got[0][2] == want[0][2], f"{where}: {got} vs {want}"
+    redone = [e for log in run.logs.values() for e in events_in(log, "trainer_epilogue_redone")]
+    assert [e["step"] for e in redone] == ["100"], f"{where}: {redone}\n{run.dump()}"
+    for step in (100, 200):
+        folder = run.out / "model" / f"checkpoint-{step}"
+        assert is_committed(str(folder)), f"{where}: {folder} not committed\n{run.dump()}"

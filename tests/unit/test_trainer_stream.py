@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastrain.errors import DataStateError
-from elastrain.integrations.trainer.stream import StreamBatches
+from elastrain.integrations.trainer.stream import StreamBatches, ends_epoch, epochs_left
 from elastrain.scaling import ScalingConfig, plan
 
 
@@ -71,3 +71,51 @@ def test_uneven_micro_batch_counts_are_refused_with_the_setting_to_change() -> N
 def test_an_empty_dataset_is_refused() -> None:
     with pytest.raises(DataStateError, match="empty"):
         StreamBatches(0, plan(ScalingConfig(global_batch=2, micro_batch=2), 1), 0, 0, 1, seed=0)
+
+
+def test_reading_the_sampler_again_goes_on_from_the_step_the_trainer_reached() -> None:
+    """Each of the Trainer's epochs reads the DataLoader again: from the step it reached, whatever was read ahead."""
+    p = plan(ScalingConfig(global_batch=8, micro_batch=4), 2)
+    reached = [0]
+    s = StreamBatches(37, p, 0, 5, 6, seed=7, progress=lambda: reached[0])
+    whole = list(s)
+    assert len(whole) == len(s) == 6 * p.accumulation
+    reached[0] = 4
+    assert list(s) == whole[4 * p.accumulation :]
+    reached[0] = 6
+    assert list(s) == []
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "n", "expected"),
+    [
+        (0, 16, 1600, False),
+        (1584, 1600, 1600, True),  # lands on the epoch's end
+        (1592, 1616, 1600, True),  # reads past it: the epoch's last step
+        (1600, 1616, 1600, False),  # the next epoch's first step
+        (3190, 3214, 1600, True),
+        (8, 16, 10, True),
+        (0, 25, 10, True),  # a step of more than an epoch
+    ],
+)
+def test_the_step_that_reaches_an_epochs_end_ends_it(before: int, after: int, n: int, expected: bool) -> None:
+    assert ends_epoch(before, after, n) is expected
+
+
+@pytest.mark.parametrize(
+    ("next_cursor", "end_cursor", "n", "expected"),
+    [
+        (0, 3200, 1600, (0, 2)),  # two epochs
+        (0, 4800, 1600, (0, 3)),
+        (0, 4800, 1608, (0, 3)),  # 200 steps of 24 over 1600 samples
+        (1600, 3200, 1600, (1, 2)),  # resumed at the second epoch's start
+        (1608, 3200, 1600, (1, 2)),  # resumed in it
+        (0, 1920, 1600, (0, 2)),  # max_steps past one epoch: the second is cut short
+        (3200, 3200, 1600, (2, 2)),  # nothing left
+        (0, 160, 1600, (0, 1)),
+    ],
+)
+def test_the_trainer_runs_the_epochs_its_steps_read(
+    next_cursor: int, end_cursor: int, n: int, expected: tuple[int, int]
+) -> None:
+    assert epochs_left(next_cursor, end_cursor, n) == expected

@@ -21,6 +21,10 @@ peers have finished a micro-batch of it (``LEDGER_KILL_BACKWARD=<n>``: at the en
 step instead, when its peers have finished and counted n - 1 micro-batches). With a hold, the other nodes wait that
 long in their second micro-batch of that step, before its forward pass or at the start of its backward pass: they
 meet the broken world there, not waiting in the step's gradient all-reduce.
+
+With ``LEDGER_KILL_AFTER=<step>:<group rank>:<world size>:<step_end|eval>``, that node SIGKILLs itself after the
+step instead, in the work the Trainer does after it: at the end of the step's ``on_step_end`` (its peers then meet
+the broken world in the step's log, evaluation or save), or in the first forward pass of the step's evaluation.
 """
 
 from __future__ import annotations
@@ -79,6 +83,30 @@ def _write(row: dict[str, Any]) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def _kill_after(step: int, world: int) -> str | None:
+    """Where this node kills itself after ``step`` (``LEDGER_KILL_AFTER``), in a world of ``world`` ranks."""
+    spec = os.environ.get("LEDGER_KILL_AFTER")
+    if not spec:
+        return None
+    at, node, size, where = spec.split(":")
+    mine = (int(at), node, int(size)) == (step, os.environ.get("GROUP_RANK"), world)
+    return where if mine else None
+
+
+def _kill_own_node() -> None:
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from node_kill import kill_own_node
+
+    kill_own_node()
+
+
+def _kill_in_eval(module: Any, args: Any) -> None:
+    if not module.training:
+        _kill_own_node()
+
+
 def _kill_at() -> tuple[int, str, int, float, str] | None:
     spec = os.environ.get("LEDGER_KILL")
     if not spec:
@@ -113,18 +141,16 @@ class _KillAtBackward:
     def __call__(self, grad: Any) -> Any:
         self.left -= 1
         if self.left == 0:
-            import sys
-
-            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-            from node_kill import kill_own_node
-
-            kill_own_node()
+            _kill_own_node()
         return grad
 
 
 class Callback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         _batches.clear()
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        _batches.clear()  # the last epoch's DataLoader read ahead, and is read no more
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The step's micro-batches are read by now (the Trainer fetches a step's micro-batches before its first).
@@ -142,7 +168,13 @@ class Callback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         ids = [i for _ in range(min(args.gradient_accumulation_steps, len(_batches))) for i in _batches.popleft()]
-        _write(_row(int(state.global_step), ids))
+        row = _row(int(state.global_step), ids)
+        _write(row)
+        where = _kill_after(row["step"], row["world"])
+        if where == "step_end":
+            _kill_own_node()
+        elif where == "eval":
+            kwargs["model"].register_forward_pre_hook(_kill_in_eval)
         folder = os.environ["LEDGER_DIR"]
         try:
             with open(os.path.join(folder, "pace")) as f:

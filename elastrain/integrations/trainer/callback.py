@@ -26,6 +26,7 @@ from elastrain.integrations.trainer.boundaries import StepBoundaries
 from elastrain.integrations.trainer.checkpoints import Resume, TrainerCheckpoints
 from elastrain.integrations.trainer.membership import TrainerMembership
 from elastrain.integrations.trainer.memory import Held
+from elastrain.integrations.trainer.stream import ends_epoch
 from elastrain.metrics import METRICS_FILENAME, EventsFile, MetricsWriter
 from elastrain.step_flags import StepFlags
 
@@ -62,6 +63,7 @@ class TrainerDriver(Protocol):
     def boundaries(self) -> StepBoundaries: ...
     @property
     def log(self) -> Callable[..., None]: ...
+    def redo_lost_epilogue(self) -> None: ...
 
 
 class ElasticTrainerCallback(TrainerCallback):
@@ -107,6 +109,7 @@ class ElasticTrainerCallback(TrainerCallback):
                 EventsFile(d.env.events_file).record(
                     "world_size_changed", old=resumed.world_size, new=d.world_size, step=state.global_step
                 )
+        d.redo_lost_epilogue()  # last, once this world's metrics are written to
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         d = self.driver
@@ -122,23 +125,16 @@ class ElasticTrainerCallback(TrainerCallback):
         d.boundaries.agree_flags()
         view = d.num_samples
         if view:
-            state.epoch = d.held.position.cursor_at(state.global_step) / view
+            position, step = d.held.position, int(state.global_step)
+            state.epoch = position.cursor_at(step) / view
+            if step < state.max_steps and ends_epoch(position.cursor_at(step - 1), position.cursor_at(step), view):
+                control.should_epoch_stop = True  # the Trainer's epoch ends with the stream's (stream.py)
         if self._channel is not None and self.trigger().check(state.global_step) is SaveReason.REQUEST:
             self.trigger().claim()
             self._requested = True
             control.should_save = True
         if state.max_steps and state.global_step >= state.max_steps and args.save_strategy != "no":
             control.should_save = True  # the last step is committed: a crash after training redoes nothing
-        self._before_save(control)
-
-    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._before_save(control)
-
-    def _before_save(self, control: Any) -> None:
-        """The Trainer writes ``checkpoint-N`` before the commit: a world that lost the checkpoint root stops before
-        it writes there (collective: every rank decides ``should_save`` alike)."""
-        if control.should_save:
-            self.driver.checkpoints.ensure_current()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         d = self.driver

@@ -111,6 +111,8 @@ class TrainerCheckpoints:
         self.storage.makedirs(self.root)  # made durable in its parent before anything is committed into it
         self._log = log
         self._commit: Commit | None = None
+        self._committed_before: int | None = None
+        """The step :meth:`prepare` found committed: its save and commit are skipped."""
 
     def protocol(self) -> Commit:
         """The commit protocol over an I/O group of the current world (``--io-timeout``); collective when built."""
@@ -128,10 +130,14 @@ class TrainerCheckpoints:
             )
         return self._commit
 
-    def ensure_current(self) -> None:
-        """Collective, before the Trainer writes a ``checkpoint-N``: a world that lost the root stops here, before
-        it writes anything there (the commit checks again)."""
-        self.protocol().ensure_current()
+    def prepare(self, step: int) -> bool:
+        """Collective, before the Trainer writes ``checkpoint-<step>``: a world that lost the root stops here, before
+        it writes anything there (the commit checks again); the leftover of a save of that step cut short (files of
+        ranks the world no longer has among them) is removed. False: the step is committed already, and a committed
+        folder is never written again (the Trainer's save and the commit are skipped)."""
+        fresh = self.protocol().prepare(step) is not None
+        self._committed_before = None if fresh else step
+        return fresh
 
     def leave_world(self) -> None:
         """The group the protocol runs on is gone with its world; the next world builds its own."""
@@ -167,6 +173,9 @@ class TrainerCheckpoints:
         not make its files durable or the marker could not be written."""
         proto = self.protocol()
         path = os.path.join(self.root, NAMING.name(step))
+        if self._committed_before == step:
+            self._committed_before = None
+            return path  # committed before this save (prepare said so on every rank alike)
         rank, world = proto.rank, proto.world_size
         report: dict[str, layout.FileEntry] = {}
         error: str | None = None

@@ -13,7 +13,7 @@ from typing import Any
 
 from elastrain.integrations.trainer.memory import Held
 from elastrain.integrations.trainer.rescale import TrainerBatch
-from elastrain.integrations.trainer.stream import StreamBatches
+from elastrain.integrations.trainer.stream import StreamBatches, epochs_left
 from elastrain.log import lifecycle
 
 
@@ -52,6 +52,14 @@ class StreamLoader:
             )
         return ok
 
+    def epochs(self, max_steps: int) -> tuple[int, int] | None:
+        """The Trainer's ``(epochs_trained, num_train_epochs)`` for this train() call: the stream's epochs its steps
+        read (None: the Trainer's own DataLoader, and its own epochs)."""
+        if self.sampler is None:
+            return None
+        position = self.held.position
+        return epochs_left(position.cursor_at(self.start_step), position.cursor_at(max_steps), self.num_samples)
+
     def train_dataloader(self) -> Any:
         """The DataLoader of this rank's micro-batches of the stream, for the steps left in the run."""
         from torch.utils.data import DataLoader
@@ -84,10 +92,19 @@ class StreamLoader:
             seed = args.data_seed if args.data_seed is not None else args.seed
             shuffle = args.train_sampling_strategy != "sequential"
         first, self.first_step = self.first_step, None
+        start_step = int(self.held.position.step)
         sampler = StreamBatches(
-            num_samples, batch.plan, batch.rank, start, remaining, seed=seed, shuffle=shuffle, first=first
+            num_samples,
+            batch.plan,
+            batch.rank,
+            start,
+            remaining,
+            seed=seed,
+            shuffle=shuffle,
+            first=first,
+            progress=lambda: int(t.state.global_step) - start_step,
         )
-        self.sampler, self.start_step = sampler, int(self.held.position.step)
+        self.sampler, self.start_step = sampler, start_step
         loader = DataLoader(
             dataset,
             batch_sampler=sampler,

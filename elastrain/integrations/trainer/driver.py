@@ -54,6 +54,7 @@ from elastrain.integrations.trainer.dataloader import StreamLoader
 from elastrain.integrations.trainer.ddp_args import tune_ddp
 from elastrain.integrations.trainer.errors import TrainerIntegrationError
 from elastrain.integrations.trainer.kept_grads import KeptWork
+from elastrain.integrations.trainer.lost_epilogue import LostEpilogue
 from elastrain.integrations.trainer.lost_log import LostLog
 from elastrain.integrations.trainer.membership import TrainerMembership, restart_only
 from elastrain.integrations.trainer.memory import DataPosition, Held
@@ -104,6 +105,10 @@ class ElasticTrainer:
         self.boundaries = StepBoundaries(trainer, membership, self.flags, self.live_ok)
         self.regroups = 0
         self.lost_log = LostLog()
+        self.epilogue = LostEpilogue()
+        """A step's evaluation and save cut short by a broken world, run again in the next."""
+        self._eval_args: tuple[Any, Any] = (None, None)
+        """``train()``'s ``trial`` and ``ignore_keys_for_eval``: what an evaluation run again is given."""
         from elastrain.integrations.trainer.callback import ElasticTrainerCallback
 
         self.callback = ElasticTrainerCallback(self)
@@ -152,26 +157,33 @@ class ElasticTrainer:
     def train(self, original: Callable[..., Any], resume_from_checkpoint: Any, kwargs: dict[str, Any]) -> Any:
         """``Trainer.train``, entered again after every live regroup until the run ends."""
         asked = self._asked_checkpoint(resume_from_checkpoint)
+        self._eval_args = (kwargs.get("trial"), kwargs.get("ignore_keys_for_eval"))
+        args = self.trainer.args
+        eval_on_start = args.eval_on_start
         path = self._enter_world(first=True, asked=asked)
-        while True:
-            cause: BaseException | None = None
-            stops = self.world.forward_stops() if self.world is not None else contextlib.nullcontext()
-            try:
-                with stops:
-                    result = original(self.trainer, resume_from_checkpoint=path, **kwargs)
-            except RegroupNow:
-                pass
-            except Exception as exc:
-                if not self._is_regroup_cause(exc):
-                    raise
-                # The finished frames of train() let go of what they held (the old DDP wrapper, so the move collects
-                # it at once); the traceback keeps its lines for a re-raise.
-                traceback.clear_frames(exc.__traceback__)
-                cause = exc
-            else:
-                self._finished()
-                return result
-            path = self._regroup(cause)
+        try:
+            while True:
+                cause: BaseException | None = None
+                stops = self.world.forward_stops() if self.world is not None else contextlib.nullcontext()
+                try:
+                    with stops:
+                        result = original(self.trainer, resume_from_checkpoint=path, **kwargs)
+                except RegroupNow:
+                    pass
+                except Exception as exc:
+                    if not self._is_regroup_cause(exc):
+                        raise
+                    # The finished frames of train() let go of what they held (the old DDP wrapper, so the move
+                    # collects it at once); the traceback keeps its lines for a re-raise.
+                    traceback.clear_frames(exc.__traceback__)
+                    cause = exc
+                else:
+                    self._finished()
+                    return result
+                path = self._regroup(cause)
+                args.eval_on_start = False  # the run evaluated as it started, not as each world does
+        finally:
+            args.eval_on_start = eval_on_start
 
     def _asked_checkpoint(self, asked: Any) -> str | None:
         """The checkpoint the script asked for, or the newest committed one; never an uncommitted folder."""
@@ -206,6 +218,7 @@ class ElasticTrainer:
         own_step = int(self.trainer.state.global_step) if self.held.holds_state else -1
         agreed_step = world.agree_state()
         self.lost_log.relog(self.trainer, self.trainer.args.device, own_step, agreed_step)
+        self.epilogue.agree(self.trainer, self.trainer.args.device, own_step, agreed_step)
         tune_ddp(self.trainer.accelerator, in_sync=agreed_step is not None)  # the DDP train() builds for this world
         canonical_cpu_device(self.trainer.accelerator)  # prepare() moves no state already in place
         if agreed_step is None:
@@ -288,13 +301,17 @@ class ElasticTrainer:
                 lifecycle("finishing_unannounced", level=logging.WARNING, error=repr(exc)[:200])
 
     # -- the Trainer's hooks -----------------------------------------------------------------------
-    def init_training_state(self, result: tuple[int, int], per_epoch: int) -> tuple[int, int]:
-        """After the Trainer built a fresh ``TrainerState``: the state in memory, when resuming from it."""
+    def init_training_state(self, result: tuple[int, int], max_steps: int, per_epoch: int) -> tuple[int, int]:
+        """After the Trainer built a fresh ``TrainerState``: the state in memory, when resuming from it; the epoch
+        the Trainer's loop starts in (the stream's, or its own)."""
         state, held = self.trainer.state, self.held
         if held.memory_resume:
             held.progress.apply(state)
             result = (int(state.global_step) // max(per_epoch, 1), 0)
             self.lost_log.emit(self.trainer)
+        epochs = self.loader.epochs(max_steps)
+        if epochs is not None:
+            result = (epochs[0], 0)  # the stream's position is the data position: nothing skipped in the epoch
         self.lost_log.begin(int(state.global_step))  # a checkpoint's step too
         if held.position.step != state.global_step:
             raise TrainerIntegrationError(
@@ -312,6 +329,12 @@ class ElasticTrainer:
         self.boundaries.sync_on(model, self.kept.watch)
         if self.world is not None:
             self.world.collection.wrapped()
+
+    def redo_lost_epilogue(self) -> None:
+        """``Trainer.train`` set up its state and is about to train (``on_train_begin``): the agreed step's evaluation
+        and save, if its world cut them short (collective; live mode)."""
+        if self.world is not None:
+            self.epilogue.redo(self.trainer, *self._eval_args)
 
     def note_failure(self, exc: BaseException) -> None:
         note_if_collective_failure(self.env, exc)

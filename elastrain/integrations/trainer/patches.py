@@ -9,11 +9,16 @@ trainer.hook.TESTED` only:
   place joins here, as in restart mode);
 * ``Trainer.__init__``: attaches the :class:`~elastrain.integrations.trainer.driver.ElasticTrainer`;
 * ``Trainer.train``: the driver's loop (resume, regroups);
-* ``Trainer.get_train_dataloader``: the stream's batches for this rank;
+* ``Trainer.get_train_dataloader``: the stream's batches for this rank; ``Trainer.set_initial_training_values``:
+  the stream's epochs;
 * ``Trainer._init_training_state``: the state in memory after a regroup;
 * ``Trainer._prepare_for_training``: the step flags on DDP's gradient sync, the scheduler's kept state;
+* ``Trainer._save_checkpoint``: the commit protocol prepares the folder (a world that lost the root writes nothing;
+  a cut-short save's leftover is removed; a committed folder is never written again);
 * ``Trainer.training_step`` and ``Trainer._maybe_log_save_evaluate``: the logging window's loss kept, so that a log
-  the last world lost is written in the next (:mod:`~elastrain.integrations.trainer.lost_log`); and a lost step's
+  the last world lost is written in the next (:mod:`~elastrain.integrations.trainer.lost_log`), and what the step's
+  evaluation and save are due to do, so that the next world runs them if they were cut short
+  (:mod:`~elastrain.integrations.trainer.lost_epilogue`); and a lost step's
   finished micro-batches noted (``Trainer.compute_loss`` too: the loss of a micro-batch whose gradient sync broke), and
   not run again in the next world (:mod:`~elastrain.integrations.trainer.kept_grads`);
 * ``trainer_utils.get_last_checkpoint``: the newest *committed* checkpoint.
@@ -118,12 +123,25 @@ def patch_trainer(module: Any) -> None:
             driver = driver_of(self)
             if driver is None or driver.world is None:
                 return original(self, *args, **kwargs)
+            driver.epilogue.entering(self)
             try:
-                return original(self, *args, **kwargs)
+                result = original(self, *args, **kwargs)
             finally:
                 driver.lost_log.logged(self)
+            driver.epilogue.returned()
+            return result
 
         return _maybe_log_save_evaluate
+
+    def make_save(original: Any) -> Any:
+        @functools.wraps(original)
+        def _save_checkpoint(self: Any, model: Any, trial: Any) -> Any:
+            driver = driver_of(self)
+            if driver is not None and not driver.checkpoints.prepare(int(self.state.global_step)):
+                return None  # committed before: never written again
+            return original(self, model, trial)
+
+        return _save_checkpoint
 
     def make_training_step(original: Any) -> Any:
         @functools.wraps(original)
@@ -169,9 +187,19 @@ def patch_trainer(module: Any) -> None:
         def _init_training_state(self: Any, max_steps: Any, per_epoch: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(self, max_steps, per_epoch, *args, **kwargs)
             driver = driver_of(self)
-            return result if driver is None else driver.init_training_state(result, int(per_epoch))
+            return result if driver is None else driver.init_training_state(result, int(max_steps), int(per_epoch))
 
         return _init_training_state
+
+    def make_initial_values(original: Any) -> Any:
+        @functools.wraps(original)
+        def set_initial_training_values(self: Any, args: Any, dataloader: Any) -> Any:
+            values = original(self, args, dataloader)
+            driver = driver_of(self)
+            epochs = driver.loader.epochs(int(values[-1])) if driver is not None else None
+            return values if epochs is None else (epochs[1], *values[1:])  # the stream's epochs, not one
+
+        return set_initial_training_values
 
     def make_prepare(original: Any) -> Any:
         @functools.wraps(original)
@@ -188,8 +216,10 @@ def patch_trainer(module: Any) -> None:
     _wrap(cls, "train", make_train)
     _wrap(cls, "get_train_dataloader", make_dataloader)
     _wrap(cls, "_init_training_state", make_init_state)
+    _wrap(cls, "set_initial_training_values", make_initial_values)
     _wrap(cls, "_prepare_for_training", make_prepare)
     _wrap(cls, "_maybe_log_save_evaluate", make_log)
+    _wrap(cls, "_save_checkpoint", make_save)
     _wrap(cls, "training_step", make_training_step)
     _wrap(cls, "compute_loss", make_compute_loss)
 

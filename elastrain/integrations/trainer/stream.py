@@ -12,11 +12,17 @@ ranks by the batch plan (:func:`elastrain.scaling.plan`: shares that differ by a
 the same number of micro-batches on every rank), and it yields this rank's micro-batches for the
 steps left in the run. The Trainer's DataLoader takes it as its ``batch_sampler``; accelerate's own
 sharding is turned off for it (it is already this rank's).
+
+The Trainer still sees the stream's epochs: its loop runs one of its epochs per epoch of the stream
+(:func:`epochs_left`), the step in which the stream reaches the end of an epoch ends the Trainer's
+(:func:`ends_epoch`: its evaluation, save and log by ``"epoch"``, and the callbacks' ``on_epoch_end``, come
+after it, as without elastrain), and each of the Trainer's epochs reads the sampler again from the step it
+has reached (``progress``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -40,6 +46,7 @@ class StreamBatches(Sampler[list[int]]):
         seed: int,
         shuffle: bool = True,
         first: tuple[tuple[int, ...], ...] | None = None,
+        progress: Callable[[], int] | None = None,
     ) -> None:
         if num_samples < 1:
             raise DataStateError("the training dataset is empty")
@@ -61,6 +68,8 @@ class StreamBatches(Sampler[list[int]]):
         if first is not None and len(first) != plan.accumulation:
             raise DataStateError(f"the first step's split gives {len(first)} micro-batches, not {plan.accumulation}")
         self.first = first
+        self.progress = progress
+        """How many of its steps the Trainer has completed: where reading it again goes on (None: from the start)."""
         """This rank's micro-batches of the first step, as positions in its global batch, when the world split that
         step itself (a lost step's kept micro-batches: :mod:`~elastrain.integrations.trainer.kept_split`)."""
         self._orders: dict[int, np.ndarray[Any, np.dtype[np.int64]]] = {}
@@ -103,8 +112,22 @@ class StreamBatches(Sampler[list[int]]):
         return [[samples[o] for o in micro] for micro in self.step_offsets(step_index)]
 
     def __iter__(self) -> Iterator[list[int]]:
-        for k in range(self.steps):
+        done = self.progress() if self.progress is not None else 0
+        for k in range(max(0, done), self.steps):
             yield from self.step_micro_batches(k)
 
     def __len__(self) -> int:
         return self.steps * self.plan.accumulation
+
+
+def epochs_left(next_cursor: int, end_cursor: int, num_samples: int) -> tuple[int, int]:
+    """Pure: the stream's epochs that the steps from stream position ``next_cursor`` to ``end_cursor`` read, as
+    ``range(first, stop)``: the Trainer's ``epochs_trained`` and ``num_train_epochs``."""
+    first = next_cursor // num_samples
+    return first, max(first, -(-end_cursor // num_samples))
+
+
+def ends_epoch(cursor_before: int, cursor_after: int, num_samples: int) -> bool:
+    """Pure: whether the step that reads stream positions ``cursor_before`` to ``cursor_after`` (exclusive) reaches
+    the end of an epoch: the last step of that epoch, whose end the Trainer marks after it."""
+    return cursor_after // num_samples > cursor_before // num_samples
