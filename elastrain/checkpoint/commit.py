@@ -110,17 +110,20 @@ class Commit:
         log: Callable[..., None] | None = None,
         fence: Callable[[str, int | None, Storage], None] | None = None,
         claim_as: World | None = None,
+        protect: Callable[[], Iterable[int]] = tuple,
     ) -> None:
         """``fence(root, generation, storage)`` is called at prepare and around the marker's write
         (default :func:`check_fence`). ``claim_as``: the world claims its own generation in ``root``
         before its first restore or save (the launcher claimed none there; see
-        :func:`elastrain.fence.worker_world`), and ``generation`` is then the claim's."""
+        :func:`elastrain.fence.worker_world`), and ``generation`` is then the claim's. ``protect``: steps
+        retention keeps besides the newest ``keep_last`` (asked at each purge)."""
         self.root = root
         self.storage = storage
         self.group = group
         self.kind = kind
         self.naming = naming
         self.keep_last = keep_last
+        self.protect = protect
         self._log = log or (lambda *a, **k: None)
         self.bad_steps: set[int] = set()
         self.world_fence = WorldFence(
@@ -309,10 +312,11 @@ class Commit:
         self.reject(d, f"{d.path}: no commit marker {layout.MARKER} (a save that never finished)")
 
     def purge(self) -> None:
-        """Rank 0: retention (the newest ``keep_last`` complete checkpoints stay); failures are logged."""
+        """Rank 0: retention (the newest ``keep_last`` complete checkpoints stay, and the protected); failures are
+        logged."""
         try:
             dirs = layout.list_step_dirs(self.root, self.storage, self.naming)
-            victims = layout.retention_plan(dirs, self.keep_last, self.bad_steps)
+            victims = layout.retention_plan(dirs, self.keep_last, self.bad_steps, self.protect())
             for d in victims:
                 if not d.committed and not may_remove_leftover(self.owner(d.path), self.generation):
                     continue

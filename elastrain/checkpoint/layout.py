@@ -301,13 +301,16 @@ def newest_complete(
     return None
 
 
-def retention_plan(dirs: Sequence[StepDir], keep_last: int, bad_steps: Iterable[int] = ()) -> list[StepDir]:
-    """Which step directories to delete so that the newest ``keep_last`` complete ones remain.
+def retention_plan(
+    dirs: Sequence[StepDir], keep_last: int, bad_steps: Iterable[int] = (), protect: Iterable[int] = ()
+) -> list[StepDir]:
+    """Which step directories to delete so that ``keep_last`` complete ones remain: the newest, the ``protect`` ed
+    ones (the Trainer's best model, as transformers' own rotation keeps it), then the newest others up to
+    ``keep_last`` in all (more only when the protected ones are more).
 
-    Pure. Complete = committed and not known bad. It deletes complete checkpoints older than the
-    newest ``keep_last``, and incomplete or bad ones older than the newest complete one (leftovers
-    of killed saves). It never deletes the newest complete checkpoint, nor anything newer than it
-    (a save may be in flight there).
+    Pure. Complete = committed and not known bad. It deletes the other complete checkpoints, and incomplete
+    or bad ones older than the newest complete one (leftovers of killed saves). It never deletes the newest
+    complete checkpoint, nor anything newer than it (a save may be in flight there).
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 so that a complete checkpoint always remains, got {keep_last}")
@@ -316,8 +319,12 @@ def retention_plan(dirs: Sequence[StepDir], keep_last: int, bad_steps: Iterable[
     complete = [d for d in ordered if d.committed and d.step not in bad]
     if not complete:
         return []
-    kept = {d.step for d in complete[-keep_last:]}
     newest = complete[-1].step
+    kept = {newest} | ({d.step for d in complete} & set(protect))
+    for d in reversed(complete):
+        if len(kept) >= keep_last:
+            break
+        kept.add(d.step)
     return [d for d in ordered if d.step < newest and d.step not in kept]
 
 

@@ -260,3 +260,28 @@ def test_a_trainer_by_epochs_evaluates_and_saves_at_each_epochs_end_through_a_ki
     for step in (100, 200):
         folder = run.out / "model" / f"checkpoint-{step}"
         assert is_committed(str(folder)), f"{where}: {folder} not committed\n{run.dump()}"
+
+
+def test_the_best_checkpoint_outlives_retention_so_the_run_ends_with_the_best_model(
+    assets: Path, tmp_path: Path
+) -> None:
+    """run_classification.py keeping one checkpoint (``--save_total_limit 1``) and loading the best model at the end,
+    the best being the first evaluated (``--greater_is_better false`` on the accuracy, which the first evaluation
+    holds): retention keeps the best checkpoint besides the newest, as transformers' own rotation does, and the
+    model the run ends with is the best checkpoint's."""
+    base = classification(assets, max_steps=60)
+    best = (
+        "--eval_strategy", "steps", "--eval_steps", "20", "--save_steps", "20", "--save_total_limit", "1",
+        "--load_best_model_at_end", "--metric_for_best_model", "accuracy", "--greater_is_better", "false",
+    )  # fmt: skip
+    args = list(base.args)
+    del args[args.index("--save_steps") : args.index("--save_steps") + 2]
+    w = Workload(base.script, (*args, *best), base.max_steps)
+    ref = reference(w, tmp_path / "run")
+    state = ref.state()
+    assert state["best_model_checkpoint"] == str(ref.out / "model" / "checkpoint-20"), state["best_model_checkpoint"]
+    kept = sorted(p.name for p in (ref.out / "model").glob("checkpoint-*"))
+    assert kept == ["checkpoint-20", "checkpoint-60"], kept
+    assert all(is_committed(str(ref.out / "model" / name)) for name in kept)
+    final = (ref.out / "model" / "model.safetensors").read_bytes()
+    assert final == (ref.out / "model" / "checkpoint-20" / "model.safetensors").read_bytes()

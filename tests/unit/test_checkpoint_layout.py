@@ -106,6 +106,23 @@ def test_retention_plan(dirs: list[StepDir], keep: int, bad: set[int], deleted: 
     assert [x.step for x in layout.retention_plan(dirs, keep, bad)] == deleted
 
 
+@pytest.mark.parametrize(
+    ("dirs", "keep", "protect", "deleted"),
+    [
+        ([d(1), d(2), d(3), d(4)], 2, {1}, [2, 3]),  # the best and the newest: two in all, as transformers keeps
+        ([d(1), d(2), d(3), d(4)], 1, {1}, [2, 3]),  # more than keep_last only for the protected
+        ([d(1), d(2), d(3), d(4)], 3, {1}, [2]),
+        ([d(1), d(2), d(3), d(4)], 2, {4}, [1, 2]),  # the newest is the best
+        ([d(1), d(2, False), d(3), d(4)], 1, {2}, [1, 2, 3]),  # an uncommitted folder is never protected
+        ([d(1), d(2), d(3)], 1, {7}, [1, 2]),  # a step that is not there protects nothing
+    ],
+)
+def test_retention_keeps_the_protected_steps(
+    dirs: list[StepDir], keep: int, protect: set[int], deleted: list[int]
+) -> None:
+    assert [x.step for x in layout.retention_plan(dirs, keep, (), protect)] == deleted
+
+
 def test_retention_refuses_to_keep_nothing() -> None:
     with pytest.raises(ValueError, match="keep_last"):
         layout.retention_plan([d(1)], 0)

@@ -100,7 +100,14 @@ def rank_zero_log(event: str, level: int = logging.INFO, **fields: Any) -> None:
 class TrainerCheckpoints:
     """Commit and restore of one root's Trainer folders over the current process group (every rank builds it)."""
 
-    def __init__(self, root: str, env: WorkerEnv, keep_last: int, log: Callable[..., None] = rank_zero_log) -> None:
+    def __init__(
+        self,
+        root: str,
+        env: WorkerEnv,
+        keep_last: int,
+        log: Callable[..., None] = rank_zero_log,
+        best: Callable[[], str | None] = lambda: None,
+    ) -> None:
         if keep_last < 1:
             raise CheckpointError(f"save_total_limit must be >= 1 under elastrain-run, got {keep_last}")
         self.root = os.path.abspath(local_path(root))
@@ -110,6 +117,9 @@ class TrainerCheckpoints:
         self.storage = LocalStorage()
         self.storage.makedirs(self.root)  # made durable in its parent before anything is committed into it
         self._log = log
+        self._best = best
+        """The Trainer's best checkpoint (``TrainerState.best_model_checkpoint``): retention keeps it, as the
+        Trainer's own rotation does, so that ``load_best_model_at_end`` finds it."""
         self._commit: Commit | None = None
         self._committed_before: int | None = None
         """The step :meth:`prepare` found committed: its save and commit are skipped."""
@@ -127,6 +137,7 @@ class TrainerCheckpoints:
                 keep_last=self.keep_last,
                 log=self._log,
                 claim_as=fence.worker_world(self.env, self.root),  # the workers fence a root the launcher did not
+                protect=self._protected,
             )
         return self._commit
 
@@ -138,6 +149,11 @@ class TrainerCheckpoints:
         fresh = self.protocol().prepare(step) is not None
         self._committed_before = None if fresh else step
         return fresh
+
+    def _protected(self) -> tuple[int, ...]:
+        best = self._best()
+        step = NAMING.parse(os.path.basename(os.path.normpath(best))) if best else None
+        return () if step is None else (step,)
 
     def leave_world(self) -> None:
         """The group the protocol runs on is gone with its world; the next world builds its own."""

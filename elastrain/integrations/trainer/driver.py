@@ -86,7 +86,12 @@ class ElasticTrainer:
         self.env = membership.env if membership is not None else WorkerEnv.from_environ()
         settings = _explicit_settings(trainer)
         limit = settings.keep_last if settings else args.save_total_limit
-        self.checkpoints = TrainerCheckpoints(args.output_dir, self.env, int(limit) if limit else NO_LIMIT)
+        self.checkpoints = TrainerCheckpoints(
+            args.output_dir,
+            self.env,
+            int(limit) if limit else NO_LIMIT,
+            best=lambda: trainer.state.best_model_checkpoint,  # the state of the current train() call
+        )
         # The Trainer's rotation may delete the last complete checkpoint before the new one is committed, and its
         # skip-ahead replays the old world's per-rank batches: elastrain does both (see the module docstring).
         args.save_total_limit = None
