@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from elastrain.errors import DataStateError
@@ -119,3 +121,19 @@ def test_the_trainer_runs_the_epochs_its_steps_read(
     next_cursor: int, end_cursor: int, n: int, expected: tuple[int, int]
 ) -> None:
     assert epochs_left(next_cursor, end_cursor, n) == expected
+
+
+@pytest.mark.parametrize(("strategy", "warned"), [("group_by_length", True), ("random", False), ("sequential", False)])
+def test_a_sampling_strategy_the_stream_does_not_follow_is_said_once(
+    strategy: str, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    from elastrain.integrations.trainer.dataloader import StreamLoader
+
+    caplog.set_level(logging.INFO, logger="elastrain")
+    loader = StreamLoader(trainer=None, batch=None, held=None)  # type: ignore[arg-type]
+    loader._warn_sampling(strategy)
+    loader._warn_sampling(strategy)
+    said = caplog.text.count("event=trainer_sampling_replaced")
+    assert said == (1 if warned else 0), caplog.text
+    if warned:
+        assert f"train_sampling_strategy={strategy} instead=random" in caplog.text

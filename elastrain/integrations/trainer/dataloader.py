@@ -27,6 +27,7 @@ class StreamLoader:
         self.num_samples = 0
         """The training set's size (known once the Trainer asks for its dataloader)."""
         self._warned_stream = False
+        self._warned_sampling = False
         self.sampler: StreamBatches | None = None
         """This train() call's batches (None: not built yet, or the Trainer's own DataLoader)."""
         self.start_step = 0
@@ -51,6 +52,20 @@ class StreamLoader:
                 why="the training set is iterable (no length): its position is not kept across world sizes",
             )
         return ok
+
+    def _warn_sampling(self, strategy: str) -> None:
+        """A sampling strategy the stream does not follow (it orders by a seeded permutation): said once."""
+        if strategy in ("random", "sequential") or self._warned_sampling:
+            return
+        self._warned_sampling = True
+        lifecycle(
+            "trainer_sampling_replaced",
+            level=logging.WARNING,
+            train_sampling_strategy=strategy,
+            instead="random",
+            why="elastrain reads the training set as a seeded permutation per epoch, the same at every world size "
+            "(every sample once per epoch); it does not group samples by length",
+        )
 
     def epochs(self, max_steps: int) -> tuple[int, int] | None:
         """The Trainer's ``(epochs_trained, num_train_epochs)`` for this train() call: the stream's epochs its steps
@@ -91,6 +106,7 @@ class StreamLoader:
         else:
             seed = args.data_seed if args.data_seed is not None else args.seed
             shuffle = args.train_sampling_strategy != "sequential"
+            self._warn_sampling(str(args.train_sampling_strategy))
         first, self.first_step = self.first_step, None
         start_step = int(self.held.position.step)
         sampler = StreamBatches(
