@@ -23,9 +23,10 @@ each step sleeps 0.3 s (its pace file), like the T5 job's ``--step-sleep``: an i
 before the trace. Its judge checks what applies to a script that is not written against ``Session`` (no
 ``finish`` or ``start`` records): the trace ran and the job finished, the last step is ``max_steps`` (ledger and
 the Trainer's ``trainer_state.json``), every sample once per epoch (the committed steps' ledger rows make the
-stream), steps computed twice at most one per SIGKILL (and ``--save-every`` + 1 per world lost whole: a
-whole-job kill, or every member of a world killed, after which the job resumes from its newest committed
-``checkpoint-N``), no orphan processes, bounded rendezvous rounds.
+stream), every evaluation once (the script evaluates every 20 steps and after training: the log history holds
+the uninterrupted run's evaluation steps, each once), steps computed twice at most one per SIGKILL (and
+``--save-every`` + 1 per world lost whole: a whole-job kill, or every member of a world killed, after which the
+job resumes from its newest committed ``checkpoint-N``), no orphan processes, bounded rendezvous rounds.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from bench.support.t5_example import prepare_data  # noqa: E402
 from bench.support.trainer_ledger import Ledger, LedgerProgress, check_every_sample_once  # noqa: E402
 from bench.support.trainer_workload import (  # noqa: E402
     clm_script,
+    evaluation_steps,
     make_assets,
     train_samples,
     trainer_env,
@@ -100,7 +102,7 @@ class Job:
                     "--samples", str(self.samples), "--global-batch", str(self.global_batch), "--micro-batch", "2",
                     "--max-steps", str(max_steps), "--save-every", str(self.save_every), "--sleep", "0.3"]  # fmt: skip
         if self.name == "trainer":
-            return clm_script(data_dir, out / "job", max_steps, save_steps=self.save_every)
+            return clm_script(data_dir, out / "job", max_steps, save_steps=self.save_every, eval_steps=EVAL_EVERY)
         # Paced (like the ledger job's --sleep): an idle machine trains faster than the trace's gaps fire its
         # events, and the job would end before the trace does.
         return [str(REPO / "examples" / "t5" / "train.py"), "--preset", "tiny", "--max-steps", str(max_steps),
@@ -130,6 +132,8 @@ JOBS = {
     "trainer": Job("trainer", samples=0, global_batch=0, steps_per_event=8, save_every=10),
 }
 TRAINER_STEP_SLEEP = 0.3
+EVAL_EVERY = 20
+"""The trainer job evaluates every that many steps (and once after training, as run_clm.py does)."""
 KILLS = ("kill", "notice_expired", "drain_timeout")
 """The harness's records of a SIGKILL (elastrain/chaos/checks.py's ``_SIGKILLS``)."""
 
@@ -293,10 +297,17 @@ def judge_trainer(out: Path, settings: dict[str, Any], job: Job, trace: Trace) -
             f"(allowed {allowed}: 1 per SIGKILL, {job.save_every + 1} per world lost whole)"
         )
     twice.detail = f"{len(redone)} for {kills} SIGKILLs, {lost} worlds lost whole"
+    evaluations = Check("every evaluation once")
+    want = [*range(EVAL_EVERY, max_steps + 1, EVAL_EVERY), max_steps]
+    got = evaluation_steps(trainer_state(out / "job"))
+    if got != want:
+        evaluations.violations.append(f"evaluations at steps {got}; an uninterrupted run evaluates at {want}")
+    evaluations.detail = f"{len(got)} evaluations"
     checks: list[Check] = [
         check_trace_ran(timeline, len(trace.events)),
         final,
         check_every_sample_once(ledger, max_steps, global_batch, train_samples(out / "job")),
+        evaluations,
         twice,
         check_processes(timeline),
         check_bounded_rounds(timeline, rounds),

@@ -34,15 +34,27 @@ def make_assets(out: Path, timeout_s: float = 600.0) -> Path:
     return out
 
 
-def clm_script(assets: Path, output_dir: Path, max_steps: int, save_steps: int = SAVE_STEPS) -> list[str]:
-    """run_clm.py's command line: per-device batch 4 (a global batch of 8 at the first world size, 2 nodes)."""
+def clm_script(
+    assets: Path, output_dir: Path, max_steps: int, save_steps: int = SAVE_STEPS, eval_steps: int = 0
+) -> list[str]:
+    """run_clm.py's command line: per-device batch 4 (a global batch of 8 at the first world size, 2 nodes);
+    ``eval_steps``: also evaluate on the validation text every that many steps, and once after training."""
+    evaluate = [
+        "--do_eval", "--validation_file", str(assets / "text" / "validation.txt"), "--eval_strategy", "steps",
+        "--eval_steps", str(eval_steps),
+    ] if eval_steps else []  # fmt: skip
     return [
         str(SCRIPT), "--model_name_or_path", str(assets / "gpt2"), "--train_file", str(assets / "text" / "train.txt"),
         "--block_size", "32", "--per_device_train_batch_size", str(PER_DEVICE_BATCH), "--learning_rate", "2e-3",
         "--save_steps", str(save_steps), "--logging_steps", "10", "--max_steps", str(max_steps),
         "--output_dir", str(output_dir), "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
-        "--seed", "0", "--do_train",
+        "--seed", "0", "--do_train", *evaluate,
     ]  # fmt: skip
+
+
+def evaluation_steps(state: dict[str, Any]) -> list[int]:
+    """The steps of the evaluations in a ``trainer_state.json``'s log history, in order."""
+    return [int(h["step"]) for h in state.get("log_history", []) if "eval_loss" in h]
 
 
 def trainer_env(ledger_dir: Path, cache_dir: Path, step_sleep: float = 0.0) -> dict[str, str]:
