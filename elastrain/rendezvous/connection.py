@@ -96,6 +96,12 @@ class StoreFactory(Protocol):
         safely (a fencing root: a world still alive somewhere is fenced, never doubled)."""
         ...
 
+    def no_world_since_start(self) -> bool:
+        """Whether no world of the job formed since this node started at the endpoint (no store of the job answered
+        then): no newer fencing claim in the root. A store no world ran on, once silent, moved nowhere (a world moves
+        its store), and the job is started over at once."""
+        ...
+
 
 class FixedStores:
     """:class:`StoreFactory` of a store that never moves (etcd): no failover, no refound, no other world's store."""
@@ -127,6 +133,9 @@ class FixedStores:
         return False
 
     def known_gone(self, cached: st.RendezvousState) -> bool:
+        return False
+
+    def no_world_since_start(self) -> bool:
         return False
 
 
@@ -403,11 +412,15 @@ def refound_why(
 ) -> str | None:
     """Why a newcomer whose store failed ``silent_s`` ago, with no live store found since, starts the job over now;
     None while it looks on. At once when its world's last node left it (the mark is read only once the failover found
-    no store); after ``heartbeat_timeout`` when every node of the job it knows of refuses its probe (they died
-    together: a member it never saw, had it taken the store over, would have recorded the move by then, and the
-    failover would have found it); else once it has looked for ``refound_after``."""
+    no store), or when no world of the job formed since it started at the endpoint (no store of the job answered then:
+    a relaunch whose store's host went away before the first round); after ``heartbeat_timeout`` when every node of
+    the job it knows of refuses its probe (they died together: a member it never saw, had it taken the store over,
+    would have recorded the move by then, and the failover would have found it); else once it has looked for
+    ``refound_after``."""
     if stores.vacated():
         return "its world's last node left it"
+    if stores.no_world_since_start():
+        return "its store held no world of the job (no newer fencing claim since this node started)"
     if silent_s >= settings.refound_after_s:
         return "its published store is silent"
     if silent_s >= settings.heartbeat_timeout_s and stores.known_gone(cached):

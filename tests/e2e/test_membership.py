@@ -245,6 +245,40 @@ def test_a_job_launched_again_after_every_node_died_trains_without_the_first_sta
         assert again.proc.wait(timeout=BOUND) == 0, again.dump()
 
 
+def test_a_node_launched_again_whose_store_host_leaves_before_the_first_round_starts_the_job_over_at_once(
+    tmp_path: Path,
+) -> None:
+    """Both nodes SIGKILLed, then both launched again (a scheduler's relaunch): b joins the store a founded afresh at
+    the endpoint, and a is stopped (SIGTERM) before their first round forms. b knows the job ran before (its claim is
+    in the root, not closed) although a store answered it, and carries the job on within ``scale_up_window``: it
+    takes the store over (it is in the state) or, had a left before b was in the state, starts the job over at the
+    endpoint at once (no world ran on that store, and no newer fencing claim is in the root: it moved nowhere).
+    Before, b took the store over and waited the first start's last call (600 s here), or looked for a live store for
+    ``refound_after`` (600 s here; 60 s by default: the trainer soak of seed 17749 stalled 75 s so)."""
+    port, stop, opts, a, b = _two_nodes_with_a_long_last_call(tmp_path)
+    with reaped(a.proc, b.proc):
+        _wait_training([a, b], 2, 0, "two nodes train together")
+        victims = kill_tree(a.proc.pid) + kill_tree(b.proc.pid)
+        wait_for(lambda: not alive(victims), 10, what="a's and b's processes to be gone")
+    # Room for a third node, so that the first round waits scale_up_window for more and a leaves before it forms.
+    again = (*opts[:2], "--nnodes", "1:3", "--rdzv-conf", "last_call_timeout=600,scale_up_window=15,refound_after=600")
+    a2 = Node("a-again", tmp_path, port, stop, *again)
+    with reaped(a2.proc):
+        wait_for(lambda: bool(a2.events("rendezvous_joined")), BOUND, 0.1, "a to wait for its first round")
+        b2 = Node("b-again", tmp_path, port, stop, *again)
+        with reaped(b2.proc):
+            wait_for(lambda: bool(b2.events("rendezvous_joined")), BOUND, 0.1, "b to join a's store\n" + a2.dump())
+            assert not a2.lines("MW_START"), "the first round formed before a left\n" + a2.dump()
+            t = time.time()
+            a2.proc.send_signal(signal.SIGTERM)
+            _wait_training([b2], 1, t, "b trains alone once a left")
+            assert b2.events("job_launched_again"), b2.dump()
+            refounded = b2.events("job_refounded")
+            assert b2.events("store_failover") or "no world" in refounded[0]["why"], b2.dump()
+            stop.touch()
+            assert b2.proc.wait(timeout=BOUND) == 0, b2.dump()
+
+
 @pytest.mark.parametrize("store_host", ["a", "b"])
 def test_spare_waits_without_restarting_the_job_and_takes_over_from_a_node_that_fails(
     tmp_path: Path, store_host: str

@@ -73,6 +73,7 @@ def test_short_seeded_trainer_soak_passes_every_check(tmp_path):
         "job finished, trace ran",
         "final step",
         "every sample once per epoch",
+        "every evaluation once",
         "steps computed twice",
         "no orphan processes",
         "bounded rounds",

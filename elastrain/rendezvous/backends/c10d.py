@@ -27,7 +27,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
-from elastrain import binding, fence_moves
+from elastrain import binding, fence, fence_moves
 from elastrain.errors import (
     RendezvousStateCorruptError,
     RendezvousStoreLostError,
@@ -126,6 +126,9 @@ class C10dStores:
         # Where this node listens when it hosts a store after a failover: its advertised address's interface.
         self.addr = binding.advertised_address(params.local_addr, str(params.endpoint))
         self.resumes = False
+        self._claimed_at_start: int | None = None
+        """The newest claim's generation (-1: none) when this node started on a store no world ran on; None: it
+        started on a running job's store, or without a checkpoint root."""
         self._found = st.RendezvousState()
         """The live state read where this node found the job's published store (the nodes it knows of first)."""
 
@@ -138,21 +141,34 @@ class C10dStores:
         self.root = str(root) if root else None
         if root:
             self._closed_before = fence_marks.newest_close(str(root), -1, self.run_id, self.auth)
-            published = self._published(str(root))
+            _, top = fence_marks.newest_claim(str(root))
+            published = self._published(str(root), top)
+            if published is None or self._found.round < 0:
+                # No world runs on the store this node starts on: founded afresh at the endpoint, by this node or
+                # by another node launched again with it (a store of the job answers there, but no round formed).
+                self._claimed_at_start = top.generation if top is not None else -1
+                self.resumes = self._ran_before(top)
             if published is not None:
                 return published
-            self.resumes = self._ran_before(str(root))
         return self.at_endpoint()
 
-    def _ran_before(self, root: str) -> bool:
-        """Whether this job trained before this node started and did not finish: its newest claim in ``root`` is
-        newer than its last close (unknown: no)."""
-        _, top = fence_marks.newest_claim(root)
+    def no_world_since_start(self) -> bool:
+        """Whether no world of the job formed since this node started on a store no world ran on (founded afresh at
+        the endpoint): the newest claim in the root is still the one it found (a round claims the next generation
+        as it forms). False when it started on the store of a running job."""
+        if self.root is None or self._claimed_at_start is None:
+            return False
+        _, top = fence_marks.newest_claim(self.root)
+        return (top.generation if top is not None else -1) == self._claimed_at_start
+
+    def _ran_before(self, top: fence.Claim | None) -> bool:
+        """Whether this job trained before this node started and did not finish: its newest claim in the root
+        (``top``) is newer than its last close (unknown: no)."""
         closed = self._closed_before
         ran = top is not None and top.run_id == self.run_id and closed is not None and closed < top.generation
         if ran and top is not None:
             lifecycle("job_launched_again", generation=top.generation, why="the job's claim is in the checkpoint "
-                      "root and no store of it answered: its first round here waits scale_up_window, not the "
+                      "root and no world of it runs: its first round here waits scale_up_window, not the "
                       "last call")  # fmt: skip
         return ran
 
@@ -179,9 +195,8 @@ class C10dStores:
                 f"cannot reach the c10d rendezvous store at {params.endpoint} ({exc}); check --rdzv-endpoint"
             ) from exc
 
-    def _published(self, root: str) -> tuple[TCPStore, bool, str] | None:
-        """The running job's store: where the newest claim's last moved since, else its own; or None."""
-        _, top = fence_marks.newest_claim(root)
+    def _published(self, root: str, top: fence.Claim | None) -> tuple[TCPStore, bool, str] | None:
+        """The running job's store: where the newest claim (``top``) last moved since, else its own; or None."""
         if top is None or not top.store:
             return None
         # its store left with its last node: nothing to wait for there
@@ -322,7 +337,7 @@ class C10dStores:
         if me not in cached.nodes and self.root:
             # A newcomer whose store died before it read the state knows no successor: the store the job's
             # world runs on now is the one published with its fencing claim (when one is alive).
-            published = self._published(self.root)
+            published = self._published(self.root, fence_marks.newest_claim(self.root)[1])
             if published is not None:
                 store, _, address = published
                 return self.backend(store), store, address, False
