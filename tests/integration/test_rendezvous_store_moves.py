@@ -21,6 +21,7 @@ from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastrain import fence, fence_moves
+from elastrain.rendezvous import fence_marks
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.backends.c10d import C10dBackend, C10dStores
 from elastrain.rendezvous.connection import Connection, StoreSwitched
@@ -203,12 +204,12 @@ def test_a_move_of_an_older_generation_or_another_job_is_not_followed(tmp_path: 
     dead = _dead_address()
     fence.claim_fresh(root, "unit", 0, dead, ("a",))
     fence_moves.record(root, fence_moves.Moved(0, "other-job", address))
-    assert C10dStores(_params(dead, root))._published(root) is None
+    assert C10dStores(_params(dead, root))._published(root, fence_marks.newest_claim(root)[1]) is None
     fence.claim_fresh(root, "unit", 1, dead, ("a",))  # generation 1: the move of generation 0 is history
     fence_moves.record(root, fence_moves.Moved(0, "unit", address))
-    assert C10dStores(_params(dead, root))._published(root) is None
+    assert C10dStores(_params(dead, root))._published(root, fence_marks.newest_claim(root)[1]) is None
     fence_moves.record(root, fence_moves.Moved(1, "unit", address))
-    published = C10dStores(_params(dead, root))._published(root)
+    published = C10dStores(_params(dead, root))._published(root, fence_marks.newest_claim(root)[1])
     assert published is not None and published[2] == address
 
 

@@ -143,9 +143,7 @@ class C10dStores:
             self._closed_before = fence_marks.newest_close(str(root), -1, self.run_id, self.auth)
             _, top = fence_marks.newest_claim(str(root))
             published = self._published(str(root), top)
-            if published is None or self._found.round < 0:
-                # No world runs on the store this node starts on: founded afresh at the endpoint, by this node or
-                # by another node launched again with it (a store of the job answers there, but no round formed).
+            if published is None or self._found.round < 0:  # a store founded afresh (here, or by a node of a relaunch)
                 self._claimed_at_start = top.generation if top is not None else -1
                 self.resumes = self._ran_before(top)
             if published is not None:
@@ -153,9 +151,8 @@ class C10dStores:
         return self.at_endpoint()
 
     def no_world_since_start(self) -> bool:
-        """Whether no world of the job formed since this node started on a store no world ran on (founded afresh at
-        the endpoint): the newest claim in the root is still the one it found (a round claims the next generation
-        as it forms). False when it started on the store of a running job."""
+        """Whether no world of the job formed since this node started on a store no world ran on: the root's newest
+        claim is still the one it found then (a round claims the next generation as it forms)."""
         if self.root is None or self._claimed_at_start is None:
             return False
         _, top = fence_marks.newest_claim(self.root)
