@@ -225,26 +225,36 @@ def test_a_node_lost_in_a_steps_evaluation_or_save_leaves_them_to_the_next_world
         assert is_committed(str(folder)), f"{where}: {folder} not committed\n{run.dump()}"
 
 
+@pytest.mark.parametrize(
+    ("lost_in", "step"),
+    [("eval", 100), ("step_end", 200)],
+    ids=["in-the-first-epochs-evaluation", "after-the-last-step"],
+)
 def test_a_trainer_by_epochs_evaluates_and_saves_at_each_epochs_end_through_a_kill_there(
-    assets: Path, tmp_path: Path
+    lost_in: str, step: int, assets: Path, tmp_path: Path
 ) -> None:
     """run_classification.py for two epochs, evaluating and saving at each epoch's end (``--eval_strategy epoch``, the
-    way Hugging Face's text-classification examples run), on two nodes; one SIGKILLs itself in the evaluation at the
-    end of the first epoch and comes back. The Trainer's epochs are the stream's: the run evaluates and saves at the
-    end of each, as the uninterrupted run does, every sample once per epoch; the evaluation the kill cut short is run
-    again by the world of one, with the uninterrupted run's metrics."""
+    way Hugging Face's text-classification examples run), on two nodes. One SIGKILLs itself in the evaluation at the
+    end of the first epoch and comes back, or right after the run's last step (its peer meets the broken world in that
+    step's log, before the epoch's end). The Trainer's epochs are the stream's: the run evaluates and saves at the
+    end of each, as the uninterrupted run does, every sample once per epoch; the evaluation and save the kill cut
+    short are run by the world of one, with the uninterrupted run's metrics."""
     base = classification(assets)
     args = [a for a in base.args]
     del args[args.index("--save_steps") : args.index("--save_steps") + 2]
     del args[args.index("--max_steps") : args.index("--max_steps") + 2]
+    # Not a logging step at the last step: a loss window the kill cuts short there is logged with the survivor's
+    # mean alone (lost_log.py), which check() would compare with the whole world's.
+    args[args.index("--logging_steps") + 1] = "30"
     epochs = ("--num_train_epochs", "2", "--eval_strategy", "epoch", "--save_strategy", "epoch")
     w = Workload(base.script, (*args, *epochs), 200)  # 1600 samples, 16 a step
-    where = "node of group rank 1 SIGKILLed in the evaluation at the end of the first epoch (step 100)"
-    events = [Event("start", "b", at=100, world=1), Event("wait", "b", at=100, world=2)]
-    run = trace(w, tmp_path / "trace", events, env={"LEDGER_KILL_AFTER": "100:1:2:eval"})
+    where = f"node of group rank 1 SIGKILLed {lost_in} of step {step}"
+    events = [Event("start", "b", at=step, world=1), Event("wait", "b", at=step, world=2)] if step < 200 else []
+    run = trace(w, tmp_path / "trace", events, env={"LEDGER_KILL_AFTER": f"{step}:1:2:{lost_in}"})
     ref = reference(w, tmp_path / "ref")
     check(run, ref, w, sigkills=1, where=where)
-    assert run.codes["b2"] == 0, run.dump()
+    codes = list(run.codes.values())  # the node of group rank 1 is a or b
+    assert 0 in codes and set(codes) <= {0, -9}, f"{where}: {run.codes}\n{run.dump()}"
 
     def evals(r: Run) -> list[tuple[int, float, float]]:
         history = r.state()["log_history"]
@@ -252,13 +262,14 @@ def test_a_trainer_by_epochs_evaluates_and_saves_at_each_epochs_end_through_a_ki
 
     got, want = evals(run), evals(ref)
     assert [g[0] for g in got] == [100, 200] == [w_[0] for w_ in want], f"{where}: {got} vs {want}\n{run.dump()}"
-    # The same model at step 100: the same accuracy. (Not the same loss: transformers scales a model's loss by the
+    # The same model at the kill: the same accuracy. (Not the same loss: transformers scales a model's loss by the
     # number of processes when its forward takes **kwargs, as BERT's does, and the world of one evaluated it.)
-    assert got[0][2] == want[0][2], f"{where}: {got} vs {want}"
+    at_kill = [(g[2], w_[2]) for g, w_ in zip(got, want, strict=True) if g[0] == step]
+    assert at_kill and at_kill[0][0] == at_kill[0][1], f"{where}: {got} vs {want}"
     redone = [e for log in run.logs.values() for e in events_in(log, "trainer_epilogue_redone")]
-    assert [e["step"] for e in redone] == ["100"], f"{where}: {redone}\n{run.dump()}"
-    for step in (100, 200):
-        folder = run.out / "model" / f"checkpoint-{step}"
+    assert [(e["step"], e["evaluate"]) for e in redone] == [(str(step), "True")], f"{where}: {redone}\n{run.dump()}"
+    for saved in (100, 200):
+        folder = run.out / "model" / f"checkpoint-{saved}"
         assert is_committed(str(folder)), f"{where}: {folder} not committed\n{run.dump()}"
 
 

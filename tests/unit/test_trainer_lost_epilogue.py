@@ -65,7 +65,8 @@ def test_what_a_member_says_is_missing_by_table(
 
 
 def trainer(step: int, evaluate: bool, save: bool) -> Any:
-    control = SimpleNamespace(should_evaluate=evaluate, should_save=save, should_log=True, should_epoch_stop=False)
+    flags = {"should_log": True, "should_epoch_stop": False, "should_training_stop": False}
+    control = SimpleNamespace(should_evaluate=evaluate, should_save=save, **flags)
     return SimpleNamespace(control=control, state=SimpleNamespace(global_step=step))
 
 

@@ -114,6 +114,7 @@ def test_the_step_that_reaches_an_epochs_end_ends_it(before: int, after: int, n:
         (1608, 3200, 1600, (1, 2)),  # resumed in it
         (0, 1920, 1600, (0, 2)),  # max_steps past one epoch: the second is cut short
         (3200, 3200, 1600, (2, 2)),  # nothing left
+        (1608, 1608, 1600, (1, 1)),  # nothing left, in an epoch: no epoch's end again
         (0, 160, 1600, (0, 1)),
     ],
 )

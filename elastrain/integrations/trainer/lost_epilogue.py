@@ -89,11 +89,12 @@ class LostEpilogue:
 
     def entering(self, trainer: Any) -> None:
         """``Trainer._maybe_log_save_evaluate`` is entered: note what it is due to do. After the last step of an epoch
-        (the Trainer's epoch ends next), what the epoch's end will do too: the world may break before it gets there."""
+        or of the run (the Trainer's epoch ends next), what the epoch's end will do too: the world may break before
+        it gets there."""
         control = trainer.control
         step = int(trainer.state.global_step)
         evaluate, save = bool(control.should_evaluate), bool(control.should_save)
-        if control.should_epoch_stop:
+        if control.should_epoch_stop or control.should_training_stop:
             from transformers import DefaultFlowCallback, TrainerControl
 
             at_end = DefaultFlowCallback().on_epoch_end(trainer.args, trainer.state, TrainerControl())

@@ -124,6 +124,8 @@ def epochs_left(next_cursor: int, end_cursor: int, num_samples: int) -> tuple[in
     """Pure: the stream's epochs that the steps from stream position ``next_cursor`` to ``end_cursor`` read, as
     ``range(first, stop)``: the Trainer's ``epochs_trained`` and ``num_train_epochs``."""
     first = next_cursor // num_samples
+    if end_cursor <= next_cursor:
+        return first, first  # no step left (a world entered after the last step): no epoch, and no epoch's end
     return first, max(first, -(-end_cursor // num_samples))
 
 
