@@ -27,7 +27,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -43,19 +43,47 @@ from elastrain.log import lifecycle
 from elastrain.step_flags import StepFlags, carries_flags
 
 
-def _wait_listening(addr: str, port: int, timeout_s: float, poll_s: float = 0.005) -> None:
+def _wait_listening(
+    addr: str, port: int, deadline: float, abandon: Callable[[], bool], round_: int, poll_s: float = 0.005
+) -> None:
     """Until something accepts connections at ``addr:port`` (bounded; TCPStore's own timeout follows)."""
-    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             with socket.create_connection((addr, port), timeout=1.0):
                 return
         except OSError:
+            _abandon_if(abandon, round_, "its rank 0's store never listened")
             time.sleep(poll_s)
+
+
+def _all_present(store: Any, world_size: int, deadline: float, abandon: Callable[[], bool], round_: int) -> None:
+    """Until every member of the round has reached its store (each counts itself in), before the process group's own
+    rendezvous, which waits for a member that died before it joined until ``join_timeout`` and cannot be left."""
+    present = int(store.add(_PRESENT, 1))
+    while present < world_size:
+        _abandon_if(abandon, round_, f"{present} of its {world_size} members joined")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"round {round_}: {present} of its {world_size} members joined within join_timeout")
+        time.sleep(_PRESENCE_POLL_S)
+        present = int(store.add(_PRESENT, 0))
+
+
+def _abandon_if(abandon: Callable[[], bool], round_: int, why: str) -> None:
+    if abandon():
+        raise JoinAbandonedError(f"round {round_} was superseded by a newer one while this worker joined it ({why})")
+
+
+_PRESENT = "present"
+_PRESENCE_POLL_S = 0.005
 
 
 class GroupBrokenError(ElastrainError):
     """A collective of the training group failed or was given up: the worker regroups."""
+
+
+class JoinAbandonedError(GroupBrokenError, RuntimeError):
+    """The agent announced a newer round while this worker joined one (a member of it died before joining): the
+    worker moves on to the newer round (a RuntimeError, as a failed join, for the regroup loops)."""
 
 
 class _Pending:
@@ -113,22 +141,35 @@ class TrainingGroup:
         self._severed: int | None = None  # the last round whose connections were shut down
 
     # -- joining and leaving ----------------------------------------------------------------------
-    def join(self, round_: int, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
-        """Init the default process group of ``round_`` (collective over the round's members)."""
+    def join(
+        self,
+        round_: int,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        abandon: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """Init the default process group of ``round_`` (collective over the round's members). ``abandon``: whether
+        a newer round was announced meanwhile (a member of this one died before it joined): the join is given up
+        (:class:`JoinAbandonedError`) rather than waiting ``join_timeout`` for that member."""
         started = time.monotonic()
         join = self.join_timeout or timedelta(minutes=30)
+        deadline = started + join.total_seconds()
         if rank != 0:
             # The new rank 0 starts the round's store while the others start to connect: a client that
             # finds no server backs off randomly (measured 0.7 s here); wait for the port instead.
-            _wait_listening(master_addr, master_port, join.total_seconds())
+            _wait_listening(master_addr, master_port, deadline, abandon, round_)
         before = tcp_sockets()
         if rank == 0:  # listening on MASTER_ADDR's interface only (see elastrain.binding)
-            store = tcp_store_server(master_addr, master_port, join, world_size=world_size)
+            store = tcp_store_server(master_addr, master_port, join, world_size=world_size, wait_for_workers=False)
         else:
             store = TCPStore(master_addr, master_port, world_size, is_master=False, timeout=join)
+        prefixed = PrefixStore(f"elastrain/live/round{round_}/", store)
+        _all_present(prefixed, world_size, deadline, abandon, round_)
         dist.init_process_group(
             self.backend,
-            store=PrefixStore(f"elastrain/live/round{round_}/", store),
+            store=prefixed,
             rank=rank,
             world_size=world_size,
             timeout=join,

@@ -28,11 +28,13 @@ from elastrain.env import (
     regrouped_environ,
 )
 from elastrain.errors import ElastrainError
-from elastrain.live.group import TrainingGroup
+from elastrain.live.group import JoinAbandonedError, TrainingGroup
 from elastrain.live.receive_pool import ReceivePool
 from elastrain.live.watchdog import Watchdog
 from elastrain.log import lifecycle
 
+FIRST_JOIN_ROUNDS = 10
+"""Rounds in a row a warm worker tries to join before it gives up (each lost a member before it formed)."""
 READY_LIMIT_S = 60.0
 """The longest a warm worker spends making its memory ready before it says it is warm."""
 
@@ -67,15 +69,32 @@ class LiveMember:
         self._watchdog: Watchdog | None = None
 
     def join_first(self) -> None:
-        """Join the round this worker was started into (collective over its members)."""
-        self.group.join(
-            self.round,
-            self.env.rank,
-            self.env.world_size,
-            os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            int(os.environ.get("MASTER_PORT", "29500")),
-        )
+        """Join the round this worker was started into (collective over its members); a warm worker whose round lost
+        a member before it formed joins the round the agent announced after it."""
+        for _ in range(FIRST_JOIN_ROUNDS):
+            try:
+                self.group.join(
+                    self.round,
+                    self.env.rank,
+                    self.env.world_size,
+                    os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                    int(os.environ.get("MASTER_PORT", "29500")),
+                    self._superseded(self.round),
+                )
+                break
+            except JoinAbandonedError as exc:
+                notice = self.channel.newer_than(self.round)
+                if notice is None:
+                    raise
+                lifecycle("first_join_moved", round=f"{self.round}->{notice.round}", why=str(exc)[:160])
+                self._adopt(notice)
+        else:
+            raise LiveError(f"no first round formed in {FIRST_JOIN_ROUNDS} rounds in a row")
         self._watchdog = Watchdog(self.channel, self.group, self.round)
+
+    def _superseded(self, round_: int) -> Callable[[], bool]:
+        """Whether the agent announced a round after ``round_`` (a member of it died before it formed)."""
+        return lambda: self.channel.newer_than(round_) is not None
 
     def ready(self) -> None:
         """The worker is training: from now on the agent regroups it in place instead of restarting it."""
@@ -132,7 +151,8 @@ class LiveMember:
         if self._watchdog is not None:
             self._watchdog.watch_round(notice.round)
         rank = self.env.rank
-        self.group.join(notice.round, rank, notice.world_size, notice.master_addr, notice.master_port)
+        superseded = self._superseded(notice.round)
+        self.group.join(notice.round, rank, notice.world_size, notice.master_addr, notice.master_port, superseded)
         self.regroups += 1
         lifecycle("group_moved", round=notice.round, rank=rank, took_s=round(time.monotonic() - started, 3))
         return self.env

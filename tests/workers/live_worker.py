@@ -13,6 +13,8 @@ With LW_HANG_NODE=g, LW_HANG_AT_STEP=N: that node's worker sleeps LW_HANG_S in i
 With LW_DIE_AT_STEP=N and LW_DIE_NODE=<group rank>: that node's worker SIGKILLs its agent and itself in the
 middle of step N's backward (from the gradient hook of layer LW_DIE_LAYER: 0, 2 or 3), between DDP's bucket
 all-reduces.
+With LW_DIE_JOINING=1: the worker SIGKILLs its whole node (agent, zygote, itself) as it starts to join its first
+round's process group: a member that died after its round formed and before it joined.
 """
 
 from __future__ import annotations
@@ -60,6 +62,18 @@ def main() -> None:
     hang_node = int(os.environ.get("LW_HANG_NODE", "-1"))
     hang_at = int(os.environ.get("LW_HANG_AT_STEP", "0"))
     hang_s = float(os.environ.get("LW_HANG_S", "60"))
+    if os.environ.get("LW_DIE_JOINING"):
+        from elastrain.live.group import TrainingGroup
+
+        def die_joining(*args: object, **kwargs: object) -> None:
+            say("LW_DIE_JOINING")
+            repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            sys.path.insert(0, os.path.join(repo, "bench", "support"))
+            from node_kill import kill_own_node
+
+            kill_own_node()
+
+        TrainingGroup.join = die_joining  # type: ignore[method-assign]
     time.sleep(float(os.environ.get("LW_BUILD_S", "0")))  # a slow build (a big model, a dataset to read)
     build_until = os.environ.get("LW_BUILD_UNTIL_FILE", "")
     deadline = time.monotonic() + 120
