@@ -215,6 +215,10 @@ class TrainerCheckpoints:
         self._log("checkpoint_committed", step=step, path=path, cursor=cursor)
         return path
 
+    def committed(self, step: int) -> bool:
+        """Whether ``checkpoint-<step>`` is committed in this root (no collective; a local look)."""
+        return is_committed(os.path.join(self.root, NAMING.name(step)))
+
     def committed_paths(self) -> list[str]:
         return [d.path for d in layout.list_step_dirs(self.root, self.storage, NAMING) if d.committed]
 

@@ -223,7 +223,7 @@ class ElasticTrainer:
         own_step = int(self.trainer.state.global_step) if self.held.holds_state else -1
         agreed_step = world.agree_state()
         self.lost_log.relog(self.trainer, self.trainer.args.device, own_step, agreed_step)
-        self.epilogue.agree(self.trainer, self.trainer.args.device, own_step, agreed_step)
+        self.epilogue.agree(self.trainer, self.checkpoints.committed, self.trainer.args.device, own_step, agreed_step)
         tune_ddp(self.trainer.accelerator, in_sync=agreed_step is not None)  # the DDP train() builds for this world
         canonical_cpu_device(self.trainer.accelerator)  # prepare() moves no state already in place
         if agreed_step is None:

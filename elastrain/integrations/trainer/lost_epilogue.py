@@ -19,14 +19,13 @@ leftover of the cut-short one is removed by the commit protocol before the Train
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from elastrain.integrations.trainer.checkpoints import NAMING, is_committed
 from elastrain.log import lifecycle
 
 EVAL_PREFIX = "eval_"
@@ -106,9 +105,17 @@ class LostEpilogue:
         """The epilogue returned: nothing of it is lost."""
         self.pending = None
 
-    def agree(self, trainer: Any, device: torch.device, own_step: int, agreed_step: int | None) -> None:
+    def agree(
+        self,
+        trainer: Any,
+        committed: Callable[[int], bool],
+        device: torch.device,
+        own_step: int,
+        agreed_step: int | None,
+    ) -> None:
         """Collective, on every member entering a world: whether the agreed step's evaluation or save was lost (see
-        :func:`missing`); every member then runs it again at the next ``train()`` (:meth:`redo`)."""
+        :func:`missing`; ``committed``: whether a step's checkpoint is); every member then runs it again at the next
+        ``train()`` (:meth:`redo`)."""
         due, self.pending = self.pending, None
         state, args = trainer.state, trainer.args
         step = agreed_step if agreed_step is not None else -1
@@ -117,7 +124,7 @@ class LostEpilogue:
             own_step,
             agreed_step,
             evaluated=has_eval_at(state.log_history, step),
-            committed=step >= 0 and is_committed(os.path.join(args.output_dir, NAMING.name(step))),
+            committed=step >= 0 and committed(step),
             best_step=state.best_global_step,
             saves_best=args.save_strategy == "best",
         )

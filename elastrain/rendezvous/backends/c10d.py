@@ -141,10 +141,10 @@ class C10dStores:
         self.root = str(root) if root else None
         if root:
             self._closed_before = fence_marks.newest_close(str(root), -1, self.run_id, self.auth)
-            _, top = fence_marks.newest_claim(str(root))
+            read, top = fence_marks.newest_claim(str(root))
             published = self._published(str(root), top)
             if published is None or self._found.round < 0:  # a store founded afresh (here, or by a node of a relaunch)
-                self._claimed_at_start = top.generation if top is not None else -1
+                self._claimed_at_start = (top.generation if top is not None else -1) if read else None
                 self.resumes = self._ran_before(top)
             if published is not None:
                 return published
@@ -155,8 +155,8 @@ class C10dStores:
         claim is still the one it found then (a round claims the next generation as it forms)."""
         if self.root is None or self._claimed_at_start is None:
             return False
-        _, top = fence_marks.newest_claim(self.root)
-        return (top.generation if top is not None else -1) == self._claimed_at_start
+        read, top = fence_marks.newest_claim(self.root)
+        return read and (top.generation if top is not None else -1) == self._claimed_at_start
 
     def _ran_before(self, top: fence.Claim | None) -> bool:
         """Whether this job trained before this node started and did not finish: its newest claim in the root
