@@ -35,6 +35,7 @@ class DataTrainingArguments:
     train_file: str = field(metadata={"help": "a .txt file"})
     validation_file: str | None = field(default=None, metadata={"help": "a .txt file"})
     block_size: int = field(default=32, metadata={"help": "tokens per training sample"})
+    streaming: bool = field(default=False, metadata={"help": "read the files as they train (an IterableDataset)"})
 
 
 def main():
@@ -56,11 +57,12 @@ def main():
     data_files = {"train": data_args.train_file}
     if data_args.validation_file is not None:
         data_files["validation"] = data_args.validation_file
-    raw_datasets = load_dataset("text", data_files=data_files)
+    raw_datasets = load_dataset("text", data_files=data_files, streaming=data_args.streaming)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
 
-    column_names = list(raw_datasets["train"].features)
+    features = raw_datasets["train"].features  # None for a stream whose files are not read yet
+    column_names = list(features) if features is not None else ["text"]
 
     def tokenize_function(examples):
         return tokenizer(examples["text"])
@@ -110,7 +112,8 @@ def main():
         train_result = trainer.train(resume_from_checkpoint=checkpoint)
         trainer.save_model()
         metrics = train_result.metrics
-        metrics["train_samples"] = len(train_dataset)
+        if not data_args.streaming:
+            metrics["train_samples"] = len(train_dataset)
         trainer.log_metrics("train", metrics)
         trainer.save_metrics("train", metrics)
         trainer.save_state()

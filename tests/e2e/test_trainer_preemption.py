@@ -19,6 +19,7 @@ from support.trainer_trace import (
     Run,
     Workload,
     causal_lm,
+    causal_lm_streaming,
     classification,
     make_assets,
     reference,
@@ -78,8 +79,8 @@ def _random_step(rng: random.Random, w: Workload, lo: float, hi: float) -> int:
 
 @pytest.mark.parametrize(
     "make",
-    [causal_lm, seq2seq, classification],
-    ids=["causal-lm", "seq2seq", "classification"],
+    [causal_lm, causal_lm_streaming, seq2seq, classification],
+    ids=["causal-lm", "causal-lm-streaming", "seq2seq", "classification"],
 )
 def test_an_unmodified_trainer_script_survives_kills_and_leaves_with_no_step_lost(
     make: Callable[[Path], Workload], assets: Path, tmp_path: Path

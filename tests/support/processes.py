@@ -27,13 +27,16 @@ def free_port() -> int:
 
 
 def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A clean environment for launched processes: one thread each, no inherited PET_*/ELASTRAIN_*."""
+    """A clean environment for launched processes: one thread each, no inherited PET_*/ELASTRAIN_*. The
+    repository under test comes first on ``PYTHONPATH`` after ``extra``'s own (a checkout other than the installed
+    one runs its own elastrain)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "ELASTRAIN_", "TORCHELASTIC_"))}
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    inherited = env.get("PYTHONPATH", "")
     if extra:
         env.update(extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [(extra or {}).get("PYTHONPATH"), str(REPO), inherited]))
     return env
 
 

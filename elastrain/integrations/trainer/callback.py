@@ -26,7 +26,6 @@ from elastrain.integrations.trainer.boundaries import StepBoundaries
 from elastrain.integrations.trainer.checkpoints import Resume, TrainerCheckpoints
 from elastrain.integrations.trainer.membership import TrainerMembership
 from elastrain.integrations.trainer.memory import Held
-from elastrain.integrations.trainer.stream import ends_epoch
 from elastrain.metrics import METRICS_FILENAME, EventsFile, MetricsWriter
 from elastrain.step_flags import StepFlags
 
@@ -51,8 +50,7 @@ class TrainerDriver(Protocol):
     def rank(self) -> int: ...
     @property
     def world_size(self) -> int: ...
-    @property
-    def num_samples(self) -> int: ...
+    def epoch_at(self, step: int, max_steps: int) -> tuple[float, bool] | None: ...
     @property
     def held(self) -> Held: ...
     @property
@@ -123,11 +121,10 @@ class ElasticTrainerCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         d = self.driver
         d.boundaries.agree_flags()
-        view = d.num_samples
-        if view:
-            position, step = d.held.position, int(state.global_step)
-            state.epoch = position.cursor_at(step) / view
-            if step < state.max_steps and ends_epoch(position.cursor_at(step - 1), position.cursor_at(step), view):
+        epoch = d.epoch_at(int(state.global_step), int(state.max_steps))
+        if epoch is not None:
+            state.epoch, ends = epoch
+            if ends:
                 control.should_epoch_stop = True  # the Trainer's epoch ends with the stream's (stream.py)
         if self._channel is not None and self.trigger().check(state.global_step) is SaveReason.REQUEST:
             self.trigger().claim()

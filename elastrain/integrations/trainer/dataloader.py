@@ -1,9 +1,10 @@
 """The Trainer's training DataLoader, read as elastrain's stream from the data position it resumes at.
 
-A map-style training set (one with a length) is read as :class:`~elastrain.integrations.trainer.stream.
-StreamBatches`: this rank's micro-batches of each step's global batch, from the agreed position, for the
-steps left in the run; accelerate is told not to shard them again. An iterable training set keeps the
-Trainer's own DataLoader (its position is not kept across world sizes).
+The training set is read as :class:`~elastrain.integrations.trainer.stream.StreamBatches`: this rank's
+micro-batches of each step's global batch, from the agreed position, for the steps left in the run;
+accelerate is told not to shard them again. A map-style set (one with a length) is read by index; an
+iterable set (``datasets.IterableDataset``, ``--streaming``) by position in its own order, through
+:class:`~elastrain.integrations.trainer.iterable.IterableStream`, in the main process.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from elastrain.integrations.trainer.errors import TrainerIntegrationError
+from elastrain.integrations.trainer.iterable import IterableStream
 from elastrain.integrations.trainer.memory import Held
 from elastrain.integrations.trainer.rescale import TrainerBatch
-from elastrain.integrations.trainer.stream import StreamBatches, epochs_left
+from elastrain.integrations.trainer.stream import StreamBatches, ends_epoch, epochs_left
 from elastrain.log import lifecycle
 
 
@@ -25,8 +28,11 @@ class StreamLoader:
         self.batch = batch
         self.held = held
         self.num_samples = 0
-        """The training set's size (known once the Trainer asks for its dataloader)."""
+        """The training set's size (known once the Trainer asks for its dataloader; 0: an iterable set)."""
+        self.iterable: IterableStream | None = None
+        """An iterable set's stream, kept across this process's worlds (it is read forward)."""
         self._warned_stream = False
+        self._warned_workers = False
         self._warned_sampling = False
         self.sampler: StreamBatches | None = None
         """This train() call's batches (None: not built yet, or the Trainer's own DataLoader)."""
@@ -37,21 +43,30 @@ class StreamLoader:
         (:mod:`~elastrain.integrations.trainer.kept_grads`); None: the batch plan's."""
 
     def stream_ok(self) -> bool:
-        """Whether the training set can be read as the stream (a map-style dataset with a length)."""
+        """Whether the training set can be read as the stream: a map-style set with a length, or an iterable set."""
         from collections.abc import Sized
 
-        from torch.utils.data import IterableDataset
-
-        dataset = self.trainer.train_dataset
-        ok = isinstance(dataset, Sized) and not isinstance(dataset, IterableDataset)
+        ok = self._is_iterable() or isinstance(self.trainer.train_dataset, Sized)
         if not ok and not self._warned_stream:
             self._warned_stream = True
             lifecycle(
                 "trainer_data_unordered",
                 level=logging.WARNING,
-                why="the training set is iterable (no length): its position is not kept across world sizes",
+                why="the training set has no length and is not iterable: its position is not kept across world sizes",
             )
         return ok
+
+    def _is_iterable(self) -> bool:
+        """Whether the training set is read by iterating it (a torch IterableDataset, or an iterable with no length:
+        ``datasets.IterableDataset``), as the Trainer reads it."""
+        from collections.abc import Iterable, Sized
+
+        from torch.utils.data import IterableDataset
+
+        dataset = self.trainer.train_dataset
+        return isinstance(dataset, IterableDataset) or (
+            isinstance(dataset, Iterable) and not isinstance(dataset, Sized)
+        )
 
     def _warn_sampling(self, strategy: str) -> None:
         """A sampling strategy the stream does not follow (it orders by a seeded permutation): said once."""
@@ -73,11 +88,28 @@ class StreamLoader:
         if self.sampler is None:
             return None
         position = self.held.position
+        if self.sampler.num_samples is None:  # an iterable set's passes are not known ahead: one epoch to the end
+            return (0, 0) if max_steps <= self.start_step else (0, 1)
         return epochs_left(position.cursor_at(self.start_step), position.cursor_at(max_steps), self.num_samples)
+
+    def epoch_at(self, step: int, max_steps: int) -> tuple[float, bool] | None:
+        """The Trainer's ``state.epoch`` after ``step``, and whether that step ends one of the stream's epochs (None:
+        the Trainer's own DataLoader, and its own epochs). An iterable set's epoch is ``step / max_steps``, as
+        transformers counts it for a set with no length."""
+        if self.sampler is None:
+            return None
+        if self.sampler.num_samples is None:
+            return step / max(max_steps, 1), False
+        position, n = self.held.position, self.num_samples
+        ends = step < max_steps and ends_epoch(position.cursor_at(step - 1), position.cursor_at(step), n)
+        return position.cursor_at(step) / n, ends
 
     def train_dataloader(self) -> Any:
         """The DataLoader of this rank's micro-batches of the stream, for the steps left in the run."""
+        from functools import partial
+
         from torch.utils.data import DataLoader
+        from transformers.trainer_utils import seed_worker
 
         t = self.trainer
         dataset = t.train_dataset
@@ -96,7 +128,12 @@ class StreamLoader:
         if batch.plan is None:
             raise RuntimeError("internal: the train dataloader is built before the batch plan")
         args = t.args
-        num_samples = self.num_samples = len(dataset)
+        iterable = self._is_iterable()
+        if iterable and args.max_steps <= 0:
+            raise TrainerIntegrationError(
+                "the training set is iterable (no length): set --max_steps (max_steps), the run's length in steps"
+            )
+        num_samples = self.num_samples = 0 if iterable else len(dataset)
         total = batch.total_steps(num_samples)
         args.max_steps = total  # epochs asked: their steps at the global batch, the same at every world size
         remaining = total - int(self.held.position.step)
@@ -110,7 +147,7 @@ class StreamLoader:
         first, self.first_step = self.first_step, None
         start_step = int(self.held.position.step)
         sampler = StreamBatches(
-            num_samples,
+            None if iterable else num_samples,
             batch.plan,
             batch.rank,
             start,
@@ -121,14 +158,19 @@ class StreamLoader:
             progress=lambda: int(t.state.global_step) - start_step,
         )
         self.sampler, self.start_step = sampler, start_step
+        workers = int(args.dataloader_num_workers)
+        if iterable:
+            dataset, workers = self._iterable_stream(dataset, batch.plan.global_batch, start), 0
         loader = DataLoader(
             dataset,
             batch_sampler=sampler,
             collate_fn=collator,
-            num_workers=args.dataloader_num_workers,
+            num_workers=workers,
             pin_memory=args.dataloader_pin_memory,
-            persistent_workers=args.dataloader_persistent_workers and args.dataloader_num_workers > 0,
-            prefetch_factor=args.dataloader_prefetch_factor if args.dataloader_num_workers > 0 else None,
+            persistent_workers=args.dataloader_persistent_workers and workers > 0,
+            prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
+            multiprocessing_context=args.dataloader_multiprocessing_context if workers > 0 else None,
+            worker_init_fn=partial(seed_worker, num_workers=workers, rank=args.process_index),
         )
         prepared = t.accelerator.prepare(loader)
         from accelerate.data_loader import BatchSamplerShard
@@ -138,3 +180,21 @@ class StreamLoader:
             shard.num_processes = 1  # already this rank's batches: accelerate must not shard them again
             shard.process_index = 0
         return prepared
+
+    def _iterable_stream(self, source: Any, global_batch: int, start: int) -> IterableStream:
+        """The iterable set's stream, read up to ``start`` (kept across this process's worlds: read forward, with a
+        few global batches kept for what was read ahead before a regroup)."""
+        if self.iterable is None or self.iterable.source is not source:
+            self.iterable = IterableStream(source, lookback=4 * global_batch)
+        self.iterable.set_lookback(4 * global_batch)
+        if int(self.trainer.args.dataloader_num_workers) > 0 and not self._warned_workers:
+            self._warned_workers = True
+            lifecycle(
+                "trainer_stream_workers_unused",
+                level=logging.WARNING,
+                dataloader_num_workers=self.trainer.args.dataloader_num_workers,
+                why="an iterable training set is read in order in the main process (each DataLoader worker would "
+                "read its own part of it)",
+            )
+        self.iterable.seek(start)
+        return self.iterable

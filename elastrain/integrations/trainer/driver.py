@@ -153,10 +153,9 @@ class ElasticTrainer:
     def world_size(self) -> int:
         return dist.get_world_size() if dist.is_initialized() else 1
 
-    @property
-    def num_samples(self) -> int:
-        """The training set's size (known once the Trainer asks for its dataloader)."""
-        return self.loader.num_samples
+    def epoch_at(self, step: int, max_steps: int) -> tuple[float, bool] | None:
+        """The Trainer's epoch after ``step``, and whether the step ends one of the stream's epochs."""
+        return self.loader.epoch_at(step, max_steps)
 
     # -- train() ---------------------------------------------------------------------------------
     def train(self, original: Callable[..., Any], resume_from_checkpoint: Any, kwargs: dict[str, Any]) -> Any:

@@ -18,6 +18,9 @@ The Trainer still sees the stream's epochs: its loop runs one of its epochs per 
 (:func:`ends_epoch`: its evaluation, save and log by ``"epoch"``, and the callbacks' ``on_epoch_end``, come
 after it, as without elastrain), and each of the Trainer's epochs reads the sampler again from the step it
 has reached (``progress``).
+
+An iterable training set (no length) is a stream of positions of its own order (:mod:`~elastrain.
+integrations.trainer.iterable`): ``num_samples=None``, and the indices are the positions.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class StreamBatches(Sampler[list[int]]):
 
     def __init__(
         self,
-        num_samples: int,
+        num_samples: int | None,
         plan: BatchPlan,
         rank: int,
         start: int,
@@ -48,7 +51,7 @@ class StreamBatches(Sampler[list[int]]):
         first: tuple[tuple[int, ...], ...] | None = None,
         progress: Callable[[], int] | None = None,
     ) -> None:
-        if num_samples < 1:
+        if num_samples is not None and num_samples < 1:
             raise DataStateError("the training dataset is empty")
         if not 0 <= rank < plan.world_size:
             raise DataStateError(f"rank {rank} is outside the plan's world size {plan.world_size}")
@@ -59,6 +62,7 @@ class StreamBatches(Sampler[list[int]]):
                 "run: raise per_device_train_batch_size or the global batch"
             )
         self.num_samples = num_samples
+        """None: an iterable set, whose stream positions are the indices (it has its own order)."""
         self.plan = plan
         self.rank = rank
         self.start = start
@@ -75,6 +79,7 @@ class StreamBatches(Sampler[list[int]]):
         self._orders: dict[int, np.ndarray[Any, np.dtype[np.int64]]] = {}
 
     def _order(self, epoch: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        assert self.num_samples is not None
         if epoch not in self._orders:
             if len(self._orders) >= 2:
                 self._orders.pop(min(self._orders))
@@ -82,7 +87,9 @@ class StreamBatches(Sampler[list[int]]):
         return self._orders[epoch]
 
     def indices(self, first: int, count: int) -> list[int]:
-        """Dataset indices at stream positions ``first .. first + count - 1``."""
+        """Dataset indices at stream positions ``first .. first + count - 1`` (the positions: an iterable set)."""
+        if self.num_samples is None:
+            return list(range(first, first + count))
         out: list[int] = []
         pos, end = first, first + count
         while pos < end:

@@ -1,0 +1,118 @@
+"""An iterable training set (no length: ``datasets.IterableDataset``, ``--streaming``) read as elastrain's stream.
+
+An iterable set has no index to resume from, so elastrain reads it as one stream of positions: pass 0 of the
+set, then pass 1 (``set_epoch(1)`` first, as the Trainer does between its epochs), and so on without a gap.
+Position ``p`` is the ``p``-th sample that stream yields, whoever reads it. Every rank reads the stream front to
+back and keeps its own share of each step's global batch (:class:`~elastrain.integrations.trainer.stream.
+StreamBatches` with no length: its indices are positions). So the data position is again one number, the samples
+consumed, and a job that resumes at any world size reads exactly the next unseen sample.
+
+What that asks of the set: it yields the same samples in the same order in every process, for a given pass (a
+file, a generator, ``datasets``' own seeded ``shuffle`` with ``set_epoch``). What it costs: each rank reads (and
+maps) every sample, not only its own; a process that starts at position ``p`` reads the ``p`` samples before it
+again (``event=trainer_stream_skipped``), as transformers' own resume of an iterable set does.
+
+:class:`IterableStream` is the map-style view the DataLoader reads: ``stream[p]`` is position ``p``. Reads go
+forward; the last samples read are kept (``lookback``) for a DataLoader built again at a position it has already
+read past (read ahead before a regroup); a position further back is read again from the stream's start.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol, runtime_checkable
+
+from elastrain.errors import DataStateError
+from elastrain.log import lifecycle
+
+
+@runtime_checkable
+class Epochal(Protocol):
+    """A set whose order depends on the pass (``datasets.IterableDataset``: its seeded shuffle)."""
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+
+class IterableStream:
+    """Positions of the stream of an iterable set, read forward (a map-style dataset for the DataLoader)."""
+
+    def __init__(self, source: Iterable[Any], lookback: int) -> None:
+        self.source = source
+        self.lookback = max(1, lookback)
+        self._recent: deque[Any] = deque(maxlen=self.lookback)
+        self._next = 0
+        """The position the stream yields next (``_recent`` ends at ``_next - 1``)."""
+        self._pass = 0
+        self._in_pass = 0
+        self._it: Iterator[Any] | None = None
+
+    @property
+    def position(self) -> int:
+        """The next position the stream yields."""
+        return self._next
+
+    def set_lookback(self, lookback: int) -> None:
+        """Keep at least ``lookback`` of the last samples read (a world's global batch and what it reads ahead)."""
+        if lookback > self.lookback:
+            self.lookback = lookback
+            self._recent = deque(self._recent, maxlen=lookback)
+
+    def _open(self, n: int) -> None:
+        if isinstance(self.source, Epochal):
+            self.source.set_epoch(n)
+        self._it, self._pass, self._in_pass = iter(self.source), n, 0
+
+    def _read(self) -> Any:
+        """The next sample of the stream: the next pass begins where one ends."""
+        if self._it is None:
+            self._open(0)
+        assert self._it is not None
+        for _ in range(2):
+            try:
+                sample = next(self._it)
+            except StopIteration:
+                if self._in_pass == 0:
+                    raise DataStateError(
+                        f"the training set yielded no sample in its pass {self._pass}: an iterable training set "
+                        "must yield its samples again each time it is iterated"
+                    ) from None
+                lifecycle("trainer_stream_pass_ended", level=logging.DEBUG, passes=self._pass + 1, at=self._next)
+                self._open(self._pass + 1)
+                continue
+            self._in_pass += 1
+            self._recent.append(sample)
+            self._next += 1
+            return sample
+        raise DataStateError(f"the training set yielded no sample in its pass {self._pass}")  # unreachable
+
+    def _restart(self) -> None:
+        self._recent.clear()
+        self._it, self._next = None, 0
+
+    def seek(self, position: int) -> None:
+        """Make ``position`` the next one read: skip forward to it (reading the samples before it), or, when it
+        lies behind what is kept, read the stream again from its start."""
+        if position < 0:
+            raise DataStateError(f"stream position {position} is negative")
+        kept_from = self._next - len(self._recent)
+        if position < kept_from:
+            lifecycle("trainer_stream_reread", level=logging.WARNING, at=position, read=self._next, kept_from=kept_from)
+            self._restart()
+        skip = position - self._next
+        if skip <= 0:
+            return
+        started = time.monotonic()
+        for _ in range(skip):
+            self._read()
+        lifecycle("trainer_stream_skipped", samples=skip, to=position, took_s=round(time.monotonic() - started, 3))
+
+    def __getitem__(self, position: int) -> Any:
+        kept_from = self._next - len(self._recent)
+        if position < kept_from:
+            self.seek(position)
+        while self._next <= position:
+            self._read()
+        return self._recent[position - (self._next - len(self._recent))]
