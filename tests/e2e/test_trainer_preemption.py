@@ -103,6 +103,9 @@ def test_an_unmodified_trainer_script_survives_kills_and_leaves_with_no_step_los
     assert run.codes["a"] == 0 and run.codes["c"] == 0, run.dump()
     sizes = run.ledger.world_sizes()
     assert 1 in sizes and sizes[-1] == 2, f"{where}: world sizes {sizes}"
+    if make is causal_lm_streaming:  # c joined the live world: it resumed the set at a peer's place in it
+        assert events_in(run.logs["c"], "trainer_stream_resumed"), f"{where}\n{run.dump()}"
+        assert not events_in(run.logs["c"], "trainer_stream_skipped"), f"{where}\n{run.dump()}"
 
 
 def test_a_trainer_worker_killed_alone_restarts_and_joins_the_live_world(assets: Path, tmp_path: Path) -> None:

@@ -13,8 +13,19 @@ import shutil
 from pathlib import Path
 
 import pytest
-from support.processes import elastrain_cmd, run
-from support.trainer_trace import COMMON, LEDGER, SCRIPTS, Event, Ledger, causal_lm, make_assets, reference, trace
+from support.processes import elastrain_cmd, events_in, run
+from support.trainer_trace import (
+    COMMON,
+    LEDGER,
+    SCRIPTS,
+    Event,
+    Ledger,
+    causal_lm,
+    causal_lm_streaming,
+    make_assets,
+    reference,
+    trace,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -50,10 +61,13 @@ def test_a_checkpoint_cut_short_is_never_resumed_from(assets: Path, tmp_path: Pa
     assert (out / "checkpoint-120" / "elastrain-commit.json").exists()
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["map-style", "iterable"])
 def test_restart_mode_resumes_from_the_newest_committed_checkpoint_at_the_same_data_position(
-    assets: Path, tmp_path: Path
+    assets: Path, tmp_path: Path, streaming: bool
 ) -> None:
-    w = causal_lm(assets, 200)
+    """An iterable training set (``--streaming``) resumes at the place in it the checkpoint noted, with no sample
+    before it read again."""
+    w = causal_lm_streaming(assets, 200) if streaming else causal_lm(assets, 200)
     events = [Event("kill", "b", at=70, world=2), Event("start", "b", at=70), Event("wait", "b", world=2)]
     got = trace(w, tmp_path / "trace", events, extra=("--live", "false"))
     detail = f"events: {got.events}\n{got.dump()}"
@@ -63,6 +77,10 @@ def test_restart_mode_resumes_from_the_newest_committed_checkpoint_at_the_same_d
     assert "workers_restarting" in got.logs["a"], detail
     # Steps since the last committed checkpoint (save_steps 40) ran again, and no more.
     assert 0 < len(got.ledger.redone()) <= 40 + 1, detail
+    if streaming:
+        restarted = events_in(got.logs["a"], "trainer_stream_resumed")
+        assert restarted and int(restarted[-1]["to"]) > 0, detail
+        assert not events_in(got.logs["a"], "trainer_stream_skipped"), detail
 
 
 def test_without_the_integration_the_trainer_runs_unchanged(assets: Path, tmp_path: Path) -> None:

@@ -146,3 +146,105 @@ def test_every_rank_reading_its_own_stream_takes_its_share_of_each_global_batch(
         reader.seek(4)
         got.extend(reader[i] for mb in batches for i in mb)
     assert sorted(got) == sorted(stream_of(5, 22)[4:22])
+
+
+class ResumablePasses(Passes):
+    """:class:`Passes` that keeps its place as ``datasets.IterableDataset`` does: ``state_dict()`` is the current
+    iteration's place, ``load_state_dict()`` the place the next iteration starts from. Counts samples yielded."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.state: dict[str, int] = {"epoch": 0, "offset": 0}
+        self.start: dict[str, int] | None = None
+        self.yielded = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self.state)
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.start = dict(state_dict)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        start, self.start = self.start or {"epoch": self.epoch, "offset": 0}, None
+        e = start["epoch"]
+        self.state = {"epoch": e, "offset": start["offset"]}
+        for i in range(start["offset"], self.n):
+            self.state["offset"] = i + 1
+            self.yielded += 1
+            yield (e, (i + e) % self.n)
+
+
+@pytest.mark.parametrize("at", [4, 8, 12, 16])  # 8 and 16: the end of a pass of 8
+def test_a_reader_resumes_the_set_from_a_peers_mark_without_reading_what_is_before_it(at: int) -> None:
+    ahead = IterableStream(ResumablePasses(8), lookback=8, mark_every=4)
+    for p in range(at + 2):
+        ahead[p]
+    mark = ahead.mark(at)
+    assert mark is not None and mark["position"] == at
+    source = ResumablePasses(8)
+    joiner = IterableStream(source, lookback=8, mark_every=4)
+    joiner.resume(mark)
+    assert [joiner[p] for p in range(at, at + 10)] == stream_of(8, at + 10)[at:]
+    assert source.yielded == 10
+
+
+@pytest.mark.parametrize(
+    ("read_to", "position", "near"),
+    [(0, 0, True), (0, 4, True), (0, 5, False), (10, 6, True), (10, 5, False), (10, 14, True), (10, 15, False)],
+)
+def test_near_is_kept_or_a_lookback_ahead(read_to: int, position: int, near: bool) -> None:
+    reader = IterableStream(Passes(50), lookback=4)
+    for p in range(read_to):
+        reader[p]
+    assert reader.near(position) == near
+
+
+def test_a_mark_a_little_ahead_is_read_up_to_and_one_left_behind_is_gone() -> None:
+    reader = IterableStream(ResumablePasses(50), lookback=4, mark_every=4)
+    for p in range(10):
+        reader[p]
+    assert reader.mark(12) is not None and reader.position == 12  # read up to it: read next anyway
+    assert reader.mark(100) is None  # beyond what it would read ahead
+    for p in range(12, 30):
+        reader[p]
+    assert reader.mark(8) is None  # left behind
+
+
+def test_no_mark_at_the_start_or_for_a_set_that_cannot_resume_itself() -> None:
+    reader = IterableStream(ResumablePasses(8), lookback=4, mark_every=4)
+    reader[5]
+    assert reader.mark(0) is None and reader.mark(4) is not None
+    plain = IterableStream(Passes(8), lookback=4, mark_every=4)
+    plain[5]
+    assert plain.mark(4) is None
+
+
+def test_a_place_that_is_not_plain_values_is_said_once_and_not_marked(caplog: pytest.LogCaptureFixture) -> None:
+    class Opaque(ResumablePasses):
+        def state_dict(self) -> dict[str, int]:
+            return {"epoch": 0, "offset": object()}  # type: ignore[dict-item]
+
+    reader = IterableStream(Opaque(8), lookback=4, mark_every=2)
+    with caplog.at_level(logging.INFO, logger="elastrain"):
+        assert [reader[p] for p in range(9)] == stream_of(8, 9)
+    assert caplog.text.count("event=trainer_stream_unmarked") == 1
+    assert reader.mark(4) is None
+
+
+def test_the_place_sent_at_a_regroup_is_the_readers_mark_at_the_agreed_position_and_is_taken_once() -> None:
+    from elastrain.integrations.trainer.memory import StreamPlace
+
+    place = StreamPlace()
+    assert place.state_dict() == {} and place.mark_at(8) is None  # a map-style set: nothing to send
+    reader = IterableStream(ResumablePasses(20), lookback=8, mark_every=4)
+    for p in range(10):
+        reader[p]
+    agreed = [8]
+    place.attach(reader.mark, lambda: agreed[0])
+    sent = place.state_dict()
+    assert sent["position"] == 8 and sent == place.mark_at(8)
+    receiver = StreamPlace()
+    receiver.load_state_dict(sent)
+    assert receiver.take() == sent and receiver.take() is None
+    receiver.load_state_dict({})
+    assert receiver.take() is None

@@ -14,10 +14,9 @@ the step in the same world. Reads of a step that never ended (given up when a pe
 bench's trace plays, each step also waits the seconds written in ``LEDGER_DIR/pace`` (long while a node warms up to
 join), so the job outlasts the trace on a slow machine without burning CPU.
 
-An iterable training set (``--streaming``: no index to note) is noted by content instead: each micro-batch's
-samples as the model's forward pass sees them, one id per row of ``input_ids`` (a CRC of its tokens), and the
-step's begin row is written again after each forward pass (a rank killed after its step's all-reduce leaves the
-samples it trained on).
+An iterable training set (``--streaming``: no index to note) is noted by content instead, as each micro-batch is
+collated (the training DataLoader's ``collate_fn``, wrapped as ``train()`` begins): one id per sample, a CRC of its
+``input_ids``.
 
 With ``LEDGER_KILL=<step>:<group rank>:<world size>[:<hold s>:<forward|backward>]``, the node of that group rank
 SIGKILLs itself (its agent, the agent's zygote and its worker: ``bench/support/node_kill.py``) at the end of the first
@@ -46,8 +45,7 @@ from torch.utils.data import Dataset
 from transformers import TrainerCallback
 
 _batches: deque[list[int]] = deque()  # micro-batches read and not yet accounted to a step, oldest first
-_by_content: list[bool] = []  # [True] once wrap() met an iterable training set: noted in the forward pass
-_step: list[int] = [0]  # the step in flight (content mode: its begin row is written again after each forward)
+_by_content: list[bool] = []  # [True] once wrap() met an iterable training set: noted as it is collated
 
 
 class _Noted(Dataset):  # type: ignore[type-arg]
@@ -70,17 +68,19 @@ class _Noted(Dataset):  # type: ignore[type-arg]
 
 
 def wrap(dataset: Any) -> Any:
-    if not hasattr(dataset, "__len__"):  # an iterable set: noted by content, in the forward pass
+    if not hasattr(dataset, "__len__"):  # an iterable set: noted by content, as it is collated
         _by_content.append(True)
         return dataset
     return _Noted(dataset)
 
 
-def _note_forward(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-    if not module.training or "input_ids" not in kwargs:
-        return
-    _batches.append([zlib.crc32(row.cpu().numpy().tobytes()) & 0x7FFFFFFF for row in kwargs["input_ids"]])
-    _write({**_row(_step[0], [i for b in _batches for i in b]), "phase": "begin"})
+class _NotedCollator:
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+
+    def __call__(self, features: list[dict[str, Any]]) -> Any:
+        _batches.append([zlib.crc32(repr(list(f["input_ids"])).encode()) & 0x7FFFFFFF for f in features])
+        return self.collate(features)
 
 
 def _row(step: int, ids: list[int]) -> dict[str, Any]:
@@ -164,13 +164,11 @@ class _KillAtBackward:
 
 
 class Callback(TrainerCallback):
-    hooked: bool = False
-
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         _batches.clear()
-        if _by_content and not self.hooked:
-            self.hooked = True
-            kwargs["model"].register_forward_pre_hook(_note_forward, with_kwargs=True)
+        loader = kwargs.get("train_dataloader")
+        if _by_content and loader is not None and not isinstance(loader.collate_fn, _NotedCollator):
+            loader.collate_fn = _NotedCollator(loader.collate_fn)  # before train() iterates it
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         _batches.clear()  # the last epoch's DataLoader read ahead, and is read no more
@@ -180,7 +178,6 @@ class Callback(TrainerCallback):
         count = min(args.gradient_accumulation_steps, len(_batches))
         ids = [i for k in range(count) for i in _batches[k]]
         row = _row(int(state.global_step) + 1, ids)
-        _step[0] = row["step"]
         _write({**row, "phase": "begin"})
         kill = _kill_at()
         if kill is not None and (row["step"], row["world"]) == (kill[0], kill[2]):

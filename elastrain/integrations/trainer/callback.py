@@ -136,7 +136,9 @@ class ElasticTrainerCallback(TrainerCallback):
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         d = self.driver
         step = state.global_step
-        path = d.checkpoints.commit(step, d.held.position.cursor_at(step), d.held.position.global_batch)
+        position = d.held.position
+        cursor = position.cursor_at(step)
+        path = d.checkpoints.commit(step, cursor, position.global_batch, d.held.stream.mark_at(cursor))
         trigger = self.trigger()
         trigger.started(step)
         # The Trainer saves synchronously; the answer waits for the step's own log and evaluation.

@@ -47,6 +47,9 @@ class Resume:
     world_size: int
     global_batch: int | None
     """The global batch of the run that saved it (None: a checkpoint from before it was recorded)."""
+    stream: dict[str, Any] | None = None
+    """An iterable training set's own place at ``cursor`` (:class:`~elastrain.integrations.trainer.memory.
+    StreamPlace`), when the set keeps one."""
 
 
 def newest_committed(root: str) -> str | None:
@@ -177,13 +180,21 @@ class TrainerCheckpoints:
             if problem is not None:
                 proto.reject(d, problem)
                 return None
-            batch = state.get("global_batch")
-            return Resume(d.path, marker.step, int(state["cursor"]), marker.world_size, int(batch) if batch else None)
+            batch, stream = state.get("global_batch"), state.get("stream")
+            return Resume(
+                d.path,
+                marker.step,
+                int(state["cursor"]),
+                marker.world_size,
+                int(batch) if batch else None,
+                stream if isinstance(stream, dict) else None,
+            )
 
         return proto.restore(load)
 
-    def commit(self, step: int, cursor: int, global_batch: int) -> str:
-        """Collective: commit ``checkpoint-<step>`` after the Trainer wrote it; its path.
+    def commit(self, step: int, cursor: int, global_batch: int, stream: dict[str, Any] | None = None) -> str:
+        """Collective: commit ``checkpoint-<step>`` after the Trainer wrote it; its path. ``stream``: an iterable
+        training set's place at ``cursor`` (rank 0's), written with the data position.
 
         Raises :class:`~elastrain.errors.CheckpointSaveError` naming the path and the cause if any rank could
         not make its files durable or the marker could not be written."""
@@ -203,7 +214,15 @@ class TrainerCheckpoints:
                 if (int(m.group(1)) == rank) if m else rank == 0:
                     report[name] = fsync_and_checksum(os.path.join(path, name))
             if rank == 0:
-                state = {"format": 2, "step": step, "cursor": cursor, "global_batch": global_batch, "world_size": world}
+                state: dict[str, Any] = {
+                    "format": 2,
+                    "step": step,
+                    "cursor": cursor,
+                    "global_batch": global_batch,
+                    "world_size": world,
+                }
+                if stream:
+                    state["stream"] = stream
                 data = json.dumps(state).encode()
                 self.storage.write_atomic(os.path.join(path, STATE_FILE), data)
                 report[STATE_FILE] = entry_of(data)

@@ -143,7 +143,8 @@ class StreamLoader:
         else:
             seed = args.data_seed if args.data_seed is not None else args.seed
             shuffle = args.train_sampling_strategy != "sequential"
-            self._warn_sampling(str(args.train_sampling_strategy))
+            if not iterable:  # an iterable set is read in its own order, as the Trainer reads it
+                self._warn_sampling(str(args.train_sampling_strategy))
         first, self.first_step = self.first_step, None
         start_step = int(self.held.position.step)
         sampler = StreamBatches(
@@ -183,10 +184,19 @@ class StreamLoader:
 
     def _iterable_stream(self, source: Any, global_batch: int, start: int) -> IterableStream:
         """The iterable set's stream, read up to ``start`` (kept across this process's worlds: read forward, with a
-        few global batches kept for what was read ahead before a regroup)."""
+        few global batches kept for what was read ahead before a regroup), or resumed there from the place in the
+        set a peer sent (a joiner)."""
         if self.iterable is None or self.iterable.source is not source:
-            self.iterable = IterableStream(source, lookback=4 * global_batch)
+            self.iterable = IterableStream(source, lookback=4 * global_batch, mark_every=global_batch)
+            held = self.held
+            held.stream.attach(self.iterable.mark, lambda: held.position.cursor)
         self.iterable.set_lookback(4 * global_batch)
+        mark = self.held.stream.take()
+        if mark is not None and mark.get("position") == start and not self.iterable.near(start):
+            try:
+                self.iterable.resume(mark)  # a peer's or a checkpoint's place in the set: nothing before it read
+            except (KeyError, TypeError, ValueError) as exc:
+                lifecycle("trainer_stream_unresumed", level=logging.WARNING, to=start, error=repr(exc)[:200])
         if int(self.trainer.args.dataloader_num_workers) > 0 and not self._warned_workers:
             self._warned_workers = True
             lifecycle(

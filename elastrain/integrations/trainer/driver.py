@@ -242,6 +242,7 @@ class ElasticTrainer:
         if resume is not None:
             batch = resume.global_batch or self.batch.first_global_batch()
             held.position = DataPosition(resume.step, resume.cursor, batch)
+            held.stream.received = resume.stream  # an iterable set's place there, if it keeps one
         else:
             held.position = DataPosition(0, 0, self.batch.first_global_batch())
         self.batch.replan(held.position.global_batch)

@@ -10,7 +10,11 @@ consumed, and a job that resumes at any world size reads exactly the next unseen
 What that asks of the set: it yields the same samples in the same order in every process, for a given pass (a
 file, a generator, ``datasets``' own seeded ``shuffle`` with ``set_epoch``). What it costs: each rank reads (and
 maps) every sample, not only its own; a process that starts at position ``p`` reads the ``p`` samples before it
-again (``event=trainer_stream_skipped``), as transformers' own resume of an iterable set does.
+again (``event=trainer_stream_skipped``), as transformers' own resume of an iterable set does, unless the set can
+resume itself: a ``datasets.IterableDataset`` keeps its place as a ``state_dict``, and a reader notes it at every
+global batch's start (:meth:`IterableStream.mark`). A member that has the mark of its start position (a joiner at a
+live regroup, from its peers; a restart, from the checkpoint) resumes the set there (``event=trainer_stream_resumed``)
+instead.
 
 :class:`IterableStream` is the map-style view the DataLoader reads: ``stream[p]`` is position ``p``. Reads go
 forward; the last samples read are kept (``lookback``) for a DataLoader built again at a position it has already
@@ -19,6 +23,7 @@ read past (read ahead before a regroup); a position further back is read again f
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
@@ -36,11 +41,22 @@ class Epochal(Protocol):
     def set_epoch(self, epoch: int) -> None: ...
 
 
+@runtime_checkable
+class Resumable(Protocol):
+    """A set that keeps its place in the current pass as plain values (``datasets.IterableDataset``)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
 class IterableStream:
     """Positions of the stream of an iterable set, read forward (a map-style dataset for the DataLoader)."""
 
-    def __init__(self, source: Iterable[Any], lookback: int) -> None:
+    def __init__(self, source: Iterable[Any], lookback: int, mark_every: int = 0) -> None:
         self.source = source
+        self.mark_every = mark_every if isinstance(source, Resumable) else 0
+        """Note the set's own place at every multiple of this position (0: it cannot resume itself)."""
+        self._marks: dict[int, dict[str, Any]] = {}
         self.lookback = max(1, lookback)
         self._recent: deque[Any] = deque(maxlen=self.lookback)
         self._next = 0
@@ -85,11 +101,55 @@ class IterableStream:
             self._in_pass += 1
             self._recent.append(sample)
             self._next += 1
+            if self.mark_every and self._next % self.mark_every == 0:
+                self._note_mark()
             return sample
         raise DataStateError(f"the training set yielded no sample in its pass {self._pass}")  # unreachable
 
+    def _note_mark(self) -> None:
+        """The set's own place now (the next position is :attr:`position`), as plain values; older marks beyond
+        what is kept are dropped."""
+        assert isinstance(self.source, Resumable)
+        try:
+            state = json.loads(json.dumps(self.source.state_dict()))
+        except (TypeError, ValueError) as exc:
+            lifecycle("trainer_stream_unmarked", level=logging.WARNING, error=repr(exc)[:200])
+            self.mark_every = 0
+            return
+        self._marks[self._next] = {"position": self._next, "pass": self._pass, "in_pass": self._in_pass, "set": state}
+        oldest = self._next - self.lookback - self.mark_every
+        for p in [p for p in self._marks if p < oldest]:
+            del self._marks[p]
+
+    def mark(self, position: int) -> dict[str, Any] | None:
+        """The set's own place at ``position``, or None (the start, a set that cannot resume itself, a position
+        this reader has left behind). A position a little ahead is read up to first: this reader reads it next."""
+        if position == 0 or not self.mark_every:
+            return None
+        while self._next < position <= self._next + self.lookback:
+            self._read()
+        return self._marks.get(position)
+
+    def near(self, position: int) -> bool:
+        """Whether ``position`` is kept, or at most :attr:`lookback` positions ahead (reached by reading a little)."""
+        return self._next - len(self._recent) <= position <= self._next + self.lookback
+
+    def resume(self, mark: dict[str, Any]) -> None:
+        """Go on from a peer's :meth:`mark`: the set resumes itself at that place (no sample before it is read)."""
+        assert isinstance(self.source, Resumable)
+        started = time.monotonic()
+        position, n, in_pass = int(mark["position"]), int(mark["pass"]), int(mark["in_pass"])
+        if isinstance(self.source, Epochal):
+            self.source.set_epoch(n)
+        self.source.load_state_dict(mark["set"])
+        self._recent.clear()
+        self._marks.clear()
+        self._it, self._pass, self._in_pass, self._next = iter(self.source), n, in_pass, position
+        lifecycle("trainer_stream_resumed", to=position, passes=n, took_s=round(time.monotonic() - started, 3))
+
     def _restart(self) -> None:
         self._recent.clear()
+        self._marks.clear()
         self._it, self._next = None, 0
 
     def seek(self, position: int) -> None:

@@ -3,14 +3,15 @@
 At a live regroup these travel from the member that keeps the agreed state to the members that have none
 (a joining or restarted worker) or that roll back (a member a step ahead), together with the model and the
 optimizer (:func:`elastrain.live.transfer.send_state`): the Trainer's own state (global step, epoch,
-log history, best metric), the learning-rate scheduler's state, and elastrain's data position. Every
-value is a plain number, string, list or dict: nothing here is code.
+log history, best metric), the learning-rate scheduler's state, elastrain's data position, and an iterable
+training set's own place at it. Every value is a plain number, string, list or dict: nothing here is code.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any
 
 
@@ -121,6 +122,36 @@ class Deferred:
         self.pending = None
 
 
+class StreamPlace:
+    """An iterable training set's place at a data position, as the set's own resumable state
+    (:meth:`~elastrain.integrations.trainer.iterable.IterableStream.mark`): sent at a regroup and written with each
+    checkpoint, so a member with no reader there (a joiner, a restart) resumes the set at it instead of reading
+    every sample before it again."""
+
+    def __init__(self) -> None:
+        self._mark: Callable[[int], dict[str, Any] | None] | None = None
+        self._agreed: Callable[[], int] = lambda: 0
+        self.received: dict[str, Any] | None = None
+
+    def attach(self, mark: Callable[[int], dict[str, Any] | None], agreed: Callable[[], int]) -> None:
+        """The loader of an iterable set: its reader's marks, and the agreed position a regroup sends."""
+        self._mark, self._agreed = mark, agreed
+
+    def mark_at(self, position: int) -> dict[str, Any] | None:
+        return self._mark(position) if self._mark is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.mark_at(self._agreed()) or {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.received = dict(state) if state else None
+
+    def take(self) -> dict[str, Any] | None:
+        """The received mark, once."""
+        mark, self.received = self.received, None
+        return mark
+
+
 @dataclasses.dataclass
 class Held:
     """Everything a Trainer worker holds between two ``train()`` calls, besides the model and the optimizer."""
@@ -128,6 +159,7 @@ class Held:
     position: DataPosition = dataclasses.field(default_factory=DataPosition)
     progress: Progress = dataclasses.field(default_factory=Progress)
     scheduler: Deferred = dataclasses.field(default_factory=Deferred)
+    stream: StreamPlace = dataclasses.field(default_factory=StreamPlace)
     holds_state: bool = False
     """This worker trained (or loaded) the state it holds: it can send it at a regroup."""
     memory_resume: bool = False

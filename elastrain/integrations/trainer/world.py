@@ -107,7 +107,7 @@ class TrainerWorld:
             source,
             t.model,
             unwrapped(t.optimizer),
-            {"progress": held.progress, "scheduler": held.scheduler, "data": held.position},
+            {"progress": held.progress, "scheduler": held.scheduler, "data": held.position, "stream": held.stream},
             device,
             receivers=agreement.ahead + agreement.receivers,
             pool=pool,
