@@ -162,7 +162,7 @@ class ResumablePasses(Passes):
         return dict(self.state)
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self.start = dict(state_dict)
+        self.start = dict(state_dict) or None  # an empty state: no place to start from
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         start, self.start = self.start or {"epoch": self.epoch, "offset": 0}, None
@@ -183,7 +183,7 @@ def test_a_reader_resumes_the_set_from_a_peers_mark_without_reading_what_is_befo
     assert mark is not None and mark["position"] == at
     source = ResumablePasses(8)
     joiner = IterableStream(source, lookback=8, mark_every=4)
-    joiner.resume(mark)
+    assert joiner.resume(mark)
     assert [joiner[p] for p in range(at, at + 10)] == stream_of(8, at + 10)[at:]
     assert source.yielded == 10
 
@@ -199,11 +199,41 @@ def test_near_is_kept_or_a_lookback_ahead(read_to: int, position: int, near: boo
     assert reader.near(position) == near
 
 
+class Reshuffled(ResumablePasses):
+    """Resumes at its place but yields other samples from there (a ``datasets`` shuffle buffer, lost on resume)."""
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        resumed = self.start is not None
+        for e, i in super().__iter__():
+            yield (e, (i + 3) % self.n) if resumed else (e, i)
+
+
+@pytest.mark.parametrize("mark_fault", ["other-samples", "no-state-taken"])
+def test_a_resume_that_does_not_yield_the_marked_sample_is_said_and_read_again_from_the_start(
+    mark_fault: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    kind = Reshuffled if mark_fault == "other-samples" else ResumablePasses
+    ahead = IterableStream(kind(8), lookback=8, mark_every=4)
+    for p in range(14):
+        ahead[p]
+    mark = ahead.mark(12)
+    assert mark is not None
+    if mark_fault == "no-state-taken":
+        mark = {**mark, "pass": "one"}
+    source = kind(8)
+    joiner = IterableStream(source, lookback=8, mark_every=4)
+    with caplog.at_level(logging.INFO, logger="elastrain"):
+        assert not joiner.resume(mark)
+        joiner.seek(12)
+    assert "event=trainer_stream_unresumed" in caplog.text and "event=trainer_stream_resumed" not in caplog.text
+    assert [joiner[p] for p in range(12, 20)] == stream_of(8, 20)[12:]
+
+
 def test_a_mark_a_little_ahead_is_read_up_to_and_one_left_behind_is_gone() -> None:
     reader = IterableStream(ResumablePasses(50), lookback=4, mark_every=4)
     for p in range(10):
         reader[p]
-    assert reader.mark(12) is not None and reader.position == 12  # read up to it: read next anyway
+    assert reader.mark(12) is not None and reader.position == 13  # read up to it (and its sample): read next anyway
     assert reader.mark(100) is None  # beyond what it would read ahead
     for p in range(12, 30):
         reader[p]

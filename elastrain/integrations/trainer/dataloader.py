@@ -193,10 +193,7 @@ class StreamLoader:
         self.iterable.set_lookback(4 * global_batch)
         mark = self.held.stream.take()
         if mark is not None and mark.get("position") == start and not self.iterable.near(start):
-            try:
-                self.iterable.resume(mark)  # a peer's or a checkpoint's place in the set: nothing before it read
-            except (KeyError, TypeError, ValueError) as exc:
-                lifecycle("trainer_stream_unresumed", level=logging.WARNING, to=start, error=repr(exc)[:200])
+            self.iterable.resume(mark)  # a peer's or a checkpoint's place in the set: nothing before it read
         if int(self.trainer.args.dataloader_num_workers) > 0 and not self._warned_workers:
             self._warned_workers = True
             lifecycle(

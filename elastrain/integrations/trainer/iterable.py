@@ -26,12 +26,18 @@ from __future__ import annotations
 import json
 import logging
 import time
+import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 from elastrain.errors import DataStateError
 from elastrain.log import lifecycle
+
+
+def fingerprint(sample: Any) -> int:
+    """A check that two readers saw the same sample (its printed form: plain values, arrays and tensors alike)."""
+    return zlib.crc32(repr(sample).encode())
 
 
 @runtime_checkable
@@ -101,8 +107,12 @@ class IterableStream:
             self._in_pass += 1
             self._recent.append(sample)
             self._next += 1
-            if self.mark_every and self._next % self.mark_every == 0:
-                self._note_mark()
+            if self.mark_every:
+                read = self._marks.get(self._next - 1)
+                if read is not None and "first" not in read:
+                    read["first"] = fingerprint(sample)  # what a resume there must yield first
+                if self._next % self.mark_every == 0:
+                    self._note_mark()
             return sample
         raise DataStateError(f"the training set yielded no sample in its pass {self._pass}")  # unreachable
 
@@ -122,30 +132,52 @@ class IterableStream:
             del self._marks[p]
 
     def mark(self, position: int) -> dict[str, Any] | None:
-        """The set's own place at ``position``, or None (the start, a set that cannot resume itself, a position
-        this reader has left behind). A position a little ahead is read up to first: this reader reads it next."""
+        """The set's own place at ``position`` and a fingerprint of the sample there, or None (the start, a set that
+        cannot resume itself, a position this reader has left behind). A position a little ahead is read up to
+        first: this reader reads it next."""
         if position == 0 or not self.mark_every:
             return None
-        while self._next < position <= self._next + self.lookback:
+        while self._next <= position < self._next + self.lookback:
             self._read()
-        return self._marks.get(position)
+        mark = self._marks.get(position)
+        return mark if mark is not None and "first" in mark else None
 
     def near(self, position: int) -> bool:
         """Whether ``position`` is kept, or at most :attr:`lookback` positions ahead (reached by reading a little)."""
         return self._next - len(self._recent) <= position <= self._next + self.lookback
 
-    def resume(self, mark: dict[str, Any]) -> None:
-        """Go on from a peer's :meth:`mark`: the set resumes itself at that place (no sample before it is read)."""
+    def resume(self, mark: dict[str, Any]) -> bool:
+        """Go on from a peer's or a checkpoint's :meth:`mark`: the set resumes itself at that place (no sample
+        before it is read). Whether it did: the sample it yields first must be the one the mark saw there (a
+        ``datasets`` shuffle buffer is not kept in its state, and a set resumed from it yields other samples);
+        if not, the set's place is dropped and this reader starts again from the stream's start."""
         assert isinstance(self.source, Resumable)
         started = time.monotonic()
-        position, n, in_pass = int(mark["position"]), int(mark["pass"]), int(mark["in_pass"])
-        if isinstance(self.source, Epochal):
-            self.source.set_epoch(n)
-        self.source.load_state_dict(mark["set"])
-        self._recent.clear()
-        self._marks.clear()
-        self._it, self._pass, self._in_pass, self._next = iter(self.source), n, in_pass, position
-        lifecycle("trainer_stream_resumed", to=position, passes=n, took_s=round(time.monotonic() - started, 3))
+        position, n = mark.get("position"), mark.get("pass")
+        why: str | None
+        try:
+            position, n, in_pass = int(mark["position"]), int(mark["pass"]), int(mark["in_pass"])
+            if isinstance(self.source, Epochal):
+                self.source.set_epoch(n)
+            self.source.load_state_dict(mark["set"])
+            self._restart()
+            self._it, self._pass, self._in_pass, self._next = iter(self.source), n, in_pass, position
+            same = fingerprint(self._read()) == mark.get("first")
+            why = (
+                None
+                if same
+                else "the set resumed from its state yields other samples than it did there (a "
+                "shuffle buffer is not kept in a datasets state)"
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            why = f"the set did not take its state: {exc!r}"[:300]
+        if why is None:
+            lifecycle("trainer_stream_resumed", to=position, passes=n, took_s=round(time.monotonic() - started, 3))
+            return True
+        lifecycle("trainer_stream_unresumed", level=logging.WARNING, to=position, why=why, instead="read again")
+        self.source.load_state_dict({})  # no place to start from (datasets: an empty state is none)
+        self._restart()
+        return False
 
     def _restart(self) -> None:
         self._recent.clear()
