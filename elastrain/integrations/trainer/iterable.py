@@ -34,6 +34,8 @@ from typing import Any, Protocol, runtime_checkable
 from elastrain.errors import DataStateError
 from elastrain.log import lifecycle
 
+_END = object()  # an exhausted pass's next()
+
 
 def fingerprint(sample: Any) -> int:
     """A check that two readers saw the same sample (its printed form: plain values, arrays and tensors alike)."""
@@ -76,6 +78,11 @@ class IterableStream:
         """The next position the stream yields."""
         return self._next
 
+    @property
+    def _kept_from(self) -> int:
+        """The oldest position still kept (``_recent`` holds it up to :attr:`position`)."""
+        return self._next - len(self._recent)
+
     def set_lookback(self, lookback: int) -> None:
         """Keep at least ``lookback`` of the last samples read (a world's global batch and what it reads ahead)."""
         if lookback > self.lookback:
@@ -92,29 +99,26 @@ class IterableStream:
         if self._it is None:
             self._open(0)
         assert self._it is not None
-        for _ in range(2):
-            try:
-                sample = next(self._it)
-            except StopIteration:
-                if self._in_pass == 0:
-                    raise DataStateError(
-                        f"the training set yielded no sample in its pass {self._pass}: an iterable training set "
-                        "must yield its samples again each time it is iterated"
-                    ) from None
-                lifecycle("trainer_stream_pass_ended", level=logging.DEBUG, passes=self._pass + 1, at=self._next)
-                self._open(self._pass + 1)
-                continue
-            self._in_pass += 1
-            self._recent.append(sample)
-            self._next += 1
-            if self.mark_every:
-                read = self._marks.get(self._next - 1)
-                if read is not None and "first" not in read:
-                    read["first"] = fingerprint(sample)  # what a resume there must yield first
-                if self._next % self.mark_every == 0:
-                    self._note_mark()
-            return sample
-        raise DataStateError(f"the training set yielded no sample in its pass {self._pass}")  # unreachable
+        sample = next(self._it, _END)
+        if sample is _END and self._in_pass > 0:
+            lifecycle("trainer_stream_pass_ended", level=logging.DEBUG, passes=self._pass + 1, at=self._next)
+            self._open(self._pass + 1)
+            sample = next(self._it, _END)
+        if sample is _END:
+            raise DataStateError(
+                f"the training set yielded no sample in its pass {self._pass}: an iterable training set "
+                "must yield its samples again each time it is iterated"
+            )
+        self._in_pass += 1
+        self._recent.append(sample)
+        self._next += 1
+        if self.mark_every:
+            read = self._marks.get(self._next - 1)
+            if read is not None and "first" not in read:
+                read["first"] = fingerprint(sample)  # what a resume there must yield first
+            if self._next % self.mark_every == 0:
+                self._note_mark()
+        return sample
 
     def _note_mark(self) -> None:
         """The set's own place now (the next position is :attr:`position`), as plain values; older marks beyond
@@ -144,7 +148,7 @@ class IterableStream:
 
     def near(self, position: int) -> bool:
         """Whether ``position`` is kept, or at most :attr:`lookback` positions ahead (reached by reading a little)."""
-        return self._next - len(self._recent) <= position <= self._next + self.lookback
+        return self._kept_from <= position <= self._next + self.lookback
 
     def resume(self, mark: dict[str, Any]) -> bool:
         """Go on from a peer's or a checkpoint's :meth:`mark`: the set resumes itself at that place (no sample
@@ -189,9 +193,10 @@ class IterableStream:
         lies behind what is kept, read the stream again from its start."""
         if position < 0:
             raise DataStateError(f"stream position {position} is negative")
-        kept_from = self._next - len(self._recent)
-        if position < kept_from:
-            lifecycle("trainer_stream_reread", level=logging.WARNING, at=position, read=self._next, kept_from=kept_from)
+        if position < self._kept_from:
+            lifecycle(
+                "trainer_stream_reread", level=logging.WARNING, at=position, read=self._next, kept_from=self._kept_from
+            )
             self._restart()
         skip = position - self._next
         if skip <= 0:
@@ -202,9 +207,8 @@ class IterableStream:
         lifecycle("trainer_stream_skipped", samples=skip, to=position, took_s=round(time.monotonic() - started, 3))
 
     def __getitem__(self, position: int) -> Any:
-        kept_from = self._next - len(self._recent)
-        if position < kept_from:
+        if position < self._kept_from:
             self.seek(position)
         while self._next <= position:
             self._read()
-        return self._recent[position - (self._next - len(self._recent))]
+        return self._recent[position - self._kept_from]
