@@ -92,8 +92,9 @@ class StoreFactory(Protocol):
 
     def known_gone(self, cached: st.RendezvousState) -> bool:
         """Whether every node of the job this node knows of is proved gone (its probe port refuses): the nodes of
-        ``cached``, else those of the state it found the job's store with. Only where the job can be started over
-        safely (a fencing root: a world still alive somewhere is fenced, never doubled)."""
+        ``cached``, else those of the state it found the job's store with; knowing none (a world formed on its store
+        without it), whether every store the newest world ran refuses. Only where the job can be started over safely
+        (a fencing root: a world still alive somewhere is fenced, never doubled)."""
         ...
 
     def no_world_since_start(self) -> bool:
@@ -415,8 +416,8 @@ def refound_why(
     no store), or when no world of the job formed since it started at the endpoint (no store of the job answered then:
     a relaunch whose store's host went away before the first round); after ``heartbeat_timeout`` when every node of
     the job it knows of refuses its probe (they died together: a member it never saw, had it taken the store over,
-    would have recorded the move by then, and the failover would have found it); else once it has looked for
-    ``refound_after``."""
+    would have recorded the move by then, and the failover would have found it; knowing no node, when every store
+    the newest world ran refuses, by the same argument); else once it has looked for ``refound_after``."""
     if stores.vacated():
         return "its world's last node left it"
     if stores.no_world_since_start():
@@ -424,7 +425,7 @@ def refound_why(
     if silent_s >= settings.refound_after_s:
         return "its published store is silent"
     if silent_s >= settings.heartbeat_timeout_s and stores.known_gone(cached):
-        return "every node of the job it knew of is gone (probes refused)"
+        return "every node and store of the job it knew of is gone (probes refused)"
     return None
 
 

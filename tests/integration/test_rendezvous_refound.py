@@ -39,6 +39,11 @@ WORLD = textwrap.dedent(
                                   heartbeat_interval="0.1", heartbeat_timeout="1", last_call_timeout="0.3",
                                   **json.loads(sys.argv[4]))
     h = create_c10d_handler(params)
+    if len(sys.argv) > 5:  # its store is up: the round waits until the test says
+        print("STORE_UP", flush=True)
+        gated = time.monotonic() + 600
+        while not os.path.exists(sys.argv[5]) and time.monotonic() < gated:
+            time.sleep(0.05)
     h.next_rendezvous()
     print("WORLD_FORMED", h.generation, flush=True)
     deadline = time.monotonic() + 600
@@ -54,11 +59,14 @@ WORLD = textwrap.dedent(
 )
 
 
-def start_world(tmp_path: Path, name: str = "world", **conf: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
-    """A world of one member, which hosts the store (checkpoint root ``tmp_path``); it finishes once the returned
-    file exists."""
+def start_world(
+    tmp_path: Path, name: str = "world", port: int = 0, gate: Path | None = None, **conf: str
+) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """A world of one member, which hosts the store at ``port`` (default: a free one; checkpoint root ``tmp_path``);
+    it finishes once the returned file exists. With ``gate``, its round waits until that file exists."""
     log, finish = tmp_path / f"{name}.log", tmp_path / f"{name}.finish"
-    args = [f"127.0.0.1:{free_port()}", str(tmp_path), str(finish), json.dumps(conf)]
+    args = [f"127.0.0.1:{port or free_port()}", str(tmp_path), str(finish), json.dumps(conf)]
+    args += [str(gate)] if gate is not None else []
     world = subprocess.Popen(
         [PYTHON, "-c", WORLD, *args], stdout=log.open("wb"), stderr=subprocess.STDOUT, env=worker_env(),
         start_new_session=True,
@@ -139,7 +147,7 @@ def test_a_newcomer_whose_job_is_gone_with_its_store_starts_it_over(
             assert len(refounded) == 1, events
             silent = float(refounded[0].split("silent_s=")[1].split()[0])
             if end == "killed":
-                assert silent >= 1.0 and "every node of the job it knew of is gone" in refounded[0], events
+                assert silent >= 1.0 and "every node and store of the job it knew of is gone" in refounded[0], events
             elif end == "stopped":
                 assert silent >= 4.0 and "published store is silent" in refounded[0], events  # it looked for one
             else:
@@ -149,6 +157,41 @@ def test_a_newcomer_whose_job_is_gone_with_its_store_starts_it_over(
             newcomer.shutdown()
             if end == "stopped":
                 world.send_signal(signal.SIGKILL)
+
+
+def test_a_newcomer_that_a_world_formed_without_knows_it_gone_by_its_stores(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The newcomer starts when no world of the job runs, on the endpoint's store (hosted by a node launched with
+    it: the newcomer may host it too, as every node of a job may), and a world forms there before the newcomer's
+    first round (its workers still warm). That world dies with its store (SIGKILL) before the newcomer read its
+    state: it knows no node of it, but every store the newest world ran refuses, and it starts the job over after
+    ``heartbeat_timeout``, not ``refound_after`` (a soak's newcomer waited 60 s there)."""
+    port, gate = free_port(), tmp_path / "gate"
+    world, log, _ = start_world(tmp_path, port=port, gate=gate)
+    with reaped(world):
+        wait_for(lambda: "STORE_UP" in log.read_text(), 60, what=f"the world's store: {log}")
+        conf = {**FAST, "refound_after": "600", "join_timeout": "600", "last_call_timeout": "600"}
+        newcomer = create_c10d_handler(
+            RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="refound", min_nodes=1,
+                                 max_nodes=2, local_addr="127.0.0.1", checkpoint_root=str(tmp_path), **conf)
+        )  # fmt: skip
+        assert isinstance(newcomer, ElastrainRendezvousHandler)
+        try:
+            assert fence.generations(str(tmp_path)) == []  # it started where no world ran
+            gate.touch()
+            wait_for(lambda: "WORLD_FORMED 0" in log.read_text(), 60, what=f"the world to form: {log}")
+            world.send_signal(signal.SIGKILL)
+            world.wait(timeout=10)
+            with caplog.at_level(logging.INFO, logger="elastrain"):
+                info = newcomer.next_rendezvous()
+            assert (info.world_size, info.rank, newcomer.generation) == (1, 0, 1)
+            events = [r.getMessage() for r in caplog.records]
+            refounded = [e for e in events if "event=job_refounded" in e]
+            assert len(refounded) == 1 and "every node and store of the job it knew of is gone" in refounded[0], events
+            assert float(refounded[0].split("silent_s=")[1].split()[0]) >= 1.0  # after heartbeat_timeout
+        finally:
+            newcomer.shutdown()
 
 
 def test_a_newcomer_whose_job_finished_before_it_joined_ends_with_it(
@@ -214,7 +257,7 @@ def test_a_mark_not_signed_with_the_jobs_secret_is_not_followed(
             assert [e for e in events if f"event={untrusted}" in e], events
             refounded = [e for e in events if "event=job_refounded" in e]
             # Started over on the proof it has (every node it knew of refused its probe), not on the forged mark.
-            assert len(refounded) == 1 and "every node of the job it knew of is gone" in refounded[0], events
+            assert len(refounded) == 1 and "every node and store of the job it knew of is gone" in refounded[0], events
             assert float(refounded[0].split("silent_s=")[1].split()[0]) >= 1.0  # after heartbeat_timeout
         finally:
             newcomer.shutdown()

@@ -33,7 +33,7 @@ SETTINGS = HandlerSettings(heartbeat_timeout_s=5.0, refound_after_s=60.0)
     [
         (True, False, 0.0, "its world's last node left it"),  # the mark: at once
         (False, True, 1.0, None),  # every known node refused, but a member it never saw may still record a move
-        (False, True, 5.0, "every node of the job it knew of is gone (probes refused)"),
+        (False, True, 5.0, "every node and store of the job it knew of is gone (probes refused)"),
         (False, False, 30.0, None),  # a node frozen or cut off proves nothing: it looks on
         (False, False, 60.0, "its published store is silent"),
     ],

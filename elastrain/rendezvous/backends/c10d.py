@@ -259,10 +259,23 @@ class C10dStores:
         if self.root is None:
             return False
         nodes = (cached if cached.nodes else self._found).nodes
+        if not nodes:
+            return self._newest_world_gone(self.root)
         targets = {n: (i.addr, i.probe_port) for n, i in nodes.items() if i.probe_port}
         if not nodes or len(targets) < len(nodes):
             return False  # a node that cannot be probed is never proved gone
         return liveness.refused(targets, 0.5) == set(targets)
+
+    def _newest_world_gone(self, root: str) -> bool:
+        """For a node that knows no node of the job (it started on a store no world ran on, and a world formed there
+        without it): whether nothing listens any more where the newest world's store ran, its own and every move of
+        it recorded since (a store listens as long as its host's process lives)."""
+        read, top = fence_marks.newest_claim(root)
+        if not read or top is None or top.run_id != self.run_id or not top.store:
+            return False
+        stores = [address for address, _ in fence_moves.stores_of(root, top)]
+        gone = liveness.refused({address: split_address(address) for address in stores}, 0.5)
+        return gone == set(stores)
 
     def _live(self, backend: RendezvousBackend) -> st.RendezvousState | None:
         """The state at ``backend`` when a live job's rendezvous runs there (opened with the job's secret)."""
