@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 
 from torch._C._distributed_c10d import Store, TCPStore
@@ -256,26 +257,8 @@ class C10dStores:
         return top is not None and fence_marks.left(self.root, top.generation, self.run_id, self.auth)
 
     def known_gone(self, cached: st.RendezvousState) -> bool:
-        if self.root is None:
-            return False
         nodes = (cached if cached.nodes else self._found).nodes
-        if not nodes:
-            return self._newest_world_gone(self.root)
-        targets = {n: (i.addr, i.probe_port) for n, i in nodes.items() if i.probe_port}
-        if not nodes or len(targets) < len(nodes):
-            return False  # a node that cannot be probed is never proved gone
-        return liveness.refused(targets, 0.5) == set(targets)
-
-    def _newest_world_gone(self, root: str) -> bool:
-        """For a node that knows no node of the job (it started on a store no world ran on, and a world formed there
-        without it): whether nothing listens any more where the newest world's store ran, its own and every move of
-        it recorded since (a store listens as long as its host's process lives)."""
-        read, top = fence_marks.newest_claim(root)
-        if not read or top is None or top.run_id != self.run_id or not top.store:
-            return False
-        stores = [address for address, _ in fence_moves.stores_of(root, top)]
-        gone = liveness.refused({address: split_address(address) for address in stores}, 0.5)
-        return gone == set(stores)
+        return self.root is not None and _known_gone(self.root, self.run_id, nodes)
 
     def _live(self, backend: RendezvousBackend) -> st.RendezvousState | None:
         """The state at ``backend`` when a live job's rendezvous runs there (opened with the job's secret)."""
@@ -372,6 +355,22 @@ class C10dStores:
             except (*STORE_ERRORS, RuntimeError) as err:
                 lifecycle("store_successor_unreachable", level=logging.INFO, candidate=cand, error=repr(err)[:120])
         return None
+
+
+def _known_gone(root: str, run_id: str, nodes: Mapping[str, st.NodeInfo]) -> bool:
+    """Whether every node of ``nodes`` refuses its probe (see ``StoreFactory.known_gone``); knowing none (a world formed
+    on this node's store without it), whether nothing listens any more where the newest world's store ran: its own and
+    every move of it recorded since (a store listens as long as its host's process lives)."""
+    if nodes:
+        targets = {n: (i.addr, i.probe_port) for n, i in nodes.items() if i.probe_port}
+        if len(targets) < len(nodes):
+            return False  # a node that cannot be probed is never proved gone
+    else:
+        read, top = fence_marks.newest_claim(root)
+        if not read or top is None or top.run_id != run_id or not top.store:
+            return False
+        targets = {address: split_address(address) for address, _ in fence_moves.stores_of(root, top)}
+    return liveness.refused(targets, 0.5) == set(targets)
 
 
 def record_move(root: str, move: fence_moves.Moved) -> None:
