@@ -101,6 +101,19 @@ def classification(assets: Path, max_steps: int = 160) -> Workload:
     )  # fmt: skip
 
 
+def sft(assets: Path, max_steps: int = 200) -> Workload:
+    """TRL's SFTTrainer (a Trainer subclass with its own loss) on prompt-completion pairs, the loss on completions."""
+    return Workload(
+        "run_sft.py",
+        (
+            "--model_name_or_path", str(assets / "gpt2"), "--dataset_name", str(assets / "sft"),
+            "--max_length", "64", "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--bf16", "false",
+            "--save_steps", "40", "--logging_steps", "10", "--max_steps", str(max_steps),
+        ),
+        max_steps,
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Event:
     """At step ``at`` (once the job trains ``world`` ranks), do ``action`` to node ``node``. ``wait`` does nothing
@@ -123,7 +136,14 @@ class Run:
     events: list[str] = field(default_factory=list)
 
     def state(self) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads((self.out / "model" / "trainer_state.json").read_text())
+        """The Trainer's state at the end: what the script saved (``trainer.save_state()``), else its last
+        checkpoint's (TRL's sft.py saves no state of its own)."""
+        model = self.out / "model"
+        saved = model / "trainer_state.json"
+        if not saved.exists():
+            last = max(model.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
+            saved = last
+        data: dict[str, Any] = json.loads(saved.read_text())
         return data
 
     def losses(self) -> dict[int, float]:
