@@ -138,3 +138,46 @@ def test_a_sampling_strategy_the_stream_does_not_follow_is_said_once(
     assert said == (1 if warned else 0), caplog.text
     if warned:
         assert f"train_sampling_strategy={strategy} instead=random" in caplog.text
+
+
+def test_a_trainer_subclass_dataloader_of_its_own_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A subclass whose get_train_dataloader never called the Trainer's: the loader built no stream."""
+    from transformers import Trainer
+
+    from elastrain.integrations.trainer.dataloader import StreamLoader
+
+    class OwnLoader(Trainer):
+        def get_train_dataloader(self):  # type: ignore[no-untyped-def]
+            return []
+
+    caplog.set_level(logging.INFO, logger="elastrain")
+    loader = StreamLoader(trainer=object.__new__(OwnLoader), batch=None, held=None)  # type: ignore[arg-type]
+    loader.check_own()
+    loader.check_own()
+    assert caplog.text.count("event=trainer_dataloader_own trainer=OwnLoader") == 1, caplog.text
+    caplog.clear()
+    loader = StreamLoader(trainer=object.__new__(OwnLoader), batch=None, held=None)  # type: ignore[arg-type]
+    loader.sampler = StreamBatches(8, plan(ScalingConfig(global_batch=4, micro_batch=4), 1), 0, 0, 2, seed=0)
+    loader.check_own()  # the Trainer's own get_train_dataloader ran: the stream
+    assert "trainer_dataloader_own" not in caplog.text
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_a_trainer_subclass_sampler_the_stream_does_not_call_is_said_once(
+    own: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    from transformers import Trainer
+
+    from elastrain.integrations.trainer.dataloader import StreamLoader
+
+    class Sampled(Trainer):
+        if own:
+
+            def _get_train_sampler(self, train_dataset=None):  # type: ignore[no-untyped-def]
+                return None
+
+    caplog.set_level(logging.INFO, logger="elastrain")
+    loader = StreamLoader(trainer=object.__new__(Sampled), batch=None, held=None)  # type: ignore[arg-type]
+    loader._warn_sampler()
+    loader._warn_sampler()
+    assert caplog.text.count("event=trainer_sampler_unused trainer=Sampled") == (1 if own else 0), caplog.text

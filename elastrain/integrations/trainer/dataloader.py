@@ -34,6 +34,7 @@ class StreamLoader:
         self._warned_stream = False
         self._warned_workers = False
         self._warned_sampling = False
+        self._warned_sampler = False
         self.sampler: StreamBatches | None = None
         """This train() call's batches (None: not built yet, or the Trainer's own DataLoader)."""
         self.start_step = 0
@@ -66,6 +67,36 @@ class StreamLoader:
         dataset = self.trainer.train_dataset
         return isinstance(dataset, IterableDataset) or (
             isinstance(dataset, Iterable) and not isinstance(dataset, Sized)
+        )
+
+    def check_own(self) -> None:
+        """Once the Trainer built its training DataLoader: said once when that is not the stream (a Trainer subclass
+        whose ``get_train_dataloader`` builds its own, without the Trainer's)."""
+        if self.sampler is not None or self._warned_stream:
+            return
+        self._warned_stream = True
+        lifecycle(
+            "trainer_dataloader_own",
+            level=logging.WARNING,
+            trainer=type(self.trainer).__name__,
+            why="its get_train_dataloader builds a DataLoader of its own, not the Trainer's: its position is not kept "
+            "across world sizes (samples may be trained twice or skipped after a membership change)",
+        )
+
+    def _warn_sampler(self) -> None:
+        """A Trainer subclass's own ``_get_train_sampler``, which the stream never calls: said once."""
+        from transformers import Trainer
+
+        cls = type(self.trainer)
+        if self._warned_sampler or cls._get_train_sampler is Trainer._get_train_sampler:
+            return
+        self._warned_sampler = True
+        lifecycle(
+            "trainer_sampler_unused",
+            level=logging.WARNING,
+            trainer=cls.__name__,
+            why="its _get_train_sampler is not called: elastrain reads the training set in its own seeded order, "
+            "the same at every world size",
         )
 
     def _warn_sampling(self, strategy: str) -> None:
@@ -145,6 +176,7 @@ class StreamLoader:
             shuffle = args.train_sampling_strategy != "sequential"
             if not iterable:  # an iterable set is read in its own order, as the Trainer reads it
                 self._warn_sampling(str(args.train_sampling_strategy))
+        self._warn_sampler()
         first, self.first_step = self.first_step, None
         start_step = int(self.held.position.step)
         sampler = StreamBatches(
