@@ -6,7 +6,7 @@ It imports nothing from elastrain: run it under elastrain-run as it is (examples
 import os
 
 from datasets import load_dataset
-from trl import ModelConfig, ScriptArguments, SFTConfig, SFTTrainer, TrlParser
+from trl import ModelConfig, ScriptArguments, SFTConfig, SFTTrainer, TrlParser, get_peft_config
 
 
 def main(script_args, training_args, model_args):
@@ -17,6 +17,7 @@ def main(script_args, training_args, model_args):
         args=training_args,
         train_dataset=dataset[script_args.dataset_train_split],
         eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
+        peft_config=get_peft_config(model_args),  # LoRA with --use_peft (needs peft)
     )
     if os.environ.get("LEDGER_DIR"):  # elastrain's sample ledger (bench/support/hf), not part of the recipe
         import ledger

@@ -1,5 +1,5 @@
-"""Hugging Face Trainer scripts (examples/hf: transformers' examples, and TRL's SFT with its Trainer subclass) that
-import nothing from elastrain (bench/support/hf), run unchanged under
+"""Hugging Face Trainer scripts (examples/hf: transformers' examples, and TRL's SFT with its Trainer subclass and
+LoRA adapters) that import nothing from elastrain (bench/support/hf), run unchanged under
 elastrain-run with its defaults (live mode) as local nodes, through SIGKILLs, SIGTERMs and returns at random
 steps (seeded; the seed is in every failure message): each job ends at max_steps, every step trains exactly
 the samples of the uninterrupted run's step (every sample once per epoch), the losses end where the
@@ -25,7 +25,7 @@ from support.trainer_trace import (
     make_assets,
     reference,
     seq2seq,
-    sft,
+    sft_lora,
     trace,
 )
 
@@ -81,8 +81,8 @@ def _random_step(rng: random.Random, w: Workload, lo: float, hi: float) -> int:
 
 @pytest.mark.parametrize(
     "make",
-    [causal_lm, causal_lm_streaming, seq2seq, classification, sft],
-    ids=["causal-lm", "causal-lm-streaming", "seq2seq", "classification", "trl-sft"],
+    [causal_lm, causal_lm_streaming, seq2seq, classification, sft_lora],
+    ids=["causal-lm", "causal-lm-streaming", "seq2seq", "classification", "trl-sft-lora"],
 )
 def test_an_unmodified_trainer_script_survives_kills_and_leaves_with_no_step_lost(
     make: Callable[[Path], Workload], assets: Path, tmp_path: Path

@@ -10,6 +10,7 @@ newest committed checkpoint, at the same data position and global batch.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,12 @@ from support.trainer_trace import (
     SCRIPTS,
     Event,
     Ledger,
+    Workload,
     causal_lm,
     causal_lm_streaming,
     make_assets,
     reference,
+    sft_lora,
     trace,
 )
 
@@ -61,13 +64,16 @@ def test_a_checkpoint_cut_short_is_never_resumed_from(assets: Path, tmp_path: Pa
     assert (out / "checkpoint-120" / "elastrain-commit.json").exists()
 
 
-@pytest.mark.parametrize("streaming", [False, True], ids=["map-style", "iterable"])
+@pytest.mark.parametrize(
+    "make", [causal_lm, causal_lm_streaming, sft_lora], ids=["map-style", "iterable", "trl-sft-lora"]
+)
 def test_restart_mode_resumes_from_the_newest_committed_checkpoint_at_the_same_data_position(
-    assets: Path, tmp_path: Path, streaming: bool
+    assets: Path, tmp_path: Path, make: Callable[[Path, int], Workload]
 ) -> None:
     """An iterable training set (``--streaming``) resumes at the place in it the checkpoint noted, with no sample
-    before it read again."""
-    w = causal_lm_streaming(assets, 200) if streaming else causal_lm(assets, 200)
+    before it read again. LoRA adapters (peft, under TRL's SFTTrainer) resume from checkpoints that hold only them."""
+    streaming = make is causal_lm_streaming
+    w = make(assets, 200)
     events = [Event("kill", "b", at=70, world=2), Event("start", "b", at=70), Event("wait", "b", world=2)]
     got = trace(w, tmp_path / "trace", events, extra=("--live", "false"))
     detail = f"events: {got.events}\n{got.dump()}"

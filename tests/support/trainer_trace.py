@@ -101,13 +101,15 @@ def classification(assets: Path, max_steps: int = 160) -> Workload:
     )  # fmt: skip
 
 
-def sft(assets: Path, max_steps: int = 200) -> Workload:
-    """TRL's SFTTrainer (a Trainer subclass with its own loss) on prompt-completion pairs, the loss on completions."""
+def sft_lora(assets: Path, max_steps: int = 200) -> Workload:
+    """TRL's SFTTrainer (a Trainer subclass with its own loss) on prompt-completion pairs, the loss on completions,
+    training LoRA adapters (peft) on the frozen GPT-2: its checkpoints hold the adapters only."""
     return Workload(
         "run_sft.py",
         (
             "--model_name_or_path", str(assets / "gpt2"), "--dataset_name", str(assets / "sft"),
-            "--max_length", "64", "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--bf16", "false",
+            "--use_peft", "--lora_r", "8", "--lora_alpha", "16",
+            "--max_length", "64", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2", "--bf16", "false",
             "--save_steps", "40", "--logging_steps", "10", "--max_steps", str(max_steps),
         ),
         max_steps,
