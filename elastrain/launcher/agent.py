@@ -25,11 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 import weakref
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from torch.distributed import DistError
@@ -39,7 +36,7 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 
 from elastrain.control import ControlChannel, RegroupChannel, SaveCause
 from elastrain.env import ZYGOTE, LaunchContext, start_reason, to_environ
-from elastrain.launcher import zygote
+from elastrain.launcher import control_dir, zygote
 from elastrain.launcher.context import ContextBuilder
 from elastrain.launcher.leave import NodeLeave
 from elastrain.launcher.options import ElastrainOptions
@@ -53,21 +50,6 @@ from elastrain.rendezvous.state import ChangeKind, Departure
 
 # How many rounds in a row may lose a member before it shared its worker info (each bounded by timeouts).
 RENDEZVOUS_ATTEMPTS = 20
-
-
-def _remove_control_dir(directory: Path, owner_pid: int) -> None:
-    """Remove this agent's own control directory (one per agent, made by ``tempfile.mkdtemp``); never from a
-    forked copy of the agent's process, whose exit would take it from the agent still running."""
-    if os.getpid() != owner_pid:
-        return
-    try:
-        shutil.rmtree(directory)
-    except FileNotFoundError:
-        return  # removed already: nothing left behind
-    except OSError as exc:
-        lifecycle("control_dir_left", level=logging.WARNING, control_dir=str(directory), error=repr(exc)[:300])
-        return
-    lifecycle("control_dir_removed", level=logging.DEBUG, control_dir=str(directory))
 
 
 class ElastrainAgent(LocalElasticAgent):
@@ -95,9 +77,9 @@ class ElastrainAgent(LocalElasticAgent):
         self._previous_world_size: int | None = None
         self._rounds_seen = 0
         self._context: LaunchContext | None = None
-        self.control = ControlChannel(tempfile.mkdtemp(prefix="elastrain-control-"))
+        self.control = ControlChannel(control_dir.make())
         # Removed when run() ends, however it ends; at the latest when the interpreter exits (an agent never run).
-        self._remove_control_dir = weakref.finalize(self, _remove_control_dir, self.control.directory, os.getpid())
+        self._remove_control_dir = weakref.finalize(self, control_dir.remove, self.control.directory, os.getpid())
         self.regroup = RegroupChannel(self.control.directory)
         self._membership = membership_of(spec.rdzv_handler)
         self._contexts = ContextBuilder(options, spec.rdzv_handler.get_run_id(), str(self.control.directory))

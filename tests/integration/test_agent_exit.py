@@ -1,6 +1,6 @@
 """Through the real elastrain-run: however a leave's steps fail, the agent leaves (exit 0, the leave's code)
 within a bound instead of hanging; and an agent removes its own control directory, and only its own, however
-it ends (its workers' success or failure, a leave on SIGTERM).
+it ends (its workers' success or failure, a leave on SIGTERM); one a SIGKILLed agent left, the next agent removes.
 
 The leave comes from SIGTERM (its steps run on the main thread, in the signal handler) or from a preemption
 notice (on the watcher's thread, while the main loop waits for it: the path that hung for good on main).
@@ -8,11 +8,14 @@ notice (on the watcher's thread, while the main loop waits for it: the path that
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from support.fake_metadata import azure_preempt_event, fake_metadata_server
 from support.processes import elastrain_cmd, reaped, spawn, wait_for, wait_logged
@@ -123,3 +126,38 @@ def test_the_agent_removes_its_own_control_directory_and_no_other(tmp_path: Path
     assert not own.exists(), log.read_text(errors="replace")
     assert sorted(p.name for p in tmp.glob("elastrain-control-*")) == [foreign.name]
     assert (foreign / "save-request.json").read_text() == "{}"
+
+
+def test_a_control_directory_a_killed_agent_left_is_swept_by_the_next_agent(tmp_path: Path) -> None:
+    """SIGKILL runs no code: the agent's directory stays behind, naming its owner. The next agent on the machine
+    removes it as it starts, and leaves alone a live agent's (this test process stands for one), one whose owner
+    is not recorded (an older elastrain) and one recorded in another PID namespace (a container sharing /tmp)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    me, ns = psutil.Process(), os.stat("/proc/self/ns/pid").st_ino
+    kept = {
+        "live": {"pid": me.pid, "started": me.create_time(), "pid_namespace": ns},
+        "unowned": None,
+        "elsewhere": {"pid": 4_194_321, "started": 1.0, "pid_namespace": ns + 1},
+    }
+    for name, owner in kept.items():
+        (tmp / f"elastrain-control-{name}").mkdir()
+        if owner is not None:
+            (tmp / f"elastrain-control-{name}" / "agent.json").write_text(json.dumps(owner))
+    proc, log = _agent(tmp_path, "run")
+    with reaped(proc):
+        wait_for(lambda: _ready(log), 120, what="the worker to start")
+        left = Path(log.read_text(errors="replace").split("READY control=", 1)[1].split()[0])
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert (left / "agent.json").exists(), log.read_text(errors="replace")  # SIGKILL: nothing removed it
+    log.rename(tmp_path / "killed.log")
+    proc, log = _agent(tmp_path, "exit0", "--max-restarts", "0")
+    with reaped(proc):
+        (code,) = wait_logged([(proc, log)], 120)
+    text = log.read_text(errors="replace")
+    assert code == 0, text
+    assert not left.exists(), text
+    assert sorted(p.name for p in tmp.glob("elastrain-control-*")) == sorted(f"elastrain-control-{n}" for n in kept)
+    (swept,) = _events(log, "control_dirs_swept")
+    assert swept["count"] == "1", text
