@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from elastrain import wire
+from elastrain.live import frozen
 from elastrain.live.group import GroupBrokenError
 from elastrain.live.phases import PER_PARAMETER, LaterPhases, parameter_groups, plan_phases
 from elastrain.live.pieces import TensorSlot
@@ -212,8 +213,15 @@ def send_state(
     if pool is not None:
         pool.stop()  # its tensors are received into now (or never: what is left is freed with it)
     own_model = module.state_dict()
+    # Frozen parameters every receiver holds as the source does (a LoRA's base model) are not sent.
+    names = [n for n in frozen.frozen_names(module) if n in own_model]
+    skipped = frozen.held_alike(names, own_model, src, receivers, device)
+    sent_model = {k: v for k, v in own_model.items() if k not in skipped} if skipped else own_model
+    if skipped and mine:
+        held = sum(own_model[k].numel() * own_model[k].element_size() for k in skipped)
+        lifecycle("state_frozen_held", params=len(skipped), bytes=held, why="every receiver holds them as sent")
     tree = {
-        "model": own_model,
+        "model": sent_model,
         "optimizer": optimizer.state_dict(),
         "objects": {name: obj.state_dict() for name, obj in objects.items()},
     }
@@ -250,9 +258,17 @@ def send_state(
     if not mine:
 
         def load_model() -> None:
-            if not _in_place(state["model"], own_model):
+            if not _in_place(state["model"], sent_model):
                 with torch.no_grad():
-                    module.load_state_dict(state["model"])
+                    if not skipped:
+                        module.load_state_dict(state["model"])
+                        return
+                    missing, unexpected = module.load_state_dict(state["model"], strict=False)
+                    if set(missing) != skipped or unexpected:
+                        raise RuntimeError(
+                            f"internal: the state left out the frozen {sorted(skipped)[:3]}, but the module misses "
+                            f"{sorted(missing)[:3]} and does not know {unexpected[:3]}"
+                        )
 
         model_later = defer_model and background is not None
         if not model_later:

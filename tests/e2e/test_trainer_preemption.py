@@ -105,6 +105,9 @@ def test_an_unmodified_trainer_script_survives_kills_and_leaves_with_no_step_los
     assert run.codes["a"] == 0 and run.codes["c"] == 0, run.dump()
     sizes = run.ledger.world_sizes()
     assert 1 in sizes and sizes[-1] == 2, f"{where}: world sizes {sizes}"
+    if make is sft_lora:  # the joiners were sent the adapters and their optimizer state, not the frozen model
+        held = [e for log in run.logs.values() for e in events_in(log, "state_frozen_held")]
+        assert held and all(int(e["bytes"]) > 1_000_000 for e in held), f"{where}\n{run.dump()}"
     if make is causal_lm_streaming:  # c joined the live world: it resumed the set at a peer's place in it
         assert events_in(run.logs["c"], "trainer_stream_resumed"), f"{where}\n{run.dump()}"
         assert not events_in(run.logs["c"], "trainer_stream_skipped"), f"{where}\n{run.dump()}"

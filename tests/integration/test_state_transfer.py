@@ -82,3 +82,17 @@ def test_a_receiver_whose_optimizer_state_broke_off_says_its_state_is_not_whole(
     assert after[2]["error"] == "TransferFailedError" and after[2]["intact"] == "False", after[2]
     assert after[2]["complete"] == "False", after[2]
     assert after[1]["intact"] == "True" and after[1]["error"] == "none", after[1]  # it received nothing
+
+
+def test_frozen_parameters_every_receiver_holds_alike_are_not_sent() -> None:
+    """A frozen layer (LoRA's base model) that rank 2 built as rank 0 did stays out of the transfer; built from
+    another seed, it is sent. Either way rank 2 ends with rank 0's whole state."""
+    alike, unlike = _run("frozen"), _run("frozen-unlike")
+    for lines in (alike, unlike):
+        before, after = lines["BEFORE"], lines["AFTER"]
+        assert after[2]["hash"] == before[0]["hash"] and after[2]["counter"] == "0", after
+        assert after[1]["hash"] == before[1]["hash"] and after[1]["sent"] == "0", "rank 1 was sent state"
+        assert after[2]["in_place"] == "True", after
+    assert alike["BEFORE"][2]["hash"] != unlike["BEFORE"][2]["hash"]
+    base = 512 * 512 * 4 + 512 * 4  # the frozen layer's bytes
+    assert int(unlike["AFTER"][0]["sent"]) - int(alike["AFTER"][0]["sent"]) == base, (alike["AFTER"], unlike["AFTER"])

@@ -10,6 +10,8 @@ the CPU (``cpu:0``), with rank 2's optimizer state received into a pool it made 
 of the pool's (``pooled``). ``helped``: ranks 0 and 1 hold the same model and optimizer state (rank 1 helps: it
 sends its share), rank 2 receives; ``helped-overlap``: the same with the optimizer's state streamed;
 ``helped-unlike``: rank 1 helps but holds another state of the same shapes (what rank 2 gets shows it sent).
+``frozen``: as ``receivers``, with a frozen layer (``requires_grad`` off) every rank built alike, as adapters'
+base model is (it is not sent); ``frozen-unlike``: rank 2 built that layer from another seed (it is sent).
 Each rank prints the hash of its state, whether its parameters stayed in their own memory, and the bytes the call
 returned; in the overlap modes also the model's hash when the call returned (before the optimizer's state arrived)
 and whether the transfer completed.
@@ -80,6 +82,10 @@ def main() -> None:
     helped = mode.startswith("helped")
     torch.manual_seed(0 if mode in ("helped", "helped-overlap") and rank == 1 else rank)
     model = Mixed(8192 if mode == "broken" else 700)  # broken: 64 MB of optimizer state still to come
+    if mode.startswith("frozen"):  # a frozen base layer: alike on every rank, or rank 2's from another seed
+        with torch.random.fork_rng():
+            torch.manual_seed(7 if mode == "frozen-unlike" and rank == 2 else 99)
+            model.base = torch.nn.Linear(512, 512).requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     counter = Counter(rank * 10)
     if rank == 0 or (helped and rank == 1):
@@ -96,7 +102,7 @@ def main() -> None:
     if mode in ("overlap", "broken", "helped-overlap"):
         overlapped(mode, rank, model, optimizer, counter, own)
         return
-    receivers = (2,) if mode in ("receivers", "pooled") or helped else None
+    receivers = (2,) if mode in ("receivers", "pooled") or helped or mode.startswith("frozen") else None
     helpers = (0, 1) if helped else ()
     pool = ReceivePool.for_optimizer(optimizer) if mode == "pooled" and rank == 2 else None
     made = {t.data_ptr() for t in (pool.left() if pool is not None else [])}
