@@ -19,6 +19,7 @@ from typing import Any
 
 import psutil
 
+from elastrain.control.files import write_atomic
 from elastrain.log import lifecycle
 
 PREFIX = "elastrain-control-"
@@ -29,9 +30,7 @@ def make() -> Path:
     """A new control directory for this agent (stale ones of dead agents swept first)."""
     sweep(Path(tempfile.gettempdir()))
     directory = Path(tempfile.mkdtemp(prefix=PREFIX))
-    staged = directory / f".{OWNER}.tmp"
-    staged.write_text(json.dumps(_identity(os.getpid())))
-    staged.replace(directory / OWNER)
+    write_atomic(directory / OWNER, _identity(os.getpid()))
     return directory
 
 

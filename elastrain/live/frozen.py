@@ -4,9 +4,8 @@ A model fine-tuned with adapters (LoRA) trains a small part of itself; the rest 
 and every member loaded it the same way (``from_pretrained``). Sending it to a joiner moves the whole model for
 what is often a thousandth of it. Before a transfer, the source and each receiver checksum their frozen parameters
 (reading them about 1.5 times, in place, on their own device); the source's checksums go to every rank as one
-tensor, and a
-parameter is left out of the transfer when every receiver's checksum equals the source's. A parameter some
-receiver holds otherwise (another seed, another file) is sent as before. The agreement is three collectives of a
+tensor, and a parameter is left out of the transfer when every receiver's checksum equals the source's. A parameter
+some receiver holds otherwise (another seed, another file) is sent as before. The agreement is three collectives of a
 few integers each, on every rank of the group, also when nothing is frozen; none when nobody receives.
 """
 
@@ -71,5 +70,5 @@ def held_alike(
 
 def _signed(value: int) -> int:
     """``value`` modulo 2^64, as an int64."""
-    value &= (1 << 64) - 1
+    value &= _MASK
     return value - (1 << 64) if value >= 1 << 63 else value

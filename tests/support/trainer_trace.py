@@ -143,8 +143,7 @@ class Run:
         model = self.out / "model"
         saved = model / "trainer_state.json"
         if not saved.exists():
-            last = max(model.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
-            saved = last
+            saved = max(model.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
         data: dict[str, Any] = json.loads(saved.read_text())
         return data
 

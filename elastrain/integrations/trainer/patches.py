@@ -196,9 +196,10 @@ def patch_trainer(module: Any) -> None:
         def set_initial_training_values(self: Any, args: Any, dataloader: Any) -> Any:
             values = original(self, args, dataloader)
             driver = driver_of(self)
-            if driver is not None:
-                driver.loader.check_own()
-            epochs = driver.loader.epochs(int(values[-1])) if driver is not None else None
+            if driver is None:
+                return values
+            driver.loader.check_own()
+            epochs = driver.loader.epochs(int(values[-1]))
             return values if epochs is None else (epochs[1], *values[1:])  # the stream's epochs, not one
 
         return set_initial_training_values
