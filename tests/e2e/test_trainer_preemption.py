@@ -17,12 +17,12 @@ import pytest
 from support.processes import events_in
 from support.trainer_trace import (
     Event,
+    References,
     Run,
     Workload,
     causal_lm,
     causal_lm_streaming,
     classification,
-    make_assets,
     reference,
     seq2seq,
     sft_lora,
@@ -35,9 +35,9 @@ pytestmark = pytest.mark.slow
 SEED = int(os.environ.get("TRAINER_TRACE_SEED", random.randrange(1 << 20)))
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_assets(tmp_path_factory.mktemp("hf-assets"))
+@pytest.fixture
+def assets(hf_assets: Path) -> Path:
+    return hf_assets
 
 
 def check(run: Run, ref: Run, w: Workload, sigkills: int, where: str, restarted: str = "") -> None:
@@ -85,7 +85,7 @@ def _random_step(rng: random.Random, w: Workload, lo: float, hi: float) -> int:
     ids=["causal-lm", "causal-lm-streaming", "seq2seq", "classification", "trl-sft-lora"],
 )
 def test_an_unmodified_trainer_script_survives_kills_and_leaves_with_no_step_lost(
-    make: Callable[[Path], Workload], assets: Path, tmp_path: Path
+    make: Callable[[Path], Workload], assets: Path, hf_references: References, tmp_path: Path
 ) -> None:
     w = make(assets)
     rng = random.Random(SEED)
@@ -100,7 +100,7 @@ def test_an_unmodified_trainer_script_survives_kills_and_leaves_with_no_step_los
         Event("wait", "c", at=term_at, world=2),
     ]
     run = trace(w, tmp_path / "trace", events)
-    ref = reference(w, tmp_path / "ref")
+    ref = hf_references.get(w)
     check(run, ref, w, sigkills=1, where=where)
     assert run.codes["a"] == 0 and run.codes["c"] == 0, run.dump()
     sizes = run.ledger.world_sizes()
@@ -113,17 +113,19 @@ def test_an_unmodified_trainer_script_survives_kills_and_leaves_with_no_step_los
         assert not events_in(run.logs["c"], "trainer_stream_skipped"), f"{where}\n{run.dump()}"
 
 
-def test_a_trainer_worker_killed_alone_restarts_and_joins_the_live_world(assets: Path, tmp_path: Path) -> None:
+def test_a_trainer_worker_killed_alone_restarts_and_joins_the_live_world(
+    assets: Path, hf_references: References, tmp_path: Path
+) -> None:
     """Only b's worker dies; its agent lives and starts a new one, cold, into the round a's live worker moves into.
     The new worker's script runs its setup (run_clm's ``main_process_first`` barriers around the dataset map) before
     ``trainer.train()``: it sets up as one process and joins the world there, where a hands it the state."""
-    w = causal_lm(assets, max_steps=160)
+    w = causal_lm(assets)  # the uninterrupted run test_an_unmodified_trainer_script... compares with too
     rng = random.Random(SEED)
     crash_at = _random_step(rng, w, 0.15, 0.35)
     where = f"seed {SEED} (TRAINER_TRACE_SEED): SIGKILL b's worker at step {crash_at}"
     crash = [Event("crash", "b", at=crash_at, world=2)]
     run = trace(w, tmp_path / "trace", crash, extra=("--max-restarts", "3"))
-    ref = reference(w, tmp_path / "ref")
+    ref = hf_references.get(w)
     check(run, ref, w, sigkills=1, where=where, restarted="b")
     assert run.codes["a"] == 0 and run.codes["b"] == 0, run.dump()
     assert events_in(run.logs["b"], "workers_restarting"), f"{where}: b's workers were not restarted\n{run.dump()}"
@@ -136,7 +138,7 @@ def test_a_trainer_worker_killed_alone_restarts_and_joins_the_live_world(assets:
     ids=["survivors-in-the-all-reduce", "survivors-in-the-next-forward", "survivors-in-the-next-backward"],
 )
 def test_a_node_lost_in_a_step_leaves_the_survivors_finished_micro_batches_to_count(
-    hold: str, kept_samples: tuple[str, ...], assets: Path, tmp_path: Path
+    hold: str, kept_samples: tuple[str, ...], assets: Path, hf_references: References, tmp_path: Path
 ) -> None:
     """run_clm.py with two micro-batches per step on three nodes; one SIGKILLs itself at the end of a step's first
     backward pass. The survivors have finished that micro-batch; unless held, they finish the next too and wait in the
@@ -154,7 +156,7 @@ def test_a_node_lost_in_a_step_leaves_the_survivors_finished_micro_batches_to_co
     where = f"seed {SEED} (TRAINER_TRACE_SEED): node of group rank 2 SIGKILLed in step {kill_at}'s first backward"
     env = {"LEDGER_KILL": f"{kill_at}:2:3{hold}"}
     run = trace(w, tmp_path / "trace", [], first=("a", "b", "c"), nnodes="2:3", env=env)
-    ref = reference(w, tmp_path / "ref", nproc=3)
+    ref = hf_references.get(w, nproc=3)
     check(run, ref, w, sigkills=1, where=where)
     kept = [e for log in run.logs.values() for e in events_in(log, "trainer_lost_step_kept")]
     assert kept and kept[0]["step"] == str(kill_at) and kept[0]["members"] == "2", f"{where}: {kept}\n{run.dump()}"
@@ -171,7 +173,9 @@ def test_a_node_lost_in_a_step_leaves_the_survivors_finished_micro_batches_to_co
         assert got[step] == pytest.approx(want[step], rel=1e-4), f"{where}: step {step}: {got[step]} vs {want[step]}"
 
 
-def test_a_step_lost_after_its_first_micro_batch_counts_its_tokens_once(assets: Path, tmp_path: Path) -> None:
+def test_a_step_lost_after_its_first_micro_batch_counts_its_tokens_once(
+    assets: Path, hf_references: References, tmp_path: Path
+) -> None:
     """run_clm.py counting its tokens (``--include_num_input_tokens_seen``: the Trainer gathers the count after each
     micro-batch) with two micro-batches per step on three nodes; one SIGKILLs itself at the end of a step's second
     backward pass. Every member had counted the step's first micro-batch; the world of two trains the step again and
@@ -183,7 +187,7 @@ def test_a_step_lost_after_its_first_micro_batch_counts_its_tokens_once(assets: 
     where = f"seed {SEED} (TRAINER_TRACE_SEED): node of group rank 2 SIGKILLed in step {kill_at}'s second backward"
     env = {"LEDGER_KILL": f"{kill_at}:2:3", "LEDGER_KILL_BACKWARD": "2"}
     run = trace(w, tmp_path / "trace", [], first=("a", "b", "c"), nnodes="2:3", env=env)
-    ref = reference(w, tmp_path / "ref", nproc=3)
+    ref = hf_references.get(w, nproc=3)
     check(run, ref, w, sigkills=1, where=where)
     sizes = run.ledger.world_sizes()
     assert sizes == [3] * (kill_at - 1) + [2] * (w.max_steps - kill_at + 1), f"{where}: world sizes {sizes}"
@@ -197,7 +201,7 @@ def test_a_step_lost_after_its_first_micro_batch_counts_its_tokens_once(assets: 
 
 @pytest.mark.parametrize("lost_in", ["eval", "step_end"], ids=["in-the-evaluation", "right-after-the-step"])
 def test_a_node_lost_in_a_steps_evaluation_or_save_leaves_them_to_the_next_world(
-    lost_in: str, assets: Path, tmp_path: Path
+    lost_in: str, assets: Path, hf_references: References, tmp_path: Path
 ) -> None:
     """run_clm.py evaluating and saving every 30 steps, and evaluating as it starts, on three nodes; one SIGKILLs
     itself in the evaluation after such a step, or right after the step (its peers meet the broken world in the step's
@@ -214,7 +218,7 @@ def test_a_node_lost_in_a_steps_evaluation_or_save_leaves_them_to_the_next_world
     where = f"seed {SEED} (TRAINER_TRACE_SEED): node of group rank 2 SIGKILLed {lost_in} of step {kill_at}"
     env = {"LEDGER_KILL_AFTER": f"{kill_at}:2:3:{lost_in}"}
     run = trace(w, tmp_path / "trace", [], first=("a", "b", "c"), nnodes="2:3", env=env)
-    ref = reference(w, tmp_path / "ref", nproc=3)
+    ref = hf_references.get(w, nproc=3)
     check(run, ref, w, sigkills=1, where=where)
     sizes = run.ledger.world_sizes()
     assert sizes == [3] * kill_at + [2] * (w.max_steps - kill_at), f"{where}: world sizes {sizes}\n{run.dump()}"
@@ -240,7 +244,7 @@ def test_a_node_lost_in_a_steps_evaluation_or_save_leaves_them_to_the_next_world
     ids=["in-the-first-epochs-evaluation", "after-the-last-step"],
 )
 def test_a_trainer_by_epochs_evaluates_and_saves_at_each_epochs_end_through_a_kill_there(
-    lost_in: str, step: int, assets: Path, tmp_path: Path
+    lost_in: str, step: int, assets: Path, hf_references: References, tmp_path: Path
 ) -> None:
     """run_classification.py for two epochs, evaluating and saving at each epoch's end (``--eval_strategy epoch``, the
     way Hugging Face's text-classification examples run), on two nodes. One SIGKILLs itself in the evaluation at the
@@ -260,7 +264,7 @@ def test_a_trainer_by_epochs_evaluates_and_saves_at_each_epochs_end_through_a_ki
     where = f"node of group rank 1 SIGKILLed {lost_in} of step {step}"
     events = [Event("start", "b", at=step, world=1), Event("wait", "b", at=step, world=2)] if step < 200 else []
     run = trace(w, tmp_path / "trace", events, env={"LEDGER_KILL_AFTER": f"{step}:1:2:{lost_in}"})
-    ref = reference(w, tmp_path / "ref")
+    ref = hf_references.get(w)
     check(run, ref, w, sigkills=1, where=where)
     codes = list(run.codes.values())  # the node of group rank 1 is a or b
     assert 0 in codes and set(codes) <= {0, -9}, f"{where}: {run.codes}\n{run.dump()}"

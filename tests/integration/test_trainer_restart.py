@@ -21,11 +21,10 @@ from support.trainer_trace import (
     SCRIPTS,
     Event,
     Ledger,
+    References,
     Workload,
     causal_lm,
     causal_lm_streaming,
-    make_assets,
-    reference,
     sft_lora,
     trace,
 )
@@ -33,9 +32,9 @@ from support.trainer_trace import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_assets(tmp_path_factory.mktemp("hf-assets"))
+@pytest.fixture
+def assets(hf_assets: Path) -> Path:
+    return hf_assets
 
 
 def _standalone(assets: Path, out: Path, max_steps: int) -> list[str]:
@@ -68,17 +67,17 @@ def test_a_checkpoint_cut_short_is_never_resumed_from(assets: Path, tmp_path: Pa
     "make", [causal_lm, causal_lm_streaming, sft_lora], ids=["map-style", "iterable", "trl-sft-lora"]
 )
 def test_restart_mode_resumes_from_the_newest_committed_checkpoint_at_the_same_data_position(
-    assets: Path, tmp_path: Path, make: Callable[[Path, int], Workload]
+    assets: Path, hf_references: References, tmp_path: Path, make: Callable[[Path], Workload]
 ) -> None:
     """An iterable training set (``--streaming``) resumes at the place in it the checkpoint noted, with no sample
     before it read again. LoRA adapters (peft, under TRL's SFTTrainer) resume from checkpoints that hold only them."""
     streaming = make is causal_lm_streaming
-    w = make(assets, 200)
+    w = make(assets)  # as the e2e trace runs it: the uninterrupted run is shared (hf_references)
     events = [Event("kill", "b", at=70, world=2), Event("start", "b", at=70), Event("wait", "b", world=2)]
     got = trace(w, tmp_path / "trace", events, extra=("--live", "false"))
     detail = f"events: {got.events}\n{got.dump()}"
     assert got.codes["a"] == 0 and got.codes["b2"] == 0, detail
-    want = reference(w, tmp_path / "ref").ledger.steps()
+    want = hf_references.get(w).ledger.steps()
     assert got.ledger.steps() == want, detail  # every step trained the same samples as the uninterrupted run
     assert "workers_restarting" in got.logs["a"], detail
     # Steps since the last committed checkpoint (save_steps 40) ran again, and no more.

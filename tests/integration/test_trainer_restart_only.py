@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 from support.processes import events_in
-from support.trainer_trace import causal_lm, make_assets, reference
+from support.trainer_trace import causal_lm, reference
 
 pytestmark = pytest.mark.slow
 
 
-def test_a_restart_only_trainer_trains_as_one_world_under_the_live_default(tmp_path: Path) -> None:
-    w = causal_lm(make_assets(tmp_path / "assets"), max_steps=12)
+def test_a_restart_only_trainer_trains_as_one_world_under_the_live_default(hf_assets: Path, tmp_path: Path) -> None:
+    w = causal_lm(hf_assets, max_steps=12)
     w = dataclasses.replace(w, args=(*w.args, "--auto_find_batch_size"))
     run = reference(w, tmp_path / "run")  # one node of two workers, elastrain-run's defaults
     log = run.logs["ref"]

@@ -1,20 +1,25 @@
 """Hugging Face Trainer scripts (examples/hf), unmodified, under elastrain-run through a preemption trace.
 
-:func:`assets` builds tiny models and data once per session (local files only). :func:`reference` runs a
-script uninterrupted on one node; :func:`trace` runs it as local nodes (separate ``elastrain-run`` agents on
-127.0.0.1, elastrain-run's defaults but for ``--checkpoint-dir``) and plays :class:`Event` s, each when the
-job has reached a step (read from the sample ledger, ``bench/support/hf/ledger.py``) with the world size it
-names. ``bench.support.trainer_ledger.Ledger`` reads what every step trained on, in which world, and how many
-steps ran twice.
+:func:`make_assets` builds tiny models and data once per session (local files only). :func:`reference` runs a
+script uninterrupted on one node (:class:`References`: each once per session); :func:`trace` runs it as local
+nodes (separate ``elastrain-run`` agents on 127.0.0.1, elastrain-run's defaults but for ``--checkpoint-dir``) and
+plays :class:`Event` s, each when the job has reached a step (read from the sample ledger,
+``bench/support/hf/ledger.py``) with the world size it names. ``bench.support.trainer_ledger.Ledger`` reads what
+every step trained on, in which world, and how many steps ran twice.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import random
+import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,11 +44,14 @@ COMMON = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--seed"
 
 
 def make_assets(out: Path) -> Path:
-    done = out / "done"
-    if not done.exists():
-        proc = run([PYTHON, str(SCRIPTS / "make_assets.py"), str(out)], timeout=240)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        done.write_text("ok")
+    """The models and data of examples/hf/make_assets.py in ``out``, made once (test processes that share ``out``
+    wait for the first)."""
+    with locked(out.parent / f"{out.name}.lock"):
+        done = out / "done"
+        if not done.exists():
+            proc = run([PYTHON, str(SCRIPTS / "make_assets.py"), str(out)], timeout=240)
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            done.write_text("ok")
     return out
 
 
@@ -174,6 +182,40 @@ def reference(w: Workload, out: Path, nproc: int = 2, timeout: float = 300.0) ->
     proc = run(cmd, timeout=timeout, env={"LEDGER_DIR": str(out / "ledger"), "PYTHONPATH": str(LEDGER)}, cwd=out)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return Run(out, {"ref": proc.stderr}, {"ref": 0}, Ledger.read(out / "ledger"), time.monotonic() - started)
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (created), held by this process until the block ends: the test processes of
+    one session (pytest-xdist's workers) build what they share once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@dataclass(frozen=True)
+class References:
+    """The uninterrupted runs of one test session, each run once under ``root`` and shared by every test (and
+    every test process) that compares a trace with it: the same script, arguments and world size train the same
+    samples to the same losses (seeded, on CPU)."""
+
+    root: Path
+
+    def get(self, w: Workload, nproc: int = 2) -> Run:
+        key = hashlib.sha256(json.dumps([w.script, list(w.args), w.max_steps, nproc]).encode()).hexdigest()[:16]
+        out = self.root / key
+        with locked(self.root / f"{key}.lock"):
+            if not (out / "done").exists():
+                shutil.rmtree(out, ignore_errors=True)
+                ran = reference(w, out, nproc)
+                (out / "ref.log").write_text(ran.logs["ref"])
+                (out / "done").write_text(f"{ran.wall_s:.3f}")
+        log = (out / "ref.log").read_text()
+        return Run(out, {"ref": log}, {"ref": 0}, Ledger.read(out / "ledger"), float((out / "done").read_text()))
 
 
 def trace(
