@@ -29,3 +29,15 @@ def kill_own_node() -> None:
     parents = [os.getppid(), _parent_of(os.getppid())]
     for pid in [p for p in parents if _is_elastrain(p)] + [os.getpid()]:
         os.kill(pid, signal.SIGKILL)
+
+
+def term_own_agent() -> None:
+    """SIGTERM this worker's agent (its nearest elastrain ancestor that is not the zygote): the node is asked to
+    leave, as a spot VM's notice or a pod's deletion asks it."""
+    for pid in (os.getppid(), _parent_of(os.getppid())):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        if b"elastrain" in cmdline and b"zygote" not in cmdline:
+            os.kill(pid, signal.SIGTERM)
+            return
+    raise RuntimeError("no elastrain agent among this worker's two nearest ancestors")

@@ -120,6 +120,9 @@ class SaveTrigger:
         self._unanswered = False  # a committed requested save the launcher was not told of yet
         self._flags: StepFlags | None = None
         self._live_round = live_round
+        self.requests_read_at: float | None = None
+        """When this rank last read the launcher's requests for a step's agreement (wall clock): a request made
+        since is not one the ranks agreed to save for."""
 
     def use_flags(self, flags: StepFlags) -> None:
         """Agree through ``flags`` (raised at each step's gradient sync) instead of a collective of our own."""
@@ -131,7 +134,10 @@ class SaveTrigger:
         return self.schedule.seconds_due(time.monotonic() - self._last_save_time)
 
     def _requested(self) -> bool:
-        return self.channel is not None and self.channel.pending() is not None
+        if self.channel is None:
+            return False
+        self.requests_read_at = time.time()
+        return self.channel.pending() is not None
 
     def check(self, step: int) -> SaveReason | None:
         """Whether to save ``step``, and why; collective when distributed (call on every rank at every step),
@@ -172,11 +178,16 @@ class SaveTrigger:
         if not defer_answer:
             self._send(current_at)
 
-    def answer(self) -> None:
-        """Tell the launcher of the save whose answer :meth:`committed` deferred (nothing if none is due)."""
+    def answer(self, fixed_at: float | None = None) -> None:
+        """Tell the launcher of the save whose answer :meth:`committed` deferred (nothing if none is due).
+
+        ``fixed_at``: training goes on from this save without holding (a save the launcher did not ask for), so it
+        answers only the requests made before its state was fixed (this wall-clock time). A request made while it
+        was written stays pending: the save the ranks agree on at the next step, after which they hold, answers
+        it, and a leaving node's workers stop outside a step rather than in one their peers run."""
         if self._unanswered:
             self._unanswered = False
-            self._send(time.time())  # the state is still that checkpoint's: no step ran since
+            self._send(time.time() if fixed_at is None else fixed_at)  # else: no step ran since
 
     def _send(self, current_at: float) -> None:
         if self.channel is None or self._answer is None:

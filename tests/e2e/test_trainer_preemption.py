@@ -199,6 +199,31 @@ def test_a_step_lost_after_its_first_micro_batch_counts_its_tokens_once(
     assert got == want, f"{where}: tokens counted (elastic, uninterrupted): {[(s, got.get(s), want[s]) for s in want]}"
 
 
+def test_a_node_asked_to_leave_while_the_trainer_saves_a_step_leaves_at_the_next_step_boundary(
+    assets: Path, hf_references: References, tmp_path: Path
+) -> None:
+    """run_clm.py saving every 10 steps on two nodes; one node's agent gets a SIGTERM at the end of step 20, and its
+    checkpoint request reaches the workers while the Trainer saves that step. That save is the Trainer's own:
+    training goes on from it without holding, so it does not answer the request (its answer would stop the leaving
+    node's worker in step 21, in the middle of its peer's step). The ranks save step 21 for the request and hold; the
+    node leaves there, and its peer regroups on the notice: no step broken, none trained twice."""
+    base = causal_lm(assets, max_steps=40)
+    args = list(base.args)
+    args[args.index("--save_steps") + 1] = "10"
+    w = Workload(base.script, tuple(args), base.max_steps)
+    where = "the node of group rank 1 SIGTERMed at the end of step 20, a save step"
+    run = trace(w, tmp_path / "trace", [], env={"LEDGER_KILL_AFTER": "20:1:2:term"})
+    ref = hf_references.get(w)
+    check(run, ref, w, sigkills=0, where=where)
+    acked = [e["step"] for log in run.logs.values() for e in events_in(log, "checkpoint_acked")]
+    assert acked == ["21"], f"{where}: the leave's checkpoint {acked}\n{run.dump()}"
+    causes = [e["cause"] for log in run.logs.values() for e in events_in(log, "regroup_started")]
+    assert causes == ["notice"], f"{where}: regroups {causes}\n{run.dump()}"
+    sizes = run.ledger.world_sizes()
+    assert sizes == [2] * 21 + [1] * 19, f"{where}: world sizes {sizes}"
+    assert 0 in run.codes.values(), run.dump()
+
+
 @pytest.mark.parametrize("lost_in", ["eval", "step_end"], ids=["in-the-evaluation", "right-after-the-step"])
 def test_a_node_lost_in_a_steps_evaluation_or_save_leaves_them_to_the_next_world(
     lost_in: str, assets: Path, hf_references: References, tmp_path: Path

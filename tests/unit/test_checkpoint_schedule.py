@@ -113,6 +113,30 @@ def test_an_agent_that_asks_after_the_save_started_accepts_its_commit(tmp_path: 
     assert trigger.check(9) is SaveReason.REQUEST  # the worker saves again for it
 
 
+def test_a_save_training_goes_on_from_answers_only_the_requests_made_before_its_step_ended(tmp_path: Path) -> None:
+    """The Trainer's own scheduled save: a SIGTERM's request made while it was written is left to the next step's
+    save, after which the ranks hold (a leaving node's workers then stop outside a step); the last step's save,
+    after which no step runs, answers it."""
+    agent = ControlChannel(tmp_path)
+    trigger = SaveTrigger(SaveSchedule(interval_steps=40), ControlChannel(tmp_path), None)
+    assert trigger.check(120) is SaveReason.INTERVAL  # the ranks read no request for step 120
+    leave = agent.request_save(SaveCause.LEAVE, "SIGTERM")  # while checkpoint-120 is written
+    trigger.committed(120, "/ckpt/checkpoint-120", time.time(), defer_answer=True)
+    trigger.answer(trigger.requests_read_at)
+    assert agent.ack_for(leave) is None
+    assert trigger.check(121) is SaveReason.REQUEST
+    assert trigger.claim() == leave
+    trigger.committed(121, "/ckpt/checkpoint-121", time.time(), defer_answer=True)
+    trigger.answer()  # at the hold
+    ack = agent.ack_for(leave)
+    assert ack is not None and ack.step == 121
+    last = agent.request_save(SaveCause.LEAVE, "SIGTERM")  # while the last step's checkpoint is written
+    trigger.committed(200, "/ckpt/checkpoint-200", time.time(), defer_answer=True)
+    trigger.answer()
+    ack = agent.ack_for(last)
+    assert ack is not None and ack.step == 200
+
+
 def test_a_request_during_the_hold_is_answered_by_the_held_checkpoint(tmp_path: Path) -> None:
     agent = ControlChannel(tmp_path)
     trigger = SaveTrigger(SaveSchedule(hold_after_request_s=1.0), ControlChannel(tmp_path), None)

@@ -29,6 +29,8 @@ meet the broken world there, not waiting in the step's gradient all-reduce.
 With ``LEDGER_KILL_AFTER=<step>:<group rank>:<world size>:<step_end|eval>``, that node SIGKILLs itself after the
 step instead, in the work the Trainer does after it: at the end of the step's ``on_step_end`` (its peers then meet
 the broken world in the step's log, evaluation or save), or in the first forward pass of the step's evaluation.
+With ``<term>`` in that place, its worker SIGTERMs its agent at the end of the step's ``on_step_end`` and waits a
+second: the node is asked to leave while the Trainer logs, evaluates and saves that step.
 """
 
 from __future__ import annotations
@@ -120,6 +122,16 @@ def _kill_own_node() -> None:
     kill_own_node()
 
 
+def _term_own_agent() -> None:
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from node_kill import term_own_agent
+
+    term_own_agent()
+    time.sleep(1.0)  # the agent writes its checkpoint request meanwhile: it lands before this step's save
+
+
 def _kill_in_eval(module: Any, args: Any) -> None:
     if not module.training:
         _kill_own_node()
@@ -194,6 +206,8 @@ class Callback(TrainerCallback):
         where = _kill_after(row["step"], row["world"])
         if where == "step_end":
             _kill_own_node()
+        elif where == "term":
+            _term_own_agent()
         elif where == "eval":
             kwargs["model"].register_forward_pre_hook(_kill_in_eval)
         folder = os.environ["LEDGER_DIR"]

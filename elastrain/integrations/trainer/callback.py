@@ -146,8 +146,12 @@ class ElasticTrainerCallback(TrainerCallback):
         if self._requested:
             self._requested = False
             self._hold_after = step
+        elif state.max_steps and step >= state.max_steps:
+            trigger.answer()  # the last step: no step follows, the state stays this checkpoint's
         else:
-            trigger.answer()
+            # Training goes on: a request made since the ranks agreed on this step (while it ran, or while the
+            # Trainer wrote this checkpoint) is answered by the save of the next step, after which they hold.
+            trigger.answer(trigger.requests_read_at)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trigger().answer()
