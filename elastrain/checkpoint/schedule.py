@@ -189,6 +189,13 @@ class SaveTrigger:
             self._unanswered = False
             self._send(time.time() if fixed_at is None else fixed_at)  # else: no step ran since
 
+    def answer_at_end(self, step: int) -> None:
+        """Training ended at ``step``: a request still pending is answered by that step's commit, if it is the last
+        one (made while it was written, it was left for a next step that never comes)."""
+        answer, channel = self._answer, self.channel
+        if channel is not None and answer is not None and answer.step == step and channel.pending() is not None:
+            self._send(time.time())
+
     def _send(self, current_at: float) -> None:
         if self.channel is None or self._answer is None:
             return

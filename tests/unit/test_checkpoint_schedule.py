@@ -130,6 +130,15 @@ def test_a_save_training_goes_on_from_answers_only_the_requests_made_before_its_
     trigger.answer()  # at the hold
     ack = agent.ack_for(leave)
     assert ack is not None and ack.step == 121
+    early = agent.request_save(SaveCause.LEAVE, "SIGTERM")  # while step 130's is written; then training stops early
+    trigger.committed(130, "/ckpt/checkpoint-130", time.time(), defer_answer=True)
+    trigger.answer(trigger.requests_read_at)
+    assert agent.ack_for(early) is None
+    trigger.answer_at_end(131)  # not the step of the last commit: nothing to answer with
+    assert agent.ack_for(early) is None
+    trigger.answer_at_end(130)
+    ack = agent.ack_for(early)
+    assert ack is not None and ack.step == 130
     last = agent.request_save(SaveCause.LEAVE, "SIGTERM")  # while the last step's checkpoint is written
     trigger.committed(200, "/ckpt/checkpoint-200", time.time(), defer_answer=True)
     trigger.answer()

@@ -155,6 +155,7 @@ class ElasticTrainerCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trigger().answer()
+        self.trigger().answer_at_end(state.global_step)  # stopped early (a callback) right after a save of its own
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if self._metrics is not None and logs:
