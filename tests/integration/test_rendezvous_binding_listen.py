@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import psutil
@@ -49,16 +52,35 @@ def test_rank_zero_starts_the_workers_store_on_master_addr_before_the_script() -
     assert torch_store.get("a") == b"b"
 
 
-def test_a_port_taken_on_ipv6_only_is_not_free_for_every_interface(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A node that listens on every interface binds both families there (as torch's TCPStore does): a port another
-    # process holds on IPv6 alone is not free for it, though an IPv4 bind of it would succeed.
-    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as taken:
+@contextmanager
+def _taken_on_ipv6_only(tries: int = 20) -> Iterator[socket.socket]:
+    """A socket listening on an IPv6-only port that an IPv4 bind would get (the check the old free_port made, which
+    passed): the kernel's port for IPv6 may be one another process holds on IPv4 (the tests run two at a time), and
+    then another is taken."""
+    for _ in range(tries):
+        taken = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
         taken.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         taken.bind(("::", 0))
         taken.listen(1)
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as v4:
+                v4.bind(("", int(taken.getsockname()[1])))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            taken.close()
+            continue
+        with taken:
+            yield taken
+        return
+    raise AssertionError(f"no IPv6-only port free on IPv4 in {tries} tries")
+
+
+def test_a_port_taken_on_ipv6_only_is_not_free_for_every_interface(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A node that listens on every interface binds both families there (as torch's TCPStore does): a port another
+    # process holds on IPv6 alone is not free for it, though an IPv4 bind of it would succeed.
+    with _taken_on_ipv6_only() as taken:
         port = int(taken.getsockname()[1])
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as v4:
-            v4.bind(("", port))  # the check the old free_port made, which passed
         monkeypatch.setattr(binding.ports, "handed_out", lambda *_: [port])
         got = binding.free_port("")
         assert got != port and got > 0
