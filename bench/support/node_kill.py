@@ -16,10 +16,14 @@ def _parent_of(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
 def _is_elastrain(pid: int) -> bool:
     """Whether ``pid`` is an elastrain process (the agent, ``python -m elastrain``, or its zygote)."""
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return b"elastrain" in f.read()
+    return b"elastrain" in _cmdline(pid)
 
 
 def kill_own_node() -> None:
@@ -35,9 +39,7 @@ def term_own_agent() -> None:
     """SIGTERM this worker's agent (its nearest elastrain ancestor that is not the zygote): the node is asked to
     leave, as a spot VM's notice or a pod's deletion asks it."""
     for pid in (os.getppid(), _parent_of(os.getppid())):
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read()
-        if b"elastrain" in cmdline and b"zygote" not in cmdline:
+        if _is_elastrain(pid) and b"zygote" not in _cmdline(pid):
             os.kill(pid, signal.SIGTERM)
             return
     raise RuntimeError("no elastrain agent among this worker's two nearest ancestors")

@@ -120,9 +120,7 @@ class SaveTrigger:
         self._unanswered = False  # a committed requested save the launcher was not told of yet
         self._flags: StepFlags | None = None
         self._live_round = live_round
-        self.requests_read_at: float | None = None
-        """When this rank last read the launcher's requests for a step's agreement (wall clock): a request made
-        since is not one the ranks agreed to save for."""
+        self._requests_read_at: float | None = None  # wall clock: a request made since is not one agreed on
 
     def use_flags(self, flags: StepFlags) -> None:
         """Agree through ``flags`` (raised at each step's gradient sync) instead of a collective of our own."""
@@ -136,7 +134,7 @@ class SaveTrigger:
     def _requested(self) -> bool:
         if self.channel is None:
             return False
-        self.requests_read_at = time.time()
+        self._requests_read_at = time.time()
         return self.channel.pending() is not None
 
     def check(self, step: int) -> SaveReason | None:
@@ -178,20 +176,23 @@ class SaveTrigger:
         if not defer_answer:
             self._send(current_at)
 
-    def answer(self, fixed_at: float | None = None) -> None:
+    def answer(self, goes_on: bool = False) -> None:
         """Tell the launcher of the save whose answer :meth:`committed` deferred (nothing if none is due).
 
-        ``fixed_at``: training goes on from this save without holding (a save the launcher did not ask for), so it
-        answers only the requests made before its state was fixed (this wall-clock time). A request made while it
-        was written stays pending: the save the ranks agree on at the next step, after which they hold, answers
-        it, and a leaving node's workers stop outside a step rather than in one their peers run."""
+        ``goes_on``: training goes on from this save without holding (a save the launcher did not ask for), so it
+        answers only the requests this rank had read when the ranks agreed on its step. A request made since (while
+        the step ran, or while it was written) stays pending: the save the ranks agree on at the next step, after
+        which they hold, answers it, and a leaving node's workers stop outside a step rather than in one their
+        peers run (:meth:`answer_at_end` when no step follows)."""
         if self._unanswered:
             self._unanswered = False
-            self._send(time.time() if fixed_at is None else fixed_at)  # else: no step ran since
+            read_at = self._requests_read_at
+            self._send(read_at if goes_on and read_at is not None else time.time())  # else: no step ran since
 
     def answer_at_end(self, step: int) -> None:
-        """Training ended at ``step``: a request still pending is answered by that step's commit, if it is the last
-        one (made while it was written, it was left for a next step that never comes)."""
+        """Training ended at ``step``: a deferred answer is told, and a request still pending is answered by
+        ``step``'s commit if it is the last one (a request :meth:`answer` left for a next step that never came)."""
+        self.answer()
         answer, channel = self._answer, self.channel
         if channel is not None and answer is not None and answer.step == step and channel.pending() is not None:
             self._send(time.time())

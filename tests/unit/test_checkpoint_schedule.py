@@ -115,14 +115,14 @@ def test_an_agent_that_asks_after_the_save_started_accepts_its_commit(tmp_path: 
 
 def test_a_save_training_goes_on_from_answers_only_the_requests_made_before_its_step_ended(tmp_path: Path) -> None:
     """The Trainer's own scheduled save: a SIGTERM's request made while it was written is left to the next step's
-    save, after which the ranks hold (a leaving node's workers then stop outside a step); the last step's save,
-    after which no step runs, answers it."""
+    save, after which the ranks hold (a leaving node's workers then stop outside a step); when training ends right
+    after such a save (the last step, or stopped early), that save answers it."""
     agent = ControlChannel(tmp_path)
     trigger = SaveTrigger(SaveSchedule(interval_steps=40), ControlChannel(tmp_path), None)
     assert trigger.check(120) is SaveReason.INTERVAL  # the ranks read no request for step 120
     leave = agent.request_save(SaveCause.LEAVE, "SIGTERM")  # while checkpoint-120 is written
     trigger.committed(120, "/ckpt/checkpoint-120", time.time(), defer_answer=True)
-    trigger.answer(trigger.requests_read_at)
+    trigger.answer(goes_on=True)
     assert agent.ack_for(leave) is None
     assert trigger.check(121) is SaveReason.REQUEST
     assert trigger.claim() == leave
@@ -132,7 +132,7 @@ def test_a_save_training_goes_on_from_answers_only_the_requests_made_before_its_
     assert ack is not None and ack.step == 121
     early = agent.request_save(SaveCause.LEAVE, "SIGTERM")  # while step 130's is written; then training stops early
     trigger.committed(130, "/ckpt/checkpoint-130", time.time(), defer_answer=True)
-    trigger.answer(trigger.requests_read_at)
+    trigger.answer(goes_on=True)
     assert agent.ack_for(early) is None
     trigger.answer_at_end(131)  # not the step of the last commit: nothing to answer with
     assert agent.ack_for(early) is None
@@ -141,7 +141,8 @@ def test_a_save_training_goes_on_from_answers_only_the_requests_made_before_its_
     assert ack is not None and ack.step == 130
     last = agent.request_save(SaveCause.LEAVE, "SIGTERM")  # while the last step's checkpoint is written
     trigger.committed(200, "/ckpt/checkpoint-200", time.time(), defer_answer=True)
-    trigger.answer()
+    trigger.answer(goes_on=True)
+    trigger.answer_at_end(200)  # training ended there
     ack = agent.ack_for(last)
     assert ack is not None and ack.step == 200
 

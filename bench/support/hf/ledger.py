@@ -113,22 +113,22 @@ def _kill_after(step: int, world: int) -> str | None:
     return where if mine else None
 
 
-def _kill_own_node() -> None:
+def _node_kill() -> Any:
+    """bench/support/node_kill.py (beside this folder, which is all the scripts' path holds of bench)."""
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from node_kill import kill_own_node
+    import node_kill
 
-    kill_own_node()
+    return node_kill
+
+
+def _kill_own_node() -> None:
+    _node_kill().kill_own_node()
 
 
 def _term_own_agent() -> None:
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from node_kill import term_own_agent
-
-    term_own_agent()
+    _node_kill().term_own_agent()
     time.sleep(1.0)  # the agent writes its checkpoint request meanwhile: it lands before this step's save
 
 

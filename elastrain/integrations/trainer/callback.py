@@ -146,16 +146,14 @@ class ElasticTrainerCallback(TrainerCallback):
         if self._requested:
             self._requested = False
             self._hold_after = step
-        elif state.max_steps and step >= state.max_steps:
-            trigger.answer()  # the last step: no step follows, the state stays this checkpoint's
         else:
             # Training goes on: a request made since the ranks agreed on this step (while it ran, or while the
-            # Trainer wrote this checkpoint) is answered by the save of the next step, after which they hold.
-            trigger.answer(trigger.requests_read_at)
+            # Trainer wrote this checkpoint) is answered by the save of the next step, after which they hold; or,
+            # if this was the last step (or a callback stops the run here), when training ends.
+            trigger.answer(goes_on=True)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trigger().answer()
-        self.trigger().answer_at_end(state.global_step)  # stopped early (a callback) right after a save of its own
+        self.trigger().answer_at_end(state.global_step)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if self._metrics is not None and logs:
