@@ -53,6 +53,7 @@ from elastrain.checkpoint.parts import CheckpointParts
 from elastrain.checkpoint.schedule import DEFAULT_INTERVAL_SECONDS, SaveReason, SaveSchedule
 from elastrain.checkpoint.staging import Stager
 from elastrain.checkpoint.state import Registry
+from elastrain.control import SaveRequest
 from elastrain.env import WorkerEnv
 from elastrain.errors import (
     CheckpointError,
@@ -151,6 +152,8 @@ class Checkpointer:
         self.last_error: BaseException | None = None
         self._closed = False
         self._hold_after: int | None = None  # a requested save whose hold the caller deferred
+        self.last_request: SaveRequest | None = None
+        """The launcher's request that the last save started answers (``None``: a save of the job's own)."""
         self._before_save: Callable[[], object] | None = None
 
     def agree_through(self, flags: StepFlags) -> None:
@@ -232,6 +235,7 @@ class Checkpointer:
         """``save``; ``defer_answer``: the launcher's request this save answers is told at the hold (or close)."""
         if self._closed:
             raise CheckpointError("save() after close(): create a new Checkpointer")
+        self.last_request = None
         self.wait()
         try:
             path = self._commit.prepare(step)
@@ -243,7 +247,8 @@ class Checkpointer:
             return False
         if self._before_save is not None:
             self._before_save()
-        request = self._trigger.claim()
+        request = self.last_request = self._trigger.claim(reason)
+        bound = self._trigger.bound(reason)  # a save training goes on from answers only the requests agreed on
         t0 = time.perf_counter()
         self._log(
             "checkpoint_save_started",
@@ -253,7 +258,8 @@ class Checkpointer:
             request=request.request_id if request else None,
         )
         sync = blocking or not self.async_save
-        job = self._writer.job(self.registry, step, path, request, t0, sync, defer_answer and request is not None)
+        defer = defer_answer and request is not None
+        job = self._writer.job(self.registry, step, path, request, t0, sync, defer, bound)
         self._trigger.started(step)
         if sync:
             try:
@@ -293,10 +299,14 @@ class Checkpointer:
             return self.last_result
         return None
 
-    def close(self, give_up_after_s: float | None = None) -> None:
+    def close(self, give_up_after_s: float | None = None, *, ended: bool = True) -> None:
         """Finish the in-flight save (raising if it failed) and release threads and process groups; a save still
         running after ``give_up_after_s`` (the caller's world broke: it may wait on a member that is gone, which
-        gloo ends only at the I/O timeout) is given up: it writes and commits nothing more, and keeps its group."""
+        gloo ends only at the I/O timeout) is given up: it writes and commits nothing more, and keeps its group.
+
+        ``ended``: training ended here, so a launcher's request still pending (made while the last save, one training
+        went on from, was written) is answered by that save if it holds the last step :meth:`maybe_save` was asked
+        about. ``False`` when training goes on in another world (a regroup), whose checkpointer saves for it."""
         if self._closed:
             return
         self._closed = True
@@ -313,6 +323,8 @@ class Checkpointer:
                     why="its world broke while it waited on a member that is gone",
                 )
             self.wait()
+            if ended and given_up is None:
+                self._trigger.answer_at_end()
         finally:
             self._stager.close()
             if given_up is not None:

@@ -10,6 +10,7 @@ sidecar, and commits through :mod:`elastrain.checkpoint.commit`; then the save t
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +57,7 @@ class SaveJob:
     synchronous: bool
     captured_at: float  # wall clock: the training state the save holds
     defer_answer: bool = False  # the request it answers is told later (SaveTrigger.answer)
+    bound: float = math.inf  # the latest time it answers requests up to (SaveTrigger.bound)
     stall_s: float = 0.0
     waited_at_start: float = 0.0
     given_up: threading.Event = field(default_factory=threading.Event)
@@ -94,6 +96,7 @@ class DcpWriter:
         t0: float,
         sync: bool,
         defer_answer: bool,
+        bound: float,
     ) -> SaveJob:
         """Training thread: the save of ``step`` into ``path``, its state collected (and staged unless ``sync``)."""
         tensors, plain = registry.collect()
@@ -112,6 +115,7 @@ class DcpWriter:
             synchronous=sync,
             captured_at=time.time(),
             defer_answer=defer_answer,
+            bound=bound,
         )
         job.stall_s = time.perf_counter() - t0
         job.waited_at_start = self.stager.waited_s
@@ -157,7 +161,7 @@ class DcpWriter:
         )
         # A blocking save held training until now; an async one holds the state of when it was staged.
         current_at = time.time() if job.synchronous else job.captured_at
-        self.trigger.committed(step, path, current_at, defer_answer=job.defer_answer)
+        self.trigger.committed(step, path, current_at, bound=job.bound, defer_answer=job.defer_answer)
         return SaveResult(step=step, path=path, stall_s=job.stall_s, total_s=total, step_wait_s=step_wait)
 
 

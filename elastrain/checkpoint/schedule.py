@@ -8,6 +8,12 @@ the step's gradient all-reduce when the Session provides one, :mod:`elastrain.st
 a tiny all-reduce of its own), and reports commits back to the launcher. A checkpointer owns one trigger; replacing
 ``trigger.schedule`` changes the schedule from the next step on. After a save the launcher asked for,
 :func:`hold_for_restart` is what a worker does while the announced membership change comes.
+
+Which requests a commit answers is one rule for every checkpointer: a requested save claims the pending request and
+answers it when the ranks hold; a save that training goes on from without holding (an interval save, the script's
+own ``save()``) answers only the requests the ranks had read when they agreed on its step (:meth:`SaveTrigger.bound`).
+A request made since stays pending, and the next step saves for it and holds: a leaving node's workers stop outside a
+step, never in one their peers run. When training ends instead, :meth:`SaveTrigger.answer_at_end` answers it.
 """
 
 from __future__ import annotations
@@ -30,10 +36,19 @@ DEFAULT_INTERVAL_SECONDS = 300.0
 
 _TIMED, _REQUESTED = "save_timed", "save_requested"  # the trigger's StepFlags
 
+FINAL = "final"
+"""The reason of a save at the end of training (the Session's close): the state it holds is the last one."""
+
 
 class SaveReason(str, enum.Enum):
     INTERVAL = "interval"
     REQUEST = "request"
+
+
+def goes_on_after(reason: str) -> bool:
+    """Whether training goes on, without holding, from a save made for ``reason`` (every reason but a requested
+    save and the final one: the script's own, an interval, a regroup's)."""
+    return reason not in (SaveReason.REQUEST.value, FINAL)
 
 
 @dataclass(frozen=True)
@@ -120,7 +135,9 @@ class SaveTrigger:
         self._unanswered = False  # a committed requested save the launcher was not told of yet
         self._flags: StepFlags | None = None
         self._live_round = live_round
-        self._requests_read_at: float | None = None  # wall clock: a request made since is not one agreed on
+        self._read_at: float | None = None  # wall clock: when this rank last read the launcher's requests
+        self._requests_read_at: float | None = None  # ... for an agreement: a request made since is not agreed on
+        self._checked_step: int | None = None  # the last step :meth:`check` was asked about
 
     def use_flags(self, flags: StepFlags) -> None:
         """Agree through ``flags`` (raised at each step's gradient sync) instead of a collective of our own."""
@@ -134,27 +151,39 @@ class SaveTrigger:
     def _requested(self) -> bool:
         if self.channel is None:
             return False
-        self._requests_read_at = time.time()
+        self._read_at = time.time()
         return self.channel.pending() is not None
 
     def check(self, step: int) -> SaveReason | None:
         """Whether to save ``step``, and why; collective when distributed (call on every rank at every step),
         unless this step's gradient sync carried the flags (:meth:`use_flags`)."""
         s = self.schedule
+        self._checked_step = step
         agreed = self._flags.agreed() if self._flags is not None else None
-        if agreed is not None:
+        if agreed is not None:  # the flags were raised at this step's sync, which read the requests
+            self._requests_read_at = self._read_at
             return decide(s, step, self.last_saved_step, agreed[_TIMED], agreed[_REQUESTED])
         timed, requested = self._timed(), self._requested()
         if self._agree is not None and (s.timed or self.channel is not None):
             if step % s.agree_every_steps == 0:
                 timed, requested = (bool(v) for v in self._agree([int(timed), int(requested)]))
             else:
-                timed = requested = False
+                return decide(s, step, self.last_saved_step, False, False)  # what was read is not agreed on
+        self._requests_read_at = self._read_at
         return decide(s, step, self.last_saved_step, timed, requested)
 
-    def claim(self) -> SaveRequest | None:
-        """The launcher's request the save starting now answers (if any), marked handled on this rank."""
-        if self.channel is None:
+    def bound(self, reason: str) -> float:
+        """Call as a save for ``reason`` starts (on the training thread): the latest wall-clock time its commit may
+        answer requests up to. A save training goes on from (:func:`goes_on_after`) answers only the requests read
+        when the ranks agreed on its step: one made since is answered by the next step's save, after which the ranks
+        hold. Any other save: no bound (``math.inf``)."""
+        read_at = self._requests_read_at
+        return read_at if goes_on_after(reason) and read_at is not None else math.inf
+
+    def claim(self, reason: str = SaveReason.REQUEST.value) -> SaveRequest | None:
+        """The launcher's request a save for ``reason`` starting now answers, marked handled on this rank: the pending
+        one for a requested save, none for a save training goes on from (:meth:`bound`)."""
+        if self.channel is None or goes_on_after(reason):
             return None
         req = self.channel.pending()
         if req is not None:
@@ -166,33 +195,33 @@ class SaveTrigger:
         self.last_saved_step = step
         self._last_save_time = time.monotonic()
 
-    def committed(self, step: int, path: str, current_at: float, defer_answer: bool = False) -> None:
-        """A save committed; the workers' state was that checkpoint until ``current_at`` (wall clock).
+    def committed(
+        self, step: int, path: str, current_at: float, bound: float = math.inf, defer_answer: bool = False
+    ) -> None:
+        """A save committed; the workers' state was that checkpoint until ``current_at`` (wall clock). It answers
+        the launcher's requests made up to ``min(current_at, bound)`` (``bound``: :meth:`bound` at the save's start).
 
-        ``defer_answer``: tell the launcher at :meth:`answer` instead (the step's own collectives, such as its
-        mean loss, come first: the launcher acts on the answer, a leaving node by stopping its workers)."""
-        self._answer = SaveAck(step=step, checkpoint=path, current_at=current_at)
+        ``defer_answer``: a requested save tells the launcher at :meth:`answer` instead (the step's own collectives,
+        such as its mean loss, come first: the launcher acts on the answer, a leaving node by stopping its workers).
+        """
+        self._answer = SaveAck(step=step, checkpoint=path, current_at=min(current_at, bound))
         self._unanswered = defer_answer
         if not defer_answer:
-            self._send(current_at)
+            self._send(self._answer.current_at)
 
-    def answer(self, goes_on: bool = False) -> None:
-        """Tell the launcher of the save whose answer :meth:`committed` deferred (nothing if none is due).
-
-        ``goes_on``: training goes on from this save without holding (a save the launcher did not ask for), so it
-        answers only the requests this rank had read when the ranks agreed on its step. A request made since (while
-        the step ran, or while it was written) stays pending: the save the ranks agree on at the next step, after
-        which they hold, answers it, and a leaving node's workers stop outside a step rather than in one their
-        peers run (:meth:`answer_at_end` when no step follows)."""
+    def answer(self) -> None:
+        """Tell the launcher of the requested save whose answer :meth:`committed` deferred (nothing if none is due):
+        no step ran since, so it answers every request made until now."""
         if self._unanswered:
             self._unanswered = False
-            read_at = self._requests_read_at
-            self._send(read_at if goes_on and read_at is not None else time.time())  # else: no step ran since
+            self._send(time.time())
 
-    def answer_at_end(self, step: int) -> None:
-        """Training ended at ``step``: a deferred answer is told, and a request still pending is answered by
-        ``step``'s commit if it is the last one (a request :meth:`answer` left for a next step that never came)."""
+    def answer_at_end(self, step: int | None = None) -> None:
+        """Training ended at ``step`` (default: the last step :meth:`check` was asked about): a deferred answer is
+        told, and a request still pending is answered by ``step``'s commit if it is the last one (a request that a
+        save training went on from left for a next step that never came, :meth:`bound`)."""
         self.answer()
+        step = self._checked_step if step is None else step
         answer, channel = self._answer, self.channel
         if channel is not None and answer is not None and answer.step == step and channel.pending() is not None:
             self._send(time.time())

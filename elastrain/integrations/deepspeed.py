@@ -208,7 +208,8 @@ class DeepSpeedCheckpointer:
             if path is None:
                 self._trigger.started(step)
                 return False
-            request = self._trigger.claim()
+            request = self._trigger.claim(reason)
+            bound = self._trigger.bound(reason)  # a save training goes on from answers only the requests agreed on
             self._log("checkpoint_save_started", step=step, path=path, reason=reason, format=KIND)
             self._trigger.started(step)
             self._write_and_commit(step, path)
@@ -221,7 +222,7 @@ class DeepSpeedCheckpointer:
         total = time.perf_counter() - t0
         request_id = request.request_id if request else None
         self._log("checkpoint_committed", step=step, path=path, total_s=total, format=KIND, request=request_id)
-        self._trigger.committed(step, path, time.time())  # synchronous: training waited for the commit
+        self._trigger.committed(step, path, time.time(), bound=bound)  # synchronous: training waited for the commit
         return True
 
     def _write_and_commit(self, step: int, path: str) -> None:
@@ -355,7 +356,9 @@ class DeepSpeedCheckpointer:
             raise CheckpointMismatchError(error)
 
     def close(self) -> None:
-        """Release the checkpointer's process groups."""
+        """Training ended: a launcher's request still pending (made while the last save was written) is answered by
+        that save if it holds the last step :meth:`maybe_save` was asked about; then the process groups go."""
+        self._trigger.answer_at_end()
         self._group.destroy()
         self._io.destroy()
         self._slow.destroy()

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from elastrain import wire
 from elastrain.checkpoint import Checkpointer, RestoreInfo
-from elastrain.control import ControlChannel, SaveCause
+from elastrain.checkpoint.schedule import FINAL
+from elastrain.control import SaveCause
 from elastrain.data import ElasticSampler
 from elastrain.env import WorkerEnv
 from elastrain.errors import CheckpointSaveError, ElastrainError, StaleGenerationError
@@ -70,8 +71,6 @@ class World:
         self.extra_state = extra_state
         self.checkpoint_dir = checkpoint_dir
         self.checkpointer: Checkpointer | None = None
-        self.control: ControlChannel | None = None
-        """Rank 0 watches the launcher's save requests only to record them as events; the checkpointer acts on them."""
         self.plan: BatchPlan | None = None
         self.restored: RestoreInfo | None = None
         self.segment = ""
@@ -85,7 +84,6 @@ class World:
         runtime = self.runtime
         runtime.refresh()
         rank, world_size = runtime.rank, runtime.world_size
-        self.control = ControlChannel(env.control_dir) if env.control_dir and rank == 0 else None
         # Batch sizes do not depend on the LR reference, so the sampler is planned before the state arrives.
         first_plan = plan(self.config.scaling, world_size)
         if self.feed.sampler is None:
@@ -238,7 +236,6 @@ class World:
         boundary, after the script's step.log()), and record it. A save refused as stale stops this world unless
         ``superseded`` says this node's own next round claimed the root; a collective that broke goes to ``broke``."""
         step = self.state.step
-        request = self.control.pending() if self.control is not None else None
         try:
             saved = self.checkpointer is not None and self.checkpointer.maybe_save(step, hold=False)
         except StaleGenerationError as exc:
@@ -251,9 +248,9 @@ class World:
         if self.checkpointer is not None and saved:
             self.records.checkpointed(step)
             # A save the launcher asked for announces a membership change: a preemption notice, a node leaving.
+            request = self.checkpointer.last_request
             self.records.events.record("checkpoint", step=step, requested=request.reason if request else None)
-            if request is not None and self.control is not None:
-                self.control.mark_handled(request.request_id)
+            if request is not None:
                 # The agent asks with "leave: <why>" when its node goes (SIGTERM, a preemption notice).
                 kind = "preemption" if request.cause is SaveCause.LEAVE else "membership_change"
                 self.records.events.record(kind, step=step, reason=request.reason)
@@ -288,7 +285,7 @@ class World:
         if self.checkpointer is not None:
             checkpointer, self.checkpointer = self.checkpointer, None
             try:
-                checkpointer.close(give_up_after_s=GIVE_UP_SAVE_AFTER_S if broken else None)
+                checkpointer.close(give_up_after_s=GIVE_UP_SAVE_AFTER_S if broken else None, ended=False)
             except (ElastrainError, RuntimeError, dist.DistError) as exc:
                 lifecycle("checkpoint_abandoned", level=logging.WARNING, error=repr(exc)[:200])
         checkpointer_s = time.monotonic() - started
@@ -314,8 +311,8 @@ class World:
         checkpointer, self.checkpointer = self.checkpointer, None
         try:
             final = save and self.state.step > 0
-            if final and checkpointer.save(self.state.step, blocking=True, reason="final"):
-                self.records.events.record("checkpoint", step=self.state.step, reason="final")
+            if final and checkpointer.save(self.state.step, blocking=True, reason=FINAL):
+                self.records.events.record("checkpoint", step=self.state.step, reason=FINAL)
         finally:
             checkpointer.close()
 

@@ -3,6 +3,9 @@ in one job whose workers are never restarted (the restart-mode versions: test_le
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from support.ledger_chain import (
     GLOBAL_BATCH,
@@ -11,10 +14,12 @@ from support.ledger_chain import (
     SAMPLES,
     assert_each_sample_once_per_epoch,
     assert_matches,
+    leave_during_save_run,
     ledger_steps,
     live_run,
     uninterrupted,
 )
+from support.processes import events_in
 
 from elastrain.log import parse_event_line
 
@@ -48,3 +53,31 @@ def test_live_membership_changes_train_every_sample_exactly_once_without_a_resta
 
 def test_live_membership_changes_end_where_the_uninterrupted_run_ends() -> None:
     assert_matches(live_run(), uninterrupted(LIVE_MAX_STEPS), LIVE_MAX_STEPS)
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async-save", "blocking-save"])
+def test_a_node_asked_to_leave_while_a_step_is_saved_leaves_at_the_next_step_boundary(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """Two nodes, --live, a Session saving every 4 steps; one node's agent is SIGTERMed after a save step's gradients
+    were agreed, so its checkpoint request reaches the workers while that step is saved. Training goes on from that
+    save without holding, so it does not answer the request (its answer would stop the leaving node's worker in the
+    middle of the next step, its peer's too). The ranks save the next step for the request and hold; the node leaves
+    there, and its peer regroups on the notice: no step broken, every sample once."""
+    max_steps = 24
+    run = leave_during_save_run(tmp_path, term_at=8, max_steps=max_steps, async_save=async_save)
+    detail = "\n".join(f"--- {n} ---\n{log[-5000:]}" for n, log in run.node_logs.items())
+    assert run.codes == {"a": 0, "b": 0}, detail
+    found = re.search(r"^LEDGER_TERM step=(\d+)$", run.node_logs["b"], re.M)
+    assert found, detail
+    term = int(found.group(1))
+    acked = [e["step"] for e in events_in(run.node_logs["b"], "checkpoint_acked")]
+    assert acked == [str(term + 1)], f"SIGTERM at step {term}'s save: the leave's checkpoint {acked}\n{detail}"
+    regroups = [e for e in events_in(run.node_logs["a"], "regroup_started")]
+    assert [e["cause"] for e in regroups] == ["notice"] * len(regroups), detail  # no collective broke
+    assert regroups and regroups[-1]["step"] == str(term + 1), detail
+    steps = ledger_steps(run.out / "ledger.jsonl")
+    assert sorted(steps.ids) == list(range(1, max_steps + 1)), detail
+    assert all(steps.worlds[s] == {2} for s in range(term - 3, term + 2)), steps.worlds
+    assert all(steps.worlds[s] == {1} for s in range(term + 2, max_steps + 1)), steps.worlds
+    assert_each_sample_once_per_epoch(steps)

@@ -212,6 +212,33 @@ def live_run() -> LiveResult:
     return LiveResult(root, list(node_logs.values()), codes, node_logs)
 
 
+def leave_during_save_run(root: Path, term_at: int, max_steps: int, async_save: bool) -> LiveResult:
+    """--live, two nodes (``b`` a joiner if it comes late); ``b``'s worker SIGTERMs its own agent at the first save
+    step from ``term_at`` on that it trains in a world of two, while that step is saved (``LEDGER_TERM_AT``)."""
+    out, ckpt = root / "out", root / "ckpt"
+    port = free_port()
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    for name, host in (("a", True), ("b", False)):
+        cmd = elastrain_cmd(
+            "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"leave-in-save-{port}",
+            "--rdzv-conf", f"is_host={str(host).lower()},last_call_timeout=1", "--max-restarts", "0",
+            "--live", "true", "--checkpoint-dir", str(ckpt), "--save-timeout", "60",
+        )  # fmt: skip
+        env = {"LEDGER_TERM_AT": str(term_at)} if name == "b" else None
+        job = [*_job_args(out, LIVE_SLEEP, max_steps), "--async-save", str(async_save).lower()]
+        procs[name] = spawn([*cmd, *job], root / f"{name}.log", env=env)
+    with reaped(*procs.values()):
+        try:
+            for proc in procs.values():
+                proc.wait(timeout=LAUNCH_TIMEOUT)
+        except subprocess.TimeoutExpired as exc:
+            logs = "\n".join(f"--- {n} ---\n{(root / f'{n}.log').read_text()[-6000:]}" for n in procs)
+            raise AssertionError(f"{exc}\n{logs}") from None
+    node_logs = {n: (root / f"{n}.log").read_text(errors="replace") for n in procs}
+    return LiveResult(root, list(node_logs.values()), {n: p.returncode for n, p in procs.items()}, node_logs)
+
+
 @dataclass(frozen=True)
 class LedgerSteps:
     """What the ledger says each completed step trained on (superseded points left out)."""

@@ -17,6 +17,7 @@ from elastrain.checkpoint import Checkpointer, layout
 from elastrain.control import ControlChannel, SaveCause
 from elastrain.errors import CheckpointError, CheckpointMismatchError
 from elastrain.log import parse_event_line
+from elastrain.step_flags import StepFlags
 
 
 class Events(logging.Handler):
@@ -268,6 +269,47 @@ def test_a_deferred_answer_is_given_at_close_when_no_step_follows(
         assert agent.wait_ack(request.request_id, timeout_s=0.2) is None
     ack = agent.wait_ack(request.request_id, timeout_s=30)
     assert ack is not None and ack.step == 1
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_an_interval_save_answers_no_request_made_after_its_step_was_agreed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    # A node asked to leave while an interval save is written must not be told that save answers it: training goes
+    # on from it without holding, and the agent would stop this node's workers in the middle of the next step. The
+    # next step's save answers it (the Session's ranks agree at each step's gradient sync: StepFlags).
+    control = tmp_path / "control"
+    monkeypatch.setenv(env_vars.CONTROL_DIR, str(control))
+    agent = ControlChannel(control)
+    job, flags = Job(), StepFlags()
+
+    def agreed_step(i: int) -> None:  # the step's gradient sync raises and agrees the flags (one process here)
+        flags.begin_step()
+        flags.agree(lambda raised: None, torch.device("cpu"))
+        job.step(i)
+
+    with job.checkpointer(tmp_path / "c", interval_steps=2, async_save=async_save, hold_after_request_s=0.1) as ckpt:
+        ckpt.agree_through(flags)
+        agreed_step(1)
+        assert not ckpt.maybe_save(1, hold=False)
+        agreed_step(2)
+        leave = agent.request_save(SaveCause.LEAVE, "leave: SIGTERM")  # after step 2's agreement
+        assert ckpt.maybe_save(2, hold=False) and ckpt.last_request is None
+        ckpt.wait()
+        assert agent.ack_for(leave) is None and agent.latest_ack().step == 2  # type: ignore[union-attr]
+        ckpt.hold_if_requested()  # nothing to hold for
+        agreed_step(3)
+        assert ckpt.maybe_save(3, hold=False) and ckpt.last_request == leave
+        ckpt.hold_if_requested()
+        ack = agent.ack_for(leave)
+        assert ack is not None and ack.step == 3
+        agreed_step(4)
+        last = agent.request_save(SaveCause.LEAVE, "leave: SIGTERM")  # during the last step's interval save
+        assert ckpt.maybe_save(4, hold=False) and ckpt.last_request is None
+        ckpt.wait()
+        assert agent.ack_for(last) is None
+    ack = agent.ack_for(last)  # training ended at step 4: its save answers the request at close
+    assert ack is not None and ack.step == 4
 
 
 def test_interval_in_seconds(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from elastrain.checkpoint.schedule import (
     DEFAULT_INTERVAL_SECONDS,
+    FINAL,
     SaveReason,
     SaveSchedule,
     SaveTrigger,
@@ -120,31 +121,59 @@ def test_a_save_training_goes_on_from_answers_only_the_requests_made_before_its_
     agent = ControlChannel(tmp_path)
     trigger = SaveTrigger(SaveSchedule(interval_steps=40), ControlChannel(tmp_path), None)
     assert trigger.check(120) is SaveReason.INTERVAL  # the ranks read no request for step 120
+    assert trigger.claim("interval") is None and trigger.bound("interval") <= time.time()
+    bound = trigger.bound("interval")
     leave = agent.request_save(SaveCause.LEAVE, "SIGTERM")  # while checkpoint-120 is written
-    trigger.committed(120, "/ckpt/checkpoint-120", time.time(), defer_answer=True)
-    trigger.answer(goes_on=True)
+    trigger.committed(120, "/ckpt/checkpoint-120", time.time(), bound=bound)
     assert agent.ack_for(leave) is None
+    assert agent.latest_ack() is not None and agent.latest_ack().step == 120  # type: ignore[union-attr]
     assert trigger.check(121) is SaveReason.REQUEST
     assert trigger.claim() == leave
+    assert trigger.bound("request") == math.inf
     trigger.committed(121, "/ckpt/checkpoint-121", time.time(), defer_answer=True)
+    assert agent.ack_for(leave) is None
     trigger.answer()  # at the hold
     ack = agent.ack_for(leave)
     assert ack is not None and ack.step == 121
-    early = agent.request_save(SaveCause.LEAVE, "SIGTERM")  # while step 130's is written; then training stops early
-    trigger.committed(130, "/ckpt/checkpoint-130", time.time(), defer_answer=True)
-    trigger.answer(goes_on=True)
+    assert trigger.check(160) is SaveReason.INTERVAL
+    bound = trigger.bound("explicit")  # the script's own save: training goes on from it too
+    early = agent.request_save(SaveCause.LEAVE, "SIGTERM")  # while step 160's is written; then training stops early
+    trigger.committed(160, "/ckpt/checkpoint-160", time.time(), bound=bound)
     assert agent.ack_for(early) is None
-    trigger.answer_at_end(131)  # not the step of the last commit: nothing to answer with
+    trigger.answer_at_end(161)  # not the step of the last commit: nothing to answer with
     assert agent.ack_for(early) is None
-    trigger.answer_at_end(130)
+    trigger.answer_at_end()  # the last step checked, 160
     ack = agent.ack_for(early)
-    assert ack is not None and ack.step == 130
+    assert ack is not None and ack.step == 160
+    assert trigger.check(200) is SaveReason.INTERVAL
+    bound = trigger.bound("interval")
     last = agent.request_save(SaveCause.LEAVE, "SIGTERM")  # while the last step's checkpoint is written
-    trigger.committed(200, "/ckpt/checkpoint-200", time.time(), defer_answer=True)
-    trigger.answer(goes_on=True)
+    trigger.committed(200, "/ckpt/checkpoint-200", time.time(), bound=bound)
     trigger.answer_at_end(200)  # training ended there
     ack = agent.ack_for(last)
     assert ack is not None and ack.step == 200
+    final = agent.request_save(SaveCause.LEAVE, "SIGTERM")  # a final save answers every request made until its commit
+    trigger.committed(201, "/ckpt/checkpoint-201", time.time(), bound=trigger.bound(FINAL))
+    ack = agent.ack_for(final)
+    assert ack is not None and ack.step == 201
+
+
+def test_what_a_rank_read_between_agreements_is_not_agreed_on(tmp_path: Path) -> None:
+    """With agreements every few steps, a request read at a step without one bounds no save: the last agreement's
+    reading does."""
+    agent = ControlChannel(tmp_path)
+    agreements: list[list[int]] = []
+    trigger = SaveTrigger(
+        SaveSchedule(interval_steps=3, agree_every_steps=2),
+        ControlChannel(tmp_path),
+        lambda v: agreements.append(v) or v,
+    )
+    assert trigger.check(2) is None and len(agreements) == 1
+    agreed = trigger.bound("interval")
+    leave = agent.request_save(SaveCause.LEAVE, "SIGTERM")
+    assert trigger.check(3) is SaveReason.INTERVAL and len(agreements) == 1  # read, not agreed on
+    assert trigger.bound("interval") == agreed < leave.requested_at
+    assert trigger.check(4) is SaveReason.REQUEST and trigger.bound("interval") > leave.requested_at
 
 
 def test_a_request_during_the_hold_is_answered_by_the_held_checkpoint(tmp_path: Path) -> None:

@@ -4,15 +4,22 @@ Linear regression in float64 through :class:`elastrain.session.Session` (``const
 rank appends the ids of every step to a shared ledger (a step-keyed metrics file, so the steps an
 interrupted start re-runs are superseded), before the step can be checkpointed. Rank 0 writes the
 final full-dataset loss to ``result.json``. Run it under ``python -m elastrain`` or alone.
+
+``LEDGER_TERM_AT=<step>`` (in one node's environment): at the first save step from ``<step>`` on that it trains in a
+world of two or more, that node's worker SIGTERMs its own agent once the step's gradients are agreed, before its
+optimizer step and the step's save, prints ``LEDGER_TERM step=<n>`` and waits a second: the node is asked to leave
+while that step's checkpoint is written (``bench/support/node_kill.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch.utils.data import Dataset
@@ -37,6 +44,15 @@ class Regression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
         return i, self.x[i], self.y[i]
 
 
+def _node_kill() -> ModuleType:
+    path = Path(__file__).resolve().parents[2] / "bench" / "support" / "node_kill.py"
+    spec = importlib.util.spec_from_file_location("node_kill", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -49,7 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--policy", default="constant", choices=["constant", "linear", "sqrt"])
     p.add_argument("--rescale-warmup-steps", type=int, default=0)
+    p.add_argument("--async-save", choices=("true", "false"), default="true")
     a = p.parse_args(argv)
+    term_at = int(os.environ.get("LEDGER_TERM_AT", "0"))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -69,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         max_steps=a.max_steps,
         checkpoint_dir=a.checkpoint_dir,
         save_every_steps=a.save_every,
+        async_save=a.async_save == "true",
         seed=7,
     ) as session:
         ledger: MetricsWriter | None = None
@@ -88,6 +107,11 @@ def main(argv: list[str] | None = None) -> None:
                 _, x, y = mb.data
                 loss = ((session.model(x).squeeze(-1) - y) ** 2).mean()
                 step.backward(loss, mb)
+            if term_at and step.number >= term_at and step.number % a.save_every == 0 and session.world_size > 1:
+                term_at = 0
+                print(f"LEDGER_TERM step={step.number}", flush=True)
+                _node_kill().term_own_agent()
+                time.sleep(1.0)  # the agent's request lands after this step's agreement, while its save runs
             step.optimizer_step()
             step.log(loss=step.mean_loss(), lr=optimizer.param_groups[0]["lr"])
             if a.sleep:

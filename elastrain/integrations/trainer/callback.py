@@ -141,16 +141,14 @@ class ElasticTrainerCallback(TrainerCallback):
         path = d.checkpoints.commit(step, cursor, position.global_batch, d.held.stream.mark_at(cursor))
         trigger = self.trigger()
         trigger.started(step)
-        # The Trainer saves synchronously; the answer waits for the step's own log and evaluation.
-        trigger.committed(step, path, time.time(), defer_answer=True)
-        if self._requested:
-            self._requested = False
+        # The Trainer saves synchronously. A requested save's answer waits for the step's own log and evaluation.
+        # Its own scheduled save answers only the requests read when the ranks agreed on this step: a request made
+        # since is answered by the next step's save, after which they hold, or when training ends (on_train_end).
+        requested, self._requested = self._requested, False
+        bound = trigger.bound(SaveReason.REQUEST.value if requested else SaveReason.INTERVAL.value)
+        trigger.committed(step, path, time.time(), bound=bound, defer_answer=requested)
+        if requested:
             self._hold_after = step
-        else:
-            # Training goes on: a request made since the ranks agreed on this step (while it ran, or while the
-            # Trainer wrote this checkpoint) is answered by the save of the next step, after which they hold; or,
-            # if this was the last step (or a callback stops the run here), when training ends.
-            trigger.answer(goes_on=True)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trigger().answer_at_end(state.global_step)
