@@ -152,8 +152,7 @@ class Checkpointer:
         self.last_error: BaseException | None = None
         self._closed = False
         self._hold_after: int | None = None  # a requested save whose hold the caller deferred
-        self.last_request: SaveRequest | None = None
-        """The launcher's request that the last save started answers (``None``: a save of the job's own)."""
+        self.last_request: SaveRequest | None = None  # the launcher's request the last save answers, if any
         self._before_save: Callable[[], object] | None = None
 
     def agree_through(self, flags: StepFlags) -> None:
@@ -183,14 +182,6 @@ class Checkpointer:
     @schedule.setter
     def schedule(self, schedule: SaveSchedule) -> None:
         self._trigger.schedule = schedule
-
-    @property
-    def interval_steps(self) -> int | None:
-        return self._trigger.schedule.interval_steps
-
-    @property
-    def interval_seconds(self) -> float | None:
-        return self._trigger.schedule.interval_seconds
 
     # -- registration ----------------------------------------------------------------------------
     def register(
@@ -303,10 +294,8 @@ class Checkpointer:
         """Finish the in-flight save (raising if it failed) and release threads and process groups; a save still
         running after ``give_up_after_s`` (the caller's world broke: it may wait on a member that is gone, which
         gloo ends only at the I/O timeout) is given up: it writes and commits nothing more, and keeps its group.
-
-        ``ended``: training ended here, so a launcher's request still pending (made while the last save, one training
-        went on from, was written) is answered by that save if it holds the last step :meth:`maybe_save` was asked
-        about. ``False`` when training goes on in another world (a regroup), whose checkpointer saves for it."""
+        ``ended``: training ended (else it goes on in another world, a regroup): a request still pending is answered
+        by the last commit if it holds the last step :meth:`maybe_save` saw (:meth:`SaveTrigger.answer_at_end`)."""
         if self._closed:
             return
         self._closed = True
