@@ -7,7 +7,9 @@ writes, from the standard library's own source text:
 * ``OUT/text/{train,validation}.txt`` and ``OUT/gpt2`` (a 4-layer GPT-2 and a byte-level BPE tokenizer);
 * ``OUT/pairs/{train,validation}.json`` (code line -> its first words) and ``OUT/t5`` (a 2+2-layer T5);
 * ``OUT/labels/{train,validation}.json`` (is the line code or prose?) and ``OUT/bert`` (a 2-layer BERT);
-* ``OUT/sft/{train,test}.jsonl`` (prompt: a code line; completion: its first words), for TRL's SFT with the GPT-2.
+* ``OUT/sft/{train,test}.jsonl`` (prompt: a code line; completion: its first words), for TRL's SFT with the GPT-2;
+* ``OUT/prefs/{train,test}.jsonl`` (prompt: a code line; chosen: its first words; rejected: another line's), for
+  TRL's DPO with the GPT-2.
 
 Every model is built from a config with dropout off (so runs at different world sizes can be compared) and
 saved with ``save_pretrained``; the scripts load them with ``from_pretrained`` as they would a hub model.
@@ -93,6 +95,15 @@ def main(out: Path) -> None:
     for name, rows in (("train", train[:1600]), ("test", valid[:64])):
         records = [{"prompt": line + "\n", "completion": " ".join(line.split()[:3])} for line in rows]
         (sft / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    prefs = out / "prefs"
+    prefs.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train", train[:1600]), ("test", valid[:64])):
+        first_words = [" ".join(line.split()[:3]) for line in rows]
+        records = [
+            {"prompt": line + "\n", "chosen": first_words[i], "rejected": first_words[(7 * i + 3) % len(rows)]}
+            for i, line in enumerate(rows)
+        ]
+        (prefs / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     t5tok = PreTrainedTokenizerFast(
         tokenizer_object=bpe(train, ["<pad>", "</s>", "<unk>"]),
         pad_token="<pad>",

@@ -23,6 +23,7 @@ from support.trainer_trace import (
     causal_lm,
     causal_lm_streaming,
     classification,
+    dpo,
     reference,
     seq2seq,
     sft_lora,
@@ -81,8 +82,8 @@ def _random_step(rng: random.Random, w: Workload, lo: float, hi: float) -> int:
 
 @pytest.mark.parametrize(
     "make",
-    [causal_lm, causal_lm_streaming, seq2seq, classification, sft_lora],
-    ids=["causal-lm", "causal-lm-streaming", "seq2seq", "classification", "trl-sft-lora"],
+    [causal_lm, causal_lm_streaming, seq2seq, classification, sft_lora, dpo],
+    ids=["causal-lm", "causal-lm-streaming", "seq2seq", "classification", "trl-sft-lora", "trl-dpo"],
 )
 def test_an_unmodified_trainer_script_survives_kills_and_leaves_with_no_step_lost(
     make: Callable[[Path], Workload], assets: Path, hf_references: References, tmp_path: Path

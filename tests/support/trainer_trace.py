@@ -124,6 +124,20 @@ def sft_lora(assets: Path, max_steps: int = 200) -> Workload:
     )  # fmt: skip
 
 
+def dpo(assets: Path, max_steps: int = 200) -> Workload:
+    """TRL's DPOTrainer (a Trainer subclass with its own loss, and a frozen reference copy of the model that every
+    worker builds itself) on chosen and rejected completions, training the whole GPT-2."""
+    return Workload(
+        "run_dpo.py",
+        (
+            "--model_name_or_path", str(assets / "gpt2"), "--dataset_name", str(assets / "prefs"),
+            "--max_length", "64", "--per_device_train_batch_size", "4", "--learning_rate", "1e-4", "--bf16", "false",
+            "--save_steps", "40", "--logging_steps", "10", "--max_steps", str(max_steps),
+        ),
+        max_steps,
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Event:
     """At step ``at`` (once the job trains ``world`` ranks), do ``action`` to node ``node``. ``wait`` does nothing
