@@ -15,6 +15,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,8 +125,20 @@ class ControlChannel:
         current = self.current_request()
         return current if current is not None and current.request_id == request else None
 
-    def wait_ack(self, request: SaveRequest | int, timeout_s: float, poll_s: float = 0.05) -> SaveAck | None:
-        return poll(lambda: self.ack_for(request), lambda ack: ack is not None, timeout_s, poll_s)
+    def wait_ack(
+        self,
+        request: SaveRequest | int,
+        timeout_s: float,
+        poll_s: float = 0.05,
+        stop: Callable[[], bool] | None = None,
+    ) -> SaveAck | None:
+        """The commit that answers ``request``, waited for up to ``timeout_s``, or until ``stop()`` says no answer
+        can come (the workers are gone); ``None`` then."""
+
+        def done(ack: SaveAck | None) -> bool:
+            return ack is not None or (stop is not None and stop())
+
+        return poll(lambda: self.ack_for(request), done, timeout_s, poll_s)
 
     # -- worker side ------------------------------------------------------------------------------
     def current_request(self) -> SaveRequest | None:

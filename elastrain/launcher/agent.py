@@ -33,6 +33,7 @@ from torch.distributed import DistError
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
 from elastrain.control import ControlChannel, RegroupChannel, SaveCause
 from elastrain.env import ZYGOTE, LaunchContext, start_reason, to_environ
@@ -85,10 +86,18 @@ class ElastrainAgent(LocalElasticAgent):
         self._contexts = ContextBuilder(options, spec.rdzv_handler.get_run_id(), str(self.control.directory))
         self._verdict = FailureVerdict(self._membership, self.regroup)
         self._live = LiveCoordination(self, self._membership, self.regroup, options, warm_start)
-        self._checkpoint = partial(checkpoint_before_change, self.control, options)
+        self._checkpoint = partial(checkpoint_before_change, self.control, options, workers_exited=self._workers_exited)
         self._leave = NodeLeave(self._membership, self._checkpoint, lambda: self.phase.running, options.save_timeout_s)
         # Started now, so that torch is imported while the first rendezvous runs.
         self._zygote = zygote.Zygote.for_entrypoint(spec.entrypoint, spec.args) if options.zygote else None
+
+    def _workers_exited(self) -> bool:
+        """Whether every worker process of this node has exited, read from their handles (not from the main loop,
+        which a leave may hold in the SIGTERM handler); ``False`` when that cannot be told."""
+        pcontext = self._pcontext
+        if not isinstance(pcontext, SubprocessContext):
+            return False
+        return all(handler.proc.poll() is not None for handler in pcontext.subprocess_handlers.values())
 
     def request_leave(self, reason: str, deadline_s: float) -> None:
         """Leave the job within ``deadline_s``: checkpoint (if enabled), announce, stop the workers, end.

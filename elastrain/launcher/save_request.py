@@ -8,6 +8,8 @@ join, through the control channel (:class:`~elastrain.control.ControlChannel`); 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 from elastrain.control import ControlChannel, SaveCause
 from elastrain.launcher.options import ElastrainOptions
@@ -15,9 +17,17 @@ from elastrain.log import lifecycle
 
 
 def checkpoint_before_change(
-    control: ControlChannel, options: ElastrainOptions, cause: SaveCause, detail: str, timeout_s: float
+    control: ControlChannel,
+    options: ElastrainOptions,
+    cause: SaveCause,
+    detail: str,
+    timeout_s: float,
+    *,
+    workers_exited: Callable[[], bool] | None = None,
 ) -> None:
-    """Ask local workers for a checkpoint and wait (bounded) for the ack; only with --checkpoint-dir."""
+    """Ask local workers for a checkpoint and wait (bounded) for the ack; only with --checkpoint-dir. The wait ends
+    early when ``workers_exited()``: workers that got the same signal as the agent (a signal to every process of
+    the node: a VM's shutdown, Slurm's) died at once and answer nothing, and the node's peers wait for its leave."""
     if not options.save_on_change or not options.checkpoint_dir or timeout_s <= 0:
         return
     try:
@@ -34,8 +44,17 @@ def checkpoint_before_change(
         return
     lifecycle("checkpoint_requested", request_id=req.request_id, reason=req.reason, timeout_s=timeout_s)
     wait_s = min(options.save_timeout_s, timeout_s)
-    ack = control.wait_ack(req.request_id, wait_s)
-    if ack is None:
+    started = time.monotonic()
+    ack = control.wait_ack(req.request_id, wait_s, stop=workers_exited)
+    if ack is None and workers_exited is not None and workers_exited():
+        lifecycle(
+            "checkpoint_unanswered",
+            level=logging.ERROR,
+            request_id=req.request_id,
+            waited_s=round(time.monotonic() - started, 3),
+            why="this node's workers exited before they saved: the change goes on from the job's last checkpoint",
+        )
+    elif ack is None:
         lifecycle("checkpoint_timeout", level=logging.WARNING, request_id=req.request_id, waited_s=wait_s)
     else:
         lifecycle("checkpoint_acked", request_id=req.request_id, step=ack.step, checkpoint=ack.checkpoint)

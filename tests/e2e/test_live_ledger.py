@@ -4,6 +4,8 @@ in one job whose workers are never restarted (the restart-mode versions: test_le
 from __future__ import annotations
 
 import re
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,11 @@ from support.ledger_chain import (
     leave_during_save_run,
     ledger_steps,
     live_run,
+    steps_at,
+    two_live_nodes,
     uninterrupted,
 )
-from support.processes import events_in
+from support.processes import events_in, kill_tree, wait_for
 
 from elastrain.log import parse_event_line
 
@@ -80,4 +84,26 @@ def test_a_node_asked_to_leave_while_a_step_is_saved_leaves_at_the_next_step_bou
     assert sorted(steps.ids) == list(range(1, max_steps + 1)), detail
     assert all(steps.worlds[s] == {2} for s in range(term - 3, term + 2)), steps.worlds
     assert all(steps.worlds[s] == {1} for s in range(term + 2, max_steps + 1)), steps.worlds
+    assert_each_sample_once_per_epoch(steps)
+
+
+def test_a_node_whose_every_process_gets_the_sigterm_leaves_without_waiting_for_a_checkpoint(tmp_path: Path) -> None:
+    """A VM's shutdown, or Slurm's, signals every process of the node at once: the workers die of the SIGTERM
+    before they can save, while the agent asks them for the leave's checkpoint. The agent sees its workers gone and
+    leaves at once (``checkpoint_unanswered``), instead of waiting out the save timeout while its peer waits for it
+    (24 s here before); the peer regroups and trains every sample once from the step it had."""
+    max_steps = 30
+
+    def sigterm_every_process_of_b(procs: dict[str, subprocess.Popen[bytes]], ledger: Path) -> None:
+        wait_for(lambda: steps_at(ledger, 2) >= 6, timeout=150, what="6 steps in a world of two")
+        kill_tree(procs["b"].pid, signal.SIGTERM)
+
+    run = two_live_nodes(tmp_path, max_steps, during=sigterm_every_process_of_b)
+    detail = "\n".join(f"--- {n} ---\n{log[-5000:]}" for n, log in run.node_logs.items())
+    assert run.codes["a"] == 0, detail
+    b = run.node_logs["b"]
+    assert events_in(b, "checkpoint_unanswered") and not events_in(b, "checkpoint_timeout"), detail
+    assert events_in(b, "node_left"), detail
+    steps = ledger_steps(run.out / "ledger.jsonl")
+    assert sorted(steps.ids) == list(range(1, max_steps + 1)), detail
     assert_each_sample_once_per_epoch(steps)

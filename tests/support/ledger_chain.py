@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,31 +213,50 @@ def live_run() -> LiveResult:
     return LiveResult(root, list(node_logs.values()), codes, node_logs)
 
 
-def leave_during_save_run(root: Path, term_at: int, max_steps: int, async_save: bool) -> LiveResult:
-    """--live, two nodes (``b`` a joiner if it comes late); ``b``'s worker SIGTERMs its own agent at the first save
-    step from ``term_at`` on that it trains in a world of two, while that step is saved (``LEDGER_TERM_AT``)."""
+def two_live_nodes(
+    root: Path,
+    max_steps: int,
+    job: tuple[str, ...] = (),
+    env_b: dict[str, str] | None = None,
+    during: Callable[[dict[str, subprocess.Popen[bytes]], Path], None] | None = None,
+) -> LiveResult:
+    """--live, two nodes ``a`` and ``b`` (``b`` a joiner if it comes late) running the ledger job (more arguments:
+    ``job``; more environment for ``b``: ``env_b``); ``during(procs, ledger)`` acts on them while they train."""
     out, ckpt = root / "out", root / "ckpt"
     port = free_port()
     procs: dict[str, subprocess.Popen[bytes]] = {}
     for name, host in (("a", True), ("b", False)):
         cmd = elastrain_cmd(
             "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"leave-in-save-{port}",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"two-nodes-{port}",
             "--rdzv-conf", f"is_host={str(host).lower()},last_call_timeout=1", "--max-restarts", "0",
             "--live", "true", "--checkpoint-dir", str(ckpt), "--save-timeout", "60",
         )  # fmt: skip
-        env = {"LEDGER_TERM_AT": str(term_at)} if name == "b" else None
-        job = [*_job_args(out, LIVE_SLEEP, max_steps), "--async-save", str(async_save).lower()]
-        procs[name] = spawn([*cmd, *job], root / f"{name}.log", env=env)
+        args = [*cmd, *_job_args(out, LIVE_SLEEP, max_steps), *job]
+        procs[name] = spawn(args, root / f"{name}.log", env=env_b if name == "b" else None)
     with reaped(*procs.values()):
         try:
+            if during is not None:
+                during(procs, out / "ledger.jsonl")
             for proc in procs.values():
                 proc.wait(timeout=LAUNCH_TIMEOUT)
-        except subprocess.TimeoutExpired as exc:
+        except (AssertionError, subprocess.TimeoutExpired) as exc:
             logs = "\n".join(f"--- {n} ---\n{(root / f'{n}.log').read_text()[-6000:]}" for n in procs)
             raise AssertionError(f"{exc}\n{logs}") from None
     node_logs = {n: (root / f"{n}.log").read_text(errors="replace") for n in procs}
     return LiveResult(root, list(node_logs.values()), {n: p.returncode for n, p in procs.items()}, node_logs)
+
+
+def leave_during_save_run(root: Path, term_at: int, max_steps: int, async_save: bool) -> LiveResult:
+    """``b``'s worker SIGTERMs its own agent at the first save step from ``term_at`` on that it trains in a world of
+    two, while that step is saved (``LEDGER_TERM_AT``)."""
+    job = ("--async-save", str(async_save).lower())
+    return two_live_nodes(root, max_steps, job, env_b={"LEDGER_TERM_AT": str(term_at)})
+
+
+def steps_at(ledger: Path, world_size: int) -> int:
+    """How many steps the ledger holds trained at ``world_size``."""
+    return _steps_at(ledger, world_size)
 
 
 @dataclass(frozen=True)
