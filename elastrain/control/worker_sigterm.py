@@ -16,9 +16,9 @@ worker) defers its first SIGTERM while its agent lives (``event=worker_sigterm_d
 - With no request within :data:`GRACE_S`, the signal was this worker's alone (``event=worker_sigterm``): it ends as
   the signal ends a process, :data:`GRACE_S` late.
 
-A process the worker forks (a DataLoader's worker, whose SIGTERM handler torch sets in C as it starts: it is set
-again after torch's) follows the same rules, so that a node-wide signal leaves the worker's data loading whole; the
-agent's mark names the worker, whose process group its SIGTERM reaches.
+A process the worker forked (a DataLoader's worker) inherits the handler and follows the same rules, so that a
+node-wide signal leaves the worker's data loading whole; the agent's mark names the worker, whose process group its
+SIGTERM reaches.
 """
 
 from __future__ import annotations
@@ -26,14 +26,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Mapping
-from functools import partial
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from elastrain.control.save import ControlChannel, SaveCause
 from elastrain.control.stopping import is_stopping
@@ -49,25 +46,7 @@ def install(environ: Mapping[str, str]) -> None:
     agent, control = environ.get(AGENT_PID), environ.get(CONTROL_DIR)
     if not agent or not control or threading.current_thread() is not threading.main_thread():
         return
-    deferral = _Deferral(int(agent), Path(control), os.getpid())
-    signal.signal(signal.SIGTERM, deferral.on_sigterm)
-    os.register_at_fork(after_in_child=partial(_after_torch_in_dataloader_workers, deferral))
-
-
-def _after_torch_in_dataloader_workers(deferral: _Deferral) -> None:
-    """In a process the worker forks: a torch DataLoader worker sets SIGTERM handlers of its own (in C: it ends on any
-    SIGTERM) as it starts, and the worker's step then fails on its death; the deferral is set again after them."""
-    # torch's module re-exports the C function (torch._C) that its DataLoader worker calls through it.
-    handling: Any = sys.modules.get("torch.utils.data._utils.signal_handling")
-    if handling is None:
-        return  # no DataLoader in this process: nothing of torch's comes after
-    torch_handlers = handling._set_worker_signal_handlers
-
-    def set_handlers() -> None:
-        torch_handlers()
-        signal.signal(signal.SIGTERM, deferral.on_sigterm)
-
-    handling._set_worker_signal_handlers = set_handlers
+    signal.signal(signal.SIGTERM, _Deferral(int(agent), Path(control), os.getpid()).on_sigterm)
 
 
 def _end() -> None:

@@ -101,8 +101,7 @@ def test_a_node_whose_every_process_gets_the_sigterm_leaves_at_a_step_boundary_w
         wait_for(lambda: steps_at(ledger, 2) >= 6, timeout=150, what="6 steps in a world of two")
         kill_tree(procs["b"].pid, signal.SIGTERM)
 
-    # A DataLoader worker process too: the worker's forked process must not die of the signal either.
-    run = two_live_nodes(tmp_path, max_steps, ("--num-workers", "1"), during=sigterm_every_process_of_b)
+    run = two_live_nodes(tmp_path, max_steps, during=sigterm_every_process_of_b)
     detail = "\n".join(f"--- {n} ---\n{log[-5000:]}" for n, log in run.node_logs.items())
     assert run.codes == {"a": 0, "b": 0}, detail
     b = run.node_logs["b"]
