@@ -16,9 +16,8 @@ worker) defers its first SIGTERM while its agent lives (``event=worker_sigterm_d
 - With no request within :data:`GRACE_S`, the signal was this worker's alone (``event=worker_sigterm``): it ends as
   the signal ends a process, :data:`GRACE_S` late.
 
-A process the worker forked (a DataLoader's worker) inherits the handler and follows the same rules, so that a
-node-wide signal leaves the worker's data loading whole; the agent's mark names the worker, whose process group its
-SIGTERM reaches.
+A process the worker forked (a DataLoader's worker) inherits the handler and ignores a SIGTERM its worker's agent
+did not send: its worker ends it, as torch's DataLoader does when its worker exits.
 """
 
 from __future__ import annotations
@@ -72,13 +71,14 @@ class _Deferral:
         self.expired = False
 
     def on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        # Marked: the agent stops this worker (a restart, the end of a leave or of the job), and the processes it
-        # forked (the signal reaches its process group).
-        if is_stopping(self.control, self.owner) or self.deferred or self.expired or not _alive(self.agent_pid):
+        if is_stopping(self.control, self.owner):
+            _end()  # the agent stops this worker (a restart, the end of a leave or of the job)
+        if os.getpid() != self.owner:
+            return  # forked by the worker (a DataLoader's): its worker ends it
+        if self.deferred or self.expired or not _alive(self.agent_pid):
             _end()
         self.deferred = True
-        if os.getpid() == self.owner:  # one line per worker, not one per DataLoader worker
-            lifecycle("worker_sigterm_deferred", agent_pid=self.agent_pid, grace_s=GRACE_S)
+        lifecycle("worker_sigterm_deferred", agent_pid=self.agent_pid, grace_s=GRACE_S)
         threading.Thread(target=self._end_unless_asked, name="elastrain-sigterm-grace", daemon=True).start()
 
     def _end_unless_asked(self) -> None:
@@ -89,7 +89,6 @@ class _Deferral:
             if request is not None and request.cause is SaveCause.LEAVE:
                 return  # the agent leaves: it asks for the checkpoint, then stops this worker
             time.sleep(0.05)
-        if os.getpid() == self.owner:
-            lifecycle("worker_sigterm", level=logging.WARNING, why="no leave from the agent: the signal was its own")
+        lifecycle("worker_sigterm", level=logging.WARNING, why="no leave from the agent: the signal was this worker's")
         self.expired = True
-        os.kill(os.getpid(), signal.SIGTERM)  # handled on the main thread: it ends there
+        os.kill(self.owner, signal.SIGTERM)  # handled on the main thread: it ends there
