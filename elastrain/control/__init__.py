@@ -2,9 +2,7 @@
 
 - :mod:`~elastrain.control.files`: one control file, written atomically and read through a checked decode;
 - :mod:`~elastrain.control.save`: "save a checkpoint now, and tell me when it is committed" (:class:`ControlChannel`);
-- :mod:`~elastrain.control.regroup`: with ``--live``, "a new round formed: regroup in place" (:class:`RegroupChannel`);
-- :mod:`~elastrain.control.stopping`: "I am stopping these workers", so that a worker tells its agent's SIGTERM apart;
-- :mod:`~elastrain.control.worker_sigterm`: a worker's first SIGTERM waits for its agent's leave (a node-wide signal).
+- :mod:`~elastrain.control.regroup`: with ``--live``, "a new round formed: regroup in place" (:class:`RegroupChannel`).
 
 Nothing here depends on torch: the agent and the workers both use it. What a worker does with a request
 (agree on the step, save, hold for the restart) is :mod:`elastrain.checkpoint.schedule`'s.

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import weakref
 from functools import partial
 from typing import Any
@@ -37,7 +36,6 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
 from elastrain.control import ControlChannel, RegroupChannel, SaveCause
-from elastrain.control.stopping import mark_stopping
 from elastrain.env import ZYGOTE, LaunchContext, start_reason, to_environ
 from elastrain.launcher import control_dir, zygote
 from elastrain.launcher.context import ContextBuilder
@@ -100,16 +98,6 @@ class ElastrainAgent(LocalElasticAgent):
         if not isinstance(pcontext, SubprocessContext):
             return False
         return all(handler.proc.poll() is not None for handler in pcontext.subprocess_handlers.values())
-
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        """torch's worker stop (every stop goes through it), after marking the workers as stopped by their agent:
-        a worker ends on this SIGTERM at once instead of waiting for a leave (elastrain.control.worker_sigterm)."""
-        if self._pcontext is not None:
-            try:
-                mark_stopping(self.control.directory, self._pcontext.pids().values())
-            except OSError as exc:  # the workers then end GRACE_S later, on their own
-                lifecycle("workers_stop_unmarked", level=logging.WARNING, error=repr(exc)[:200])
-        super()._shutdown(death_sig, timeout)
 
     def request_leave(self, reason: str, deadline_s: float) -> None:
         """Leave the job within ``deadline_s``: checkpoint (if enabled), announce, stop the workers, end.

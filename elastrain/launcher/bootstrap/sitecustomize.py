@@ -1,9 +1,8 @@
 """elastrain-run's worker bootstrap: on the workers' PYTHONPATH, so Python runs it at start-up.
 
-It defers the worker's first SIGTERM to its agent's leave (:mod:`elastrain.control.worker_sigterm`), installs the
-zero-code Hugging Face Trainer integration when the launcher asked for it (``--trainer-integration``), then runs the
-``sitecustomize`` this one hides, if there is one further along ``sys.path``, so the environment's own start-up
-code still runs. It imports nothing heavy.
+It installs the zero-code Hugging Face Trainer integration when the launcher asked for it
+(``--trainer-integration``), then runs the ``sitecustomize`` this one hides, if there is one further
+along ``sys.path``, so the environment's own start-up code still runs. It imports nothing heavy.
 """
 
 import importlib.machinery
@@ -14,11 +13,9 @@ import sys
 
 def _install() -> None:
     try:
-        from elastrain.control.worker_sigterm import install as defer_sigterm
         from elastrain.env import TRAINER_INTEGRATION
     except ImportError:  # another interpreter, without elastrain: nothing to install
         return
-    defer_sigterm(os.environ)  # a node-wide SIGTERM is the agent's leave (the zygote ignores it: zygote_process)
     if os.environ.get(TRAINER_INTEGRATION) == "1":
         from elastrain.integrations.trainer.hook import install
 
