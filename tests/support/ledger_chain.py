@@ -155,7 +155,8 @@ class LiveResult(ChainResult):
     node_logs: dict[str, str]
 
 
-def _steps_at(ledger: Path, world_size: int) -> int:
+def steps_at(ledger: Path, world_size: int) -> int:
+    """How many steps the ledger holds trained at ``world_size``."""
     if not ledger.exists():
         return 0
     return len({p.step for p in read_metrics(ledger).active if p.values.get("world_size") == world_size})
@@ -185,7 +186,7 @@ def live_run() -> LiveResult:
             done = [n for n, p in procs.items() if p.poll() is not None and n in ("a",)]
             if done:
                 raise AssertionError(f"node a ended before the trace did:\n{(root / 'a.log').read_text()}")
-            return _steps_at(ledger, world_size) >= after + LIVE_STEPS_PER_SIZE
+            return steps_at(ledger, world_size) >= after + LIVE_STEPS_PER_SIZE
 
         wait_for(reached, timeout=LAUNCH_TIMEOUT, what=f"{LIVE_STEPS_PER_SIZE} steps at world size {world_size}")
 
@@ -195,7 +196,7 @@ def live_run() -> LiveResult:
         until(2)
         procs["c"] = node("c", False)  # a node comes (back): it starts warm and joins without a restart
         until(3)
-        at_two = _steps_at(ledger, 2)
+        at_two = steps_at(ledger, 2)
         kill_tree(procs["b"].pid)  # a node is lost without notice
         procs["b"].wait(timeout=30)
         until(2, after=at_two)
@@ -252,11 +253,6 @@ def leave_during_save_run(root: Path, term_at: int, max_steps: int, async_save: 
     two, while that step is saved (``LEDGER_TERM_AT``)."""
     job = ("--async-save", str(async_save).lower())
     return two_live_nodes(root, max_steps, job, env_b={"LEDGER_TERM_AT": str(term_at)})
-
-
-def steps_at(ledger: Path, world_size: int) -> int:
-    """How many steps the ledger holds trained at ``world_size``."""
-    return _steps_at(ledger, world_size)
 
 
 @dataclass(frozen=True)

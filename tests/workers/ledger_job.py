@@ -14,12 +14,10 @@ while that step's checkpoint is written (``bench/support/node_kill.py``).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import time
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from torch.utils.data import Dataset
@@ -42,15 +40,6 @@ class Regression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
 
     def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         return i, self.x[i], self.y[i]
-
-
-def _node_kill() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "bench" / "support" / "node_kill.py"
-    spec = importlib.util.spec_from_file_location("node_kill", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,7 +99,9 @@ def main(argv: list[str] | None = None) -> None:
             if term_at and step.number >= term_at and step.number % a.save_every == 0 and session.world_size > 1:
                 term_at = 0
                 print(f"LEDGER_TERM step={step.number}", flush=True)
-                _node_kill().term_own_agent()
+                from bench.support.node_kill import term_own_agent  # the repository is on the tests' PYTHONPATH
+
+                term_own_agent()
                 time.sleep(1.0)  # the agent's request lands after this step's agreement, while its save runs
             step.optimizer_step()
             step.log(loss=step.mean_loss(), lr=optimizer.param_groups[0]["lr"])
