@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from elastrain.control import worker_sigterm
 from elastrain.errors import ElastrainError
 from elastrain.log import lifecycle
 
@@ -169,6 +170,9 @@ def serve(
     from elastrain import log
 
     log.configure()
+    # A SIGTERM to every process of the node (a VM's or Slurm's shutdown) is the agent's leave: the zygote lives on,
+    # so that its workers (which die with it: PDEATHSIG) can save. The agent ends it with SIGKILL (Zygote.close).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     t0 = time.time() if t0 is None else t0
     # sys.path[0] is the agent's working directory (python -c): a module there must not stand in for an
     # installed one of the same name. A worker gets its own sys.path[0] (see _become_worker).
@@ -227,6 +231,7 @@ def _become_worker(req: dict[str, Any]) -> list[str]:
             os.close(f)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    worker_sigterm.install(os.environ)  # as the bootstrap does in a worker started the normal way
     from elastrain.binding import host_worker_store
 
     host_worker_store(os.environ)  # rank 0: the round's store, on MASTER_ADDR's interface only

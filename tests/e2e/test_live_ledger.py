@@ -3,6 +3,7 @@ in one job whose workers are never restarted (the restart-mode versions: test_le
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -87,18 +88,49 @@ def test_a_node_asked_to_leave_while_a_step_is_saved_leaves_at_the_next_step_bou
     assert_each_sample_once_per_epoch(steps)
 
 
-def test_a_node_whose_every_process_gets_the_sigterm_leaves_without_waiting_for_a_checkpoint(tmp_path: Path) -> None:
-    """A VM's shutdown, or Slurm's, signals every process of the node at once: the workers die of the SIGTERM
-    before they can save, while the agent asks them for the leave's checkpoint. The agent sees its workers gone and
-    leaves at once (``checkpoint_unanswered``), instead of waiting out the save timeout while its peer waits for it
-    (24 s here before); the peer regroups and trains every sample once from the step it had."""
+def test_a_node_whose_every_process_gets_the_sigterm_leaves_at_a_step_boundary_with_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """A VM's shutdown, or Slurm's, signals every process of the node at once. The workers defer the signal to their
+    agent's leave (``worker_sigterm_deferred``), save at their next step boundary when it asks, and are stopped by it
+    there: the peer regroups on the notice, and trains every sample once. (A worker that died of the signal saved
+    nothing, and the agent waited out the save timeout while its peer waited for it: 24 s here.)"""
     max_steps = 30
 
     def sigterm_every_process_of_b(procs: dict[str, subprocess.Popen[bytes]], ledger: Path) -> None:
         wait_for(lambda: steps_at(ledger, 2) >= 6, timeout=150, what="6 steps in a world of two")
         kill_tree(procs["b"].pid, signal.SIGTERM)
 
-    run = two_live_nodes(tmp_path, max_steps, during=sigterm_every_process_of_b)
+    # A DataLoader worker process too: the worker's forked process must not die of the signal either.
+    run = two_live_nodes(tmp_path, max_steps, ("--num-workers", "1"), during=sigterm_every_process_of_b)
+    detail = "\n".join(f"--- {n} ---\n{log[-5000:]}" for n, log in run.node_logs.items())
+    assert run.codes == {"a": 0, "b": 0}, detail
+    b = run.node_logs["b"]
+    assert events_in(b, "worker_sigterm_deferred") and events_in(b, "checkpoint_acked"), detail
+    assert not events_in(b, "worker_sigterm") and not events_in(b, "checkpoint_unanswered"), detail
+    regroups = events_in(run.node_logs["a"], "regroup_started")
+    assert regroups and [e["cause"] for e in regroups] == ["notice"] * len(regroups), detail  # no collective broke
+    steps = ledger_steps(run.out / "ledger.jsonl")
+    assert sorted(steps.ids) == list(range(1, max_steps + 1)), detail
+    assert_each_sample_once_per_epoch(steps)
+
+
+def test_a_node_whose_workers_die_as_it_is_asked_to_leave_leaves_without_waiting_for_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """The workers die (SIGKILL) as their agent gets its SIGTERM: no checkpoint can come. The agent sees them gone
+    and leaves at once (``checkpoint_unanswered``) instead of waiting out the save timeout while its peer waits for
+    it; the peer trains every sample once from the step it had."""
+    max_steps = 30
+
+    def kill_workers_and_sigterm_agent_of_b(procs: dict[str, subprocess.Popen[bytes]], ledger: Path) -> None:
+        wait_for(lambda: steps_at(ledger, 2) >= 6, timeout=150, what="6 steps in a world of two")
+        (started,) = events_in((ledger.parent.parent / "b.log").read_text(errors="replace"), "workers_started")
+        for pid in started["pids"].split(","):
+            os.kill(int(pid), signal.SIGKILL)
+        procs["b"].send_signal(signal.SIGTERM)
+
+    run = two_live_nodes(tmp_path, max_steps, during=kill_workers_and_sigterm_agent_of_b)
     detail = "\n".join(f"--- {n} ---\n{log[-5000:]}" for n, log in run.node_logs.items())
     assert run.codes["a"] == 0, detail
     b = run.node_logs["b"]

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--policy", default="constant", choices=["constant", "linear", "sqrt"])
     p.add_argument("--rescale-warmup-steps", type=int, default=0)
     p.add_argument("--async-save", choices=("true", "false"), default="true")
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
     a = p.parse_args(argv)
     term_at = int(os.environ.get("LEDGER_TERM_AT", "0"))
     out = Path(a.out)
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint_dir=a.checkpoint_dir,
         save_every_steps=a.save_every,
         async_save=a.async_save == "true",
+        num_workers=a.num_workers,
         seed=7,
     ) as session:
         ledger: MetricsWriter | None = None

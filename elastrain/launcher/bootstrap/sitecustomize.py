@@ -1,8 +1,9 @@
 """elastrain-run's worker bootstrap: on the workers' PYTHONPATH, so Python runs it at start-up.
 
-It installs the zero-code Hugging Face Trainer integration when the launcher asked for it
-(``--trainer-integration``), then runs the ``sitecustomize`` this one hides, if there is one further
-along ``sys.path``, so the environment's own start-up code still runs. It imports nothing heavy.
+It takes the worker's SIGTERM on a thread of its own, which defers a node-wide one to the agent's leave
+(:mod:`elastrain.control.worker_sigterm`), installs the zero-code Hugging Face Trainer integration when the
+launcher asked for it (``--trainer-integration``), then runs the ``sitecustomize`` this one hides, if there is
+one further along ``sys.path``, so the environment's own start-up code still runs. It imports nothing heavy.
 """
 
 import importlib.machinery
@@ -13,9 +14,11 @@ import sys
 
 def _install() -> None:
     try:
+        from elastrain.control.worker_sigterm import install as take_sigterm
         from elastrain.env import TRAINER_INTEGRATION
     except ImportError:  # another interpreter, without elastrain: nothing to install
         return
+    take_sigterm(os.environ)  # first: before any thread starts (the zygote's workers: zygote_process)
     if os.environ.get(TRAINER_INTEGRATION) == "1":
         from elastrain.integrations.trainer.hook import install
 
