@@ -2,16 +2,18 @@
 
 :func:`churn_trace` draws ``events`` events over ``max_nodes`` slots plus ``spares`` slots beyond
 the launcher's MAX: SIGKILL of any node (node 0, the first store host, included), SIGTERM with a
-notice, SIGSTOP followed by a SIGKILL or a SIGCONT, whole-job kill followed by a restart of the same
-nodes with the same command, nodes returning at the original endpoint, and spare nodes started
-while the job is full. Each event that is not a follow-up waits for the job's next step milestone
-(``after_step``, spread evenly between ``first_step`` and ``last_step``) and a random gap, so every
-event lands on a training world, however fast or slow the machine is. Follow-ups (the kill after a
-``stop``, the restart after a ``kill_all``) wait only their gap: nothing trains meanwhile.
+notice (to the agent, or to every process of the node), SIGSTOP followed by a SIGKILL or a SIGCONT,
+whole-job kill followed by a restart of the same nodes with the same command, nodes returning at the
+original endpoint, and spare nodes started while the job is full. Each event that is not a follow-up
+waits for the job's next step milestone (``after_step``, spread evenly between ``first_step`` and
+``last_step``) and a random gap, so every event lands on a training world, however fast or slow the
+machine is. Follow-ups (the kill after a ``stop``, the restart after a ``kill_all``) wait only their
+gap: nothing trains meanwhile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -54,6 +56,9 @@ def churn_trace(seed: int, config: ChurnConfig | None = None) -> Trace:
     but a ``kill_all`` (whose ``restart_all`` follows), and no node is left stopped at the end."""
     cfg = config or ChurnConfig()
     rng = random.Random(seed)
+    # SIGTERMs alternate between the agent alone and every process of the node, from a side draw (a seed's trace is
+    # otherwise what it was before there were two kinds).
+    whole = random.Random(f"{seed}-whole").random() < 0.5
     slots = cfg.max_nodes + cfg.spares
     up = set(range(cfg.max_nodes))
     events: list[TraceEvent] = []
@@ -97,7 +102,9 @@ def churn_trace(seed: int, config: ChurnConfig | None = None) -> Trace:
                 events.append(gated(Action.KILL, node))
                 up.discard(node)
             elif kind == "term":
-                events.append(gated(Action.TERM, node, notice_s=span(cfg.notice_s)))
+                term = gated(Action.TERM, node, notice_s=span(cfg.notice_s))
+                events.append(dataclasses.replace(term, whole=whole))
+                whole = not whole
                 up.discard(node)
             else:
                 events.append(gated(Action.STOP, node))
@@ -109,7 +116,8 @@ def churn_trace(seed: int, config: ChurnConfig | None = None) -> Trace:
 
 
 def coverage(trace: Trace) -> Counter[str]:
-    """What a trace exercises: each action, plus ``store_host_down`` (node 0 killed, termed or frozen),
+    """What a trace exercises: each action, plus ``term_whole`` (a SIGTERM to every process of a node),
+    ``store_host_down`` (node 0 killed, termed or frozen),
     ``return`` (a node started again after it was up before) and ``spare`` (a node started while
     ``max_nodes`` or more were up already)."""
     out: Counter[str] = Counter()
@@ -117,6 +125,7 @@ def coverage(trace: Trace) -> Counter[str]:
     seen = set(trace.start)
     for e in trace.events:
         out[e.action.value] += 1
+        out["term_whole"] += e.whole
         if e.action is Action.START:
             if len(up) >= trace.launcher_max:
                 out["spare"] += 1

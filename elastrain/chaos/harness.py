@@ -124,7 +124,7 @@ class ChaosHarness:
         elif event.action is Action.CONT:
             self.nodes.cont(node)
         else:
-            self.nodes.term(node, event.notice_s)
+            self.nodes.term(node, event.notice_s, event.whole)
 
     def _due(self, event: TraceEvent) -> bool:
         if event.at > self.timeline.now() or self.timeline.now() - self._last_fired < event.gap_s:

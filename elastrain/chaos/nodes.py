@@ -90,13 +90,14 @@ class Nodes:
         node.hard_kill_at = None
         self.timeline.record(why, node.index, pids=pids)
 
-    def term(self, node: Node, notice_s: float) -> None:
+    def term(self, node: Node, notice_s: float, whole: bool = False) -> None:
+        """SIGTERM the node's agent (``whole``: every process of the node), then SIGKILL what is left later."""
         if node.tree is None:
             return
-        pids = node.tree.signal(signal.SIGTERM, root_only=True)
+        pids = node.tree.signal(signal.SIGTERM, root_only=not whole)
         node.signalled = True
         node.hard_kill_at = self.timeline.now() + notice_s
-        self.timeline.record("term", node.index, pids=pids, notice_s=notice_s)
+        self.timeline.record("term", node.index, pids=pids, notice_s=notice_s, whole=whole)
 
     def stop(self, node: Node) -> None:
         if node.tree is None:

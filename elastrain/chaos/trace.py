@@ -8,6 +8,7 @@ A trace is a file (YAML or JSON)::
       - {at: 20, action: kill, node: 1}              # SIGKILL, no warning (AzureML low priority)
       - {at: 45, action: start, node: 1}             # the node comes back
       - {at: 60, action: term, node: 2, notice: 10}  # SIGTERM, then SIGKILL 10 s later (AWS/GCP notice)
+      - {at: 65, action: term, node: 1, whole: true} # SIGTERM to every process of the node (a VM's or Slurm's shutdown)
       - {at: 70, action: stop, node: 0}              # SIGSTOP of the whole node (a frozen VM) ...
       - {at: 75, action: kill, node: 0}              # ... then SIGKILL (or `cont`: it wakes up)
       - {at: 90, action: kill_all}                   # the whole job dies ...
@@ -66,6 +67,8 @@ class TraceEvent:
     node: int
     notice_s: float = 0.0
     """For ``term``: seconds between SIGTERM and the SIGKILL of whatever is left."""
+    whole: bool = False
+    """For ``term``: SIGTERM every process of the node (a VM's or Slurm's shutdown), not only its agent."""
     after_step: int | None = None
     """Also wait until the job's progress (its highest logged step) reaches this step."""
     gap_s: float = 0.0
@@ -81,6 +84,8 @@ class TraceEvent:
             out["nodes"] = list(self.nodes)
         if self.action is Action.TERM:
             out["notice"] = self.notice_s
+        if self.whole:
+            out["whole"] = True
         if self.after_step is not None:
             out["after_step"] = self.after_step
         if self.gap_s:
@@ -196,6 +201,8 @@ def _check_event(trace: Trace, e: TraceEvent, where: str) -> None:
         raise TraceError(f"{where}: node {e.node} is outside 0..{trace.nodes - 1}; raise 'nodes' or fix 'node'")
     if e.notice_s < 0:
         raise TraceError(f"{where}: 'notice' must be >= 0 seconds")
+    if e.whole and e.action is not Action.TERM:
+        raise TraceError(f"{where}: 'whole' is for term events only")
     if e.gap_s < 0:
         raise TraceError(f"{where}: 'gap' must be >= 0 seconds")
     if e.after_step is not None and e.after_step < 0:
@@ -211,6 +218,12 @@ def validate(trace: Trace) -> None:
     _states(trace)
 
 
+def _flag(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{key!r} must be true or false, got {value!r}")
+    return value
+
+
 def _event(raw: Mapping[str, Any], index: int) -> TraceEvent:
     try:
         action = Action(str(raw["action"]).lower())
@@ -222,6 +235,7 @@ def _event(raw: Mapping[str, Any], index: int) -> TraceEvent:
             action=action,
             node=ALL_NODES if action in GROUP_ACTIONS else int(raw["node"]),
             notice_s=float(raw.get("notice", 0.0)),
+            whole=_flag(raw.get("whole", False), "whole"),
             after_step=None if after is None else int(after),
             gap_s=gap,
             nodes=tuple(int(n) for n in raw.get("nodes") or ()),

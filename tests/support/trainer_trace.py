@@ -144,7 +144,7 @@ class Event:
     but waits until the job trains ``world`` ranks again, after some step trained another number."""
 
     action: str  # "kill" (SIGKILL the node: agent and workers), "crash" (SIGKILL its workers only), "term" (SIGTERM
-    # its agent), "start", "wait"
+    # its agent), "term-node" (SIGTERM every process of the node, as a VM's or Slurm's shutdown), "start", "wait"
     node: str
     at: int = 0
     world: int | None = None
@@ -292,6 +292,8 @@ def trace(
                     kill_tree(pid, signal.SIGKILL)
             elif ev.action == "term":
                 procs[ev.node].send_signal(signal.SIGTERM)
+            elif ev.action == "term-node":
+                kill_tree(procs[ev.node].pid, signal.SIGTERM)
             elif ev.action != "wait":
                 raise ValueError(ev.action)
             done.append(f"{ev.action} {ev.node} at step {Ledger.read(out / 'ledger').last_step()}")

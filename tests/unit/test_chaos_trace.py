@@ -18,6 +18,7 @@ events:
   - {at: 20, action: kill, node: 1}
   - {at: 45, action: start, node: 1}
   - {at: 60, action: term, node: 2, notice: 10}
+  - {at: 70, action: term, node: 0, whole: true}
 """
 
 
@@ -30,8 +31,10 @@ def test_yaml_and_json_traces_read_the_same(tmp_path):
     assert a == b
     assert a.start == (0, 1, 2)
     assert a.events[2] == TraceEvent(60.0, Action.TERM, 2, 10.0)
-    assert a.min_alive() == 2
-    assert a.duration_s == 60.0
+    assert a.events[3] == TraceEvent(70.0, Action.TERM, 0, whole=True)
+    assert trace_from_dict(a.to_dict()) == a
+    assert a.min_alive() == 1
+    assert a.duration_s == 70.0
 
 
 def test_events_are_sorted_by_time():
@@ -52,6 +55,8 @@ def test_events_are_sorted_by_time():
         ({"nodes": 2, "events": [{"at": 1, "node": 1}]}, "missing key 'action'"),
         ({"nodes": 2, "start": [0], "events": [{"at": 1, "action": "kill", "node": 1}]}, "not up"),
         ({"nodes": 2, "events": [{"at": -1, "action": "kill", "node": 1}]}, ">= 0"),
+        ({"nodes": 2, "events": [{"at": 1, "action": "kill", "node": 1, "whole": True}]}, "term events only"),
+        ({"nodes": 2, "events": [{"at": 1, "action": "term", "node": 1, "whole": "yes"}]}, "true or false"),
     ],
 )
 def test_bad_traces_name_the_problem(data, message):
@@ -194,6 +199,7 @@ def test_ci_churn_seed_covers_every_kind_of_event():
     c = coverage(churn_trace(20, ChurnConfig(events=10)))
     needed = {"kill", "term", "stop", "cont", "start", "kill_all", "restart_all", "spare", "store_host_down", "return"}
     assert needed <= set(c), c
+    assert 0 < c["term_whole"] < c["term"], c  # SIGTERMs to the agent alone, and to every process of a node
 
 
 def test_churn_config_is_checked():
