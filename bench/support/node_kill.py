@@ -6,6 +6,7 @@ backward pass, where a lost machine's peers are most of the time. Linux only (``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -16,30 +17,30 @@ def _parent_of(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-def _cmdline(pid: int) -> bytes:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read()
-
-
-def _is_elastrain(pid: int) -> bool:
-    """Whether ``pid`` is an elastrain process (the agent, ``python -m elastrain``, or its zygote)."""
-    return b"elastrain" in _cmdline(pid)
+def _agent() -> int | None:
+    """This worker's agent, as elastrain-run names it in the worker's environment; ``None`` under another launcher."""
+    pid = os.environ.get("ELASTRAIN_AGENT_PID", "")
+    return int(pid) if pid.isdigit() else None
 
 
 def kill_own_node() -> None:
-    """SIGKILL this worker's agent and zygote (those of its two nearest ancestors that are elastrain's), then itself.
-    First a line ``XW_KILL t=<time>``: the bench reads how much of the step in flight the kill destroyed."""
+    """SIGKILL this worker's agent and zygote (its parent, when that is not the agent), then itself. First a line
+    ``XW_KILL t=<time>``: the bench reads how much of the step in flight the kill destroyed.
+
+    The agent first: the zygote's death kills this worker (its parent-death signal), perhaps before its next call,
+    and the agent would live on (it did, on a loaded box). Under another launcher, only this worker dies."""
     print(f"XW_KILL t={time.time():.3f}", flush=True)
-    parents = [os.getppid(), _parent_of(os.getppid())]
-    for pid in [p for p in parents if _is_elastrain(p)] + [os.getpid()]:
-        os.kill(pid, signal.SIGKILL)
+    agent, parent = _agent(), os.getppid()
+    zygote = parent != agent and _parent_of(parent) == agent
+    node = [] if agent is None else [agent, parent] if zygote else [agent]
+    for pid in [*node, os.getpid()]:
+        with contextlib.suppress(ProcessLookupError):  # the zygote, already gone with the agent
+            os.kill(pid, signal.SIGKILL)
 
 
 def term_own_agent() -> None:
-    """SIGTERM this worker's agent (its nearest elastrain ancestor that is not the zygote): the node is asked to
-    leave, as a spot VM's notice or a pod's deletion asks it."""
-    for pid in (os.getppid(), _parent_of(os.getppid())):
-        if _is_elastrain(pid) and b"zygote" not in _cmdline(pid):
-            os.kill(pid, signal.SIGTERM)
-            return
-    raise RuntimeError("no elastrain agent among this worker's two nearest ancestors")
+    """SIGTERM this worker's agent: the node is asked to leave, as a spot VM's notice or a pod's deletion asks it."""
+    agent = _agent()
+    if agent is None:
+        raise RuntimeError("no elastrain agent: ELASTRAIN_AGENT_PID is not in this worker's environment")
+    os.kill(agent, signal.SIGTERM)

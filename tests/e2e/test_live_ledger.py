@@ -83,7 +83,8 @@ def test_a_node_asked_to_leave_while_a_step_is_saved_leaves_at_the_next_step_bou
     assert regroups and regroups[-1]["step"] == str(term + 1), detail
     steps = ledger_steps(run.out / "ledger.jsonl")
     assert sorted(steps.ids) == list(range(1, max_steps + 1)), detail
-    assert all(steps.worlds[s] == {2} for s in range(term - 3, term + 2)), steps.worlds
+    # b's worker SIGTERMs its agent at a save step it trains in a world of two (however late b joined on a busy box).
+    assert all(steps.worlds[s] == {2} for s in range(term, term + 2)), steps.worlds
     assert all(steps.worlds[s] == {1} for s in range(term + 2, max_steps + 1)), steps.worlds
     assert_each_sample_once_per_epoch(steps)
 
