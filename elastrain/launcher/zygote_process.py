@@ -110,6 +110,10 @@ def _preload(fd: int, preload: Sequence[str], extra: Sequence[str], may_restart:
     # torch.cuda.is_available() asks NVML instead of initialising the CUDA driver (which a forked child
     # could not use): libraries that call it at import stay preloadable. Workers get their own environment.
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    # pyarrow (under datasets, so under every Hugging Face example) starts its bundled jemalloc's background thread as
+    # it loads, which a forked worker would not have: the zygote then preloaded neither datasets nor anything after it
+    # (transformers), and restarted. Arrow's default pool is mimalloc; its jemalloc purges inline instead.
+    os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
     for name in preload:
         importlib.import_module(name)
     done: list[str] = []

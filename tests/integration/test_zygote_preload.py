@@ -97,3 +97,13 @@ def test_a_module_that_starts_a_thread_at_import_is_not_preloaded(tmp_path: Path
     (ready,) = _events(out, "zygote_ready")  # from the restarted zygote
     assert ready["preloaded"].split(",") == ["os", "zyg_marker_mod"], out
     assert report == {"found": "zyg_marker_mod", "marker_from_zygote": "True"}, out
+
+
+def test_datasets_and_transformers_are_preloaded(tmp_path: Path) -> None:
+    """The imports of every Hugging Face example: pyarrow's jemalloc starts a thread as it loads, unless told not to
+    (the zygote does): the zygote preloads datasets and what comes after it, and does not restart."""
+    code, out, _ = _job(tmp_path, ["import datasets", "import transformers", "import zyg_after_mod"])
+    assert code == 0, out
+    assert not _events(out, "zygote_preload_unsafe"), out
+    (ready,) = _events(out, "zygote_ready")
+    assert ready["preloaded"].split(",") == ["os", "zyg_marker_mod", "datasets", "transformers", "zyg_after_mod"], out
