@@ -39,6 +39,7 @@ import time
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
+from elastrain import pids
 from elastrain.control.save import ControlChannel, SaveCause
 from elastrain.env import AGENT_PID, CONTROL_DIR
 from elastrain.log import lifecycle
@@ -94,16 +95,6 @@ def _one_thread() -> bool:
         return threading.active_count() == 1
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class _Deferral:
     def __init__(self, agent_pid: int, control: Path, worker_pid: int) -> None:
         self.agent_pid, self.control, self.worker_pid = agent_pid, control, worker_pid
@@ -122,7 +113,7 @@ class _Deferral:
             info = signal.sigwaitinfo(_SIGTERM)
             sender = info.si_pid
             own = (self.agent_pid, os.getppid(), self.worker_pid)
-            if verdict(sender, own, deferred, _alive(self.agent_pid)) is Verdict.END:
+            if verdict(sender, own, deferred, pids.alive(self.agent_pid)) is Verdict.END:
                 return self._hand_over()
             deferred = True
             if self._is_worker():  # one line per worker, not one per DataLoader worker

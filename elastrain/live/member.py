@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
-from elastrain import fence
+from elastrain import fence, pids
 from elastrain.control import RegroupChannel, RegroupNotice
 from elastrain.env import (
     AGENT_PID,
@@ -41,16 +41,6 @@ READY_LIMIT_S = 60.0
 
 class LiveError(ElastrainError):
     """A live worker cannot go on (its agent is gone before giving it a round)."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _without(environ: Mapping[str, str], names: set[str]) -> dict[str, str]:
@@ -135,7 +125,7 @@ class LiveMember:
             "worker_warm", local_rank=self.env.local_rank, why="built before its node joined: waiting for a round"
         )
         while (notice := self.channel.wait_newer(self.round, poll_s)) is None:
-            if agent and not _alive(agent):
+            if agent and not pids.alive(agent):
                 raise LiveError(f"the agent (pid {agent}) ended before this warm worker was given a round")
         self._adopt(notice)
         lifecycle("worker_warm_joined", round=notice.round, waited_s=round(time.monotonic() - started, 3))
