@@ -44,6 +44,8 @@ REGROUP_TIMEOUT = "ELASTRAIN_REGROUP_TIMEOUT"
 WARM = "ELASTRAIN_WARM"
 # Set by elastrain's own launcher only: a worker that sees it knows an elastrain agent supervises it.
 AGENT_PID = "ELASTRAIN_AGENT_PID"
+# Set by a worker, for the processes it starts: its own pid (elastrain.control.worker_sigterm).
+SIGTERM_WORKER_PID = "ELASTRAIN_SIGTERM_WORKER_PID"
 # Read by the launcher, never set by it: a file holding the job's rendezvous secret (as --rdzv-conf secret_file).
 RDZV_SECRET_FILE = "ELASTRAIN_RDZV_SECRET_FILE"
 # --trainer-integration: "1" makes the workers' bootstrap (elastrain/launcher/bootstrap) patch the HF Trainer.
@@ -68,6 +70,7 @@ ALL_VARIABLES: tuple[str, ...] = (
     LIVE,
     REGROUP_TIMEOUT,
     AGENT_PID,
+    SIGTERM_WORKER_PID,
     TRAINER_INTEGRATION,
 )
 

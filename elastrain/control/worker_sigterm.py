@@ -41,14 +41,12 @@ from pathlib import Path
 
 from elastrain import pids
 from elastrain.control.save import ControlChannel, SaveCause
-from elastrain.env import AGENT_PID, CONTROL_DIR
+from elastrain.env import AGENT_PID, CONTROL_DIR, SIGTERM_WORKER_PID
 from elastrain.log import lifecycle
 
 GRACE_S = 2.0
 """How long a worker waits for its agent's leave after a SIGTERM before it takes the signal as its own."""
 
-_WORKER_PID = "ELASTRAIN_SIGTERM_WORKER_PID"
-"""The worker's pid, for the programs it starts: they log nothing of their own SIGTERM (the worker does)."""
 _POLL_S = 0.05
 _SIGTERM = {signal.SIGTERM}
 
@@ -75,17 +73,24 @@ def verdict(sender: int, own: Collection[int], deferred: bool, agent_alive: bool
 def install(environ: Mapping[str, str]) -> bool:
     """Take SIGTERM as the module says in this process; ``False`` (nothing changed) outside ``elastrain-run`` or
     when the process already runs other threads (they would take the signal with the disposition they have)."""
+    global _taken_in
+    if _taken_in == os.getpid():
+        return True  # already (the bootstrap, then the script)
     agent, control = environ.get(AGENT_PID), environ.get(CONTROL_DIR)
     if not agent or not control or not agent.isdigit() or not _one_thread():
         return False
-    owner = environ.get(_WORKER_PID, "")
-    if not owner.isdigit():  # the worker itself: the processes it starts inherit its pid
-        owner = os.environ[_WORKER_PID] = str(os.getpid())
+    owner = environ.get(SIGTERM_WORKER_PID, "")
+    if not owner.isdigit():  # the worker itself; the programs it starts inherit its pid, and log nothing of their own
+        owner = os.environ[SIGTERM_WORKER_PID] = str(os.getpid())
     deferral = _Deferral(int(agent), Path(control), int(owner))
     signal.pthread_sigmask(signal.SIG_BLOCK, _SIGTERM)
     deferral.start()
     os.register_at_fork(after_in_child=deferral.in_forked_child)
     return True
+
+
+_taken_in: int | None = None
+"""The process whose SIGTERM a thread of this module takes (a forked child's own, once its fork hook ran)."""
 
 
 def _one_thread() -> bool:
@@ -100,7 +105,9 @@ class _Deferral:
         self.agent_pid, self.control, self.worker_pid = agent_pid, control, worker_pid
 
     def start(self) -> None:
+        global _taken_in
         threading.Thread(target=self._take, name="elastrain-sigterm", daemon=True).start()
+        _taken_in = os.getpid()
 
     def in_forked_child(self) -> None:
         """After ``os.fork`` (a DataLoader's worker): the mask is inherited, the thread is not."""

@@ -27,7 +27,7 @@ from elastrain.control.worker_sigterm import GRACE_S
 # The main thread stays in C (libc's sleep, the GIL released), as one blocked in a collective with a lost peer
 # does: nothing of Python's runs on it.
 WORKER = """
-import ctypes, os, signal, sys, time
+import ctypes, os, signal, sys, threading, time
 from elastrain.control.worker_sigterm import install
 from elastrain.log import configure
 configure()
@@ -36,7 +36,8 @@ if sys.argv[1] == "own-handler":
         print("HANDLED", flush=True)
         os._exit(3)
     signal.signal(signal.SIGTERM, on_term)
-assert install(os.environ)
+assert install(os.environ) and install(os.environ)  # the bootstrap's, then the script's: one thread
+assert [t.name for t in threading.enumerate()].count("elastrain-sigterm") == 1
 if sys.argv[1] == "forks":
     child = os.fork()
     if child == 0:

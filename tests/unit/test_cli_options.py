@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,16 @@ from elastrain.launcher.options import (
 )
 
 SCRIPT = str(Path(__file__))
+
+
+@pytest.fixture(autouse=True)
+def _environ_kept() -> Iterator[None]:
+    """``cli.main`` prepares the workers' environment in this process's (the bootstrap on ``PYTHONPATH``) before it
+    refuses some input: every process a later test of this worker starts would run the bootstrap."""
+    kept = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(kept)
 
 
 def parse(argv: list[str], environ: dict[str, str] | None = None) -> argparse.Namespace:
