@@ -72,6 +72,10 @@ class Ledger:
     def world_now(self) -> int:
         return max(self.rows, key=lambda r: r["t"])["world"] if self.rows else 0
 
+    def round_now(self) -> int:
+        """The round (``ELASTRAIN_ROUND``) of the newest step: a restart or a regroup starts another."""
+        return max(self.rows, key=lambda r: r["t"])["round"] if self.rows else -1
+
     def steps(self) -> dict[int, list[int]]:
         """Each step's samples, as trained by the last world that computed it (all its ranks)."""
         return {s: sorted(i for r in w[-1] for i in r["ids"]) for s, w in self._worlds().items()}

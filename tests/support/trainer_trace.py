@@ -141,7 +141,8 @@ def dpo(assets: Path, max_steps: int = 200) -> Workload:
 @dataclass(frozen=True)
 class Event:
     """At step ``at`` (once the job trains ``world`` ranks), do ``action`` to node ``node``. ``wait`` does nothing
-    but waits until the job trains ``world`` ranks again, after some step trained another number."""
+    but waits until the job trains ``world`` ranks again, after some step trained another number or in another
+    round."""
 
     action: str  # "kill" (SIGKILL the node: agent and workers), "crash" (SIGKILL its workers only), "term" (SIGTERM
     # its agent), "term-node" (SIGTERM every process of the node, as a VM's or Slurm's shutdown), "start", "wait"
@@ -271,10 +272,13 @@ def trace(
         for ev in events:
             deadline = time.monotonic() + timeout
             changed = ev.action != "wait"
+            round_before = Ledger.read(out / "ledger").round_now()
             while True:
                 ledger = Ledger.read(out / "ledger")
                 now = ledger.world_now()
-                changed = changed or (ev.world is not None and now != ev.world)
+                # Another world trained since the event began: of another size, or the same size in a new round
+                # (a restart that the returning node joined before a step trained without it).
+                changed = changed or (ev.world is not None and now != ev.world) or ledger.round_now() != round_before
                 if ledger.last_step() >= ev.at and changed and (ev.world is None or now == ev.world):
                     pace_file.write_text(f"{pace[0]:g}")
                     break
