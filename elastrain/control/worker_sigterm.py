@@ -70,6 +70,10 @@ def verdict(sender: int, own: Collection[int], deferred: bool, agent_alive: bool
     return Verdict.DEFER
 
 
+_taken_in: int | None = None
+"""The process whose SIGTERM a thread of this module takes (a forked child's own, once its fork hook ran)."""
+
+
 def install(environ: Mapping[str, str]) -> bool:
     """Take SIGTERM as the module says in this process; ``False`` (nothing changed) outside ``elastrain-run`` or
     when the process already runs other threads (they would take the signal with the disposition they have)."""
@@ -87,10 +91,6 @@ def install(environ: Mapping[str, str]) -> bool:
     deferral.start()
     os.register_at_fork(after_in_child=deferral.in_forked_child)
     return True
-
-
-_taken_in: int | None = None
-"""The process whose SIGTERM a thread of this module takes (a forked child's own, once its fork hook ran)."""
 
 
 def _one_thread() -> bool:
@@ -125,7 +125,11 @@ class _Deferral:
             deferred = True
             if self._is_worker():  # one line per worker, not one per DataLoader worker
                 lifecycle("worker_sigterm_deferred", sender=sender, agent_pid=self.agent_pid, grace_s=GRACE_S)
-            outcome = self._leave_within(GRACE_S)
+            try:
+                outcome = self._leave_within(GRACE_S)
+            except OSError as exc:  # the control directory is gone: no leave can be read, the signal is ours
+                lifecycle("worker_sigterm_unread", level=logging.WARNING, error=repr(exc)[:200])
+                return self._hand_over()
             if outcome is _Grace.LEAVE:
                 continue  # the agent asked for the checkpoint: its SIGTERM, or a second one, ends this process
             if outcome is _Grace.EXPIRED and self._is_worker():
