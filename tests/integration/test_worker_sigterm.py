@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from support.processes import events_in, worker_env
+from support.processes import alive, events_in, wait_for, worker_env
 
 from elastrain import env as env_vars
 from elastrain.control import ControlChannel, SaveCause
@@ -158,19 +158,8 @@ def test_a_process_the_worker_forks_defers_the_nodes_sigterm_and_ends_on_its_par
         ControlChannel(tmp_path / "control").request_save(SaveCause.LEAVE, "SIGTERM")
         from_the_node(child)
         time.sleep(GRACE_S + 1.0)
-        assert _alive(child)  # a DataLoader's worker goes on loading for the step the agent asked to save
+        assert alive([child])  # a DataLoader's worker goes on loading for the step the agent asked to save
         os.kill(proc.pid, signal.SIGKILL)  # the worker dies alone: its child is reparented, still deferring
         proc.wait(timeout=30)
         os.kill(child, signal.SIGTERM)  # not from its parent now, but a second SIGTERM: it ends
-        deadline = time.monotonic() + 30
-        while _alive(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(child)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+        wait_for(lambda: not alive([child]), timeout=30, what="the forked child's end")
