@@ -42,6 +42,9 @@ REGROUP_TIMEOUT = "ELASTRAIN_REGROUP_TIMEOUT"
 # --live: the worker was started *warm*, before its node joined a round; it has no rank until the agent's
 # first regroup notice (a Session waits for it; see elastrain.live.member).
 WARM = "ELASTRAIN_WARM"
+# --live: "1" when the worker's round is the job's first, whose every member runs its script from the top (a warm
+# worker: its agent saw no round formed when it started it; its first notice says). See TrainerMembership.
+FIRST_ROUND = "ELASTRAIN_FIRST_ROUND"
 # Set by elastrain's own launcher only: a worker that sees it knows an elastrain agent supervises it.
 AGENT_PID = "ELASTRAIN_AGENT_PID"
 # Set by a worker, for the processes it starts: its own pid (elastrain.control.worker_sigterm).
@@ -69,6 +72,7 @@ ALL_VARIABLES: tuple[str, ...] = (
     ZYGOTE,
     LIVE,
     REGROUP_TIMEOUT,
+    FIRST_ROUND,
     AGENT_PID,
     SIGTERM_WORKER_PID,
     TRAINER_INTEGRATION,
@@ -125,6 +129,8 @@ class LaunchContext:
     io_timeout_s: float | None = None
     live: bool = False
     regroup_timeout_s: float | None = None
+    first_round: bool = False
+    """The job's first round: every member of it starts its script from the top (see :data:`FIRST_ROUND`)."""
 
 
 def to_environ(ctx: LaunchContext) -> dict[str, str]:
@@ -155,6 +161,8 @@ def to_environ(ctx: LaunchContext) -> dict[str, str]:
         out[LIVE] = "1"
     if ctx.regroup_timeout_s is not None:
         out[REGROUP_TIMEOUT] = repr(float(ctx.regroup_timeout_s))
+    if ctx.first_round:
+        out[FIRST_ROUND] = "1"
     return out
 
 
@@ -239,6 +247,9 @@ class WorkerEnv:
     # --live: started before its node joined a round; rank, world size and MASTER_* come with the first
     # regroup notice (the values above are placeholders until a Session has started).
     warm: bool = False
+    # --live: this worker's round is the job's first, whose every member runs its script from the top (a warm
+    # worker: its agent saw no round formed yet; the first regroup notice says for sure).
+    first_round: bool = False
 
     @property
     def is_restart(self) -> bool:
@@ -290,4 +301,5 @@ class WorkerEnv:
             live=e.get(LIVE, "") == "1",
             regroup_timeout_s=_float(e, REGROUP_TIMEOUT) if regroup_timeout else DEFAULT_REGROUP_TIMEOUT_S,
             warm=e.get(WARM, "") == "1",
+            first_round=e.get(FIRST_ROUND, "") == "1",
         )

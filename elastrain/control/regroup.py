@@ -20,6 +20,7 @@ _LIVE = "live-{local_rank}.json"
 _BROKEN = "broken-{local_rank}.json"
 _WARM = "warm-{local_rank}.json"
 _FINISHING = "finishing-{local_rank}.json"
+_JOB_FORMED = "job-formed.json"
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class RegroupNotice:
     superseded: bool = False
     """This node's last round was superseded or it was evicted (cut off, then back): the job trained on
     without it, so its workers drop their state and receive the world's (:mod:`elastrain.live.agreement`)."""
+    first_round: bool = False
+    """The job's first round: every member of it starts its script from the top (no member trains yet)."""
 
     def to_json(self) -> dict[str, object]:
         out = dict(self.__dict__)
@@ -75,6 +78,7 @@ class RegroupNotice:
             announced_at=f.number("announced_at"),
             no_departure=f.flag("no_departure", default=False),
             superseded=f.flag("superseded", default=False),
+            first_round=f.flag("first_round", default=False),
         )
 
 
@@ -84,6 +88,10 @@ def _round(f: Fields) -> int:
 
 def _local_rank_and_pid(f: Fields) -> tuple[int, int]:
     return f.integer("local_rank"), f.integer("pid")
+
+
+def _warm(f: Fields) -> tuple[int, int, bool]:
+    return f.integer("local_rank"), f.integer("pid"), f.flag("deciding", default=False)
 
 
 class RegroupChannel:
@@ -141,9 +149,20 @@ class RegroupChannel:
         """The workers that said they can regroup in place: local rank -> pid."""
         return self._pids(_LIVE)
 
-    def warm_pids(self) -> dict[int, int]:
-        """The warm workers that wait for their first round (:meth:`announce_warm`): local rank -> pid."""
-        return self._pids(_WARM)
+    def warm_pids(self, deciding: bool | None = None) -> dict[int, int]:
+        """The warm workers that wait for their first round (:meth:`announce_warm`): local rank -> pid. ``deciding``:
+        only those that wait to know whether their node founds the job (True), or only the others (False)."""
+        out: dict[int, int] = {}
+        for path in self.directory.glob(_WARM.format(local_rank="*")):
+            found = self._reader.read(path, _warm)
+            if found is not None and (deciding is None or found[2] is deciding):
+                out[found[0]] = found[1]
+        return out
+
+    def announce_job_formed(self) -> None:
+        """The job formed a round without this node (before it joined one): the workers that wait to know whether
+        their node founds the job (:meth:`announce_warm` ``deciding``) do not."""
+        write_atomic(self.directory / _JOB_FORMED, {"at": time.time()})
 
     def finishing_pids(self) -> dict[int, int]:
         """The workers whose training is over and that are closing (:meth:`announce_finishing`)."""
@@ -161,9 +180,20 @@ class RegroupChannel:
     def announce_live(self, local_rank: int, pid: int) -> None:
         self._announce(_LIVE, local_rank, pid)
 
-    def announce_warm(self, local_rank: int, pid: int) -> None:
-        """A warm worker is built (imports, model, data) and waits for its first notice: its node may join."""
-        self._announce(_WARM, local_rank, pid)
+    def announce_warm(self, local_rank: int, pid: int, deciding: bool = False) -> None:
+        """A warm worker is built (imports, model, data) and waits for its first notice: its node may join.
+        ``deciding``: it waits to know whether its node founds the job (its first notice says so), unless the agent
+        says first that the job formed without it (:meth:`job_formed`)."""
+        path = self.directory / _WARM.format(local_rank=local_rank)
+        write_atomic(path, {"local_rank": local_rank, "pid": pid, "deciding": deciding})
+
+    def withdraw_warm(self, local_rank: int) -> None:
+        """A deciding warm worker that learnt that the job formed without its node: not waiting any more."""
+        (self.directory / _WARM.format(local_rank=local_rank)).unlink(missing_ok=True)
+
+    def job_formed(self) -> bool:
+        """Whether the agent said that the job formed a round without this node (:meth:`announce_job_formed`)."""
+        return (self.directory / _JOB_FORMED).exists()
 
     def announce_finishing(self, local_rank: int, pid: int) -> None:
         """The worker's training is over (its last save and exit follow): it answers no save request or

@@ -201,7 +201,7 @@ class ElastrainAgent(LocalElasticAgent):
         round_ = known if known is not None else self._rounds_seen  # job-wide where the handler knows it
         self._rounds_seen += 1
         self._context = self._contexts.for_round(
-            round_, failures, reason, self._previous_world_size, self._membership.generation
+            round_, failures, reason, self._previous_world_size, self._membership.generation, first_round=known == 0
         )
         old = self._previous_world_size
         lifecycle(
@@ -221,7 +221,7 @@ class ElastrainAgent(LocalElasticAgent):
     def _set_local_rank_env(self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec) -> None:
         super()._set_local_rank_env(worker_env, local_rank, spec)
         if self.phase is Phase.WARMING:
-            tell_warm(worker_env, self._contexts.warm())
+            tell_warm(worker_env, self._contexts.warm(job_forming=self._live.job_forming))
         elif self._context is not None:
             worker_env.update(to_environ(self._context))
             # One restart count for the whole job, the same on every node (torch's counts local failures).

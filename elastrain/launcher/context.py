@@ -27,14 +27,19 @@ class ContextBuilder:
         start_reason: StartReason,
         previous_world_size: int | None,
         generation: int | None,
+        first_round: bool,
     ) -> LaunchContext:
-        """The context of a start into round ``round_`` (its restart count is the round: the same on every node)."""
+        """The context of a start into round ``round_`` (its restart count is the round: the same on every node);
+        ``first_round``: it is the job's first (known job-wide), whose every member starts from the top."""
         live = self._options.live
-        return self._build(round_, round_, failure_count, start_reason, previous_world_size, generation, live)
+        return self._build(
+            round_, round_, failure_count, start_reason, previous_world_size, generation, live, first_round
+        )
 
-    def warm(self) -> LaunchContext:
-        """What a warm worker is told before it has a round: everything but its place in one."""
-        return self._build(-1, 0, 0, StartReason.FIRST_START, None, None, live=True)
+    def warm(self, job_forming: bool) -> LaunchContext:
+        """What a warm worker is told before it has a round: everything but its place in one. ``job_forming``: no
+        round had formed when its agent started it (its first notice says whether it is in the job's first)."""
+        return self._build(-1, 0, 0, StartReason.FIRST_START, None, None, live=True, first_round=job_forming)
 
     def _build(
         self,
@@ -45,6 +50,7 @@ class ContextBuilder:
         previous_world_size: int | None,
         generation: int | None,
         live: bool,
+        first_round: bool,
     ) -> LaunchContext:
         opts = self._options
         return LaunchContext(
@@ -61,4 +67,5 @@ class ContextBuilder:
             generation=generation,
             live=live,
             regroup_timeout_s=regroup_timeout_s(opts) if live else None,
+            first_round=live and first_round,
         )

@@ -113,6 +113,8 @@ class LiveCoordination:
         self._options = options
         # The first workers start before the rendezvous (see start_warm): scripts that wait for their round only.
         self.warm_start = warm_start
+        self.job_forming = False
+        """Whether no round had formed when the warm workers started (they may found the job: see FIRST_ROUND)."""
         self._deferred_since: float | None = None  # when a membership change began to wait for closing workers
         self._probed_round: int | None = None  # the last broken round whose peers were probed
 
@@ -192,6 +194,7 @@ class LiveCoordination:
             no_departure=self._membership.kept_every_member,
             # Left behind: told while running (this round superseded, evicted) or found in forming the new round.
             superseded=host.phase is Phase.LEFT_BEHIND or self._membership.left_behind,
+            first_round=ctx.first_round,
         )
         if host.phase is Phase.LEFT_BEHIND:
             host.phase = Phase.RUNNING  # dealt with: the notice says so
@@ -256,6 +259,9 @@ class LiveCoordination:
         host = self._host
         if worker_group.store is None:
             worker_group.store = HashStore()  # type: ignore[assignment]  # torch requires one; warm workers get none
+        self.job_forming = self._membership.job_formed() is False
+        if self.job_forming:  # its workers that wait to know whether this node founds the job are told if not
+            self._membership.on_formed_without_this_node(self._regroup.announce_job_formed)
         host.phase = Phase.WARMING
         try:
             host.start_workers_tracked(worker_group)
@@ -263,10 +269,25 @@ class LiveCoordination:
             if host.phase is Phase.WARMING:
                 host.phase = Phase.IDLE
         host.phase = host.phase.stopped()  # not training yet: a leave now has no checkpoint to ask for
-        local_ranks = {w.local_rank for w in worker_group.workers}
         started = time.monotonic()
-        lifecycle("workers_warming", workers=len(local_ranks), up_to_s=WARM_START_LIMIT_S)
-        while not local_ranks <= set(self._regroup.warm_pids()):
+        lifecycle("workers_warming", workers=len(worker_group.workers), up_to_s=WARM_START_LIMIT_S)
+        if not self._await_warm(worker_group, started, deciding=None):
+            return False
+        if self.job_forming and self._regroup.warm_pids(deciding=True) and self._membership.job_formed():
+            # It formed while they were built: they evaluate alone first, then wait for a round where they train.
+            self._regroup.announce_job_formed()
+            lifecycle("job_formed_meanwhile", why="this node joins a job that trains on: its workers are told so")
+            if not self._await_warm(worker_group, started, deciding=False):
+                return False
+        lifecycle("workers_warm", took_s=round(time.monotonic() - started, 3))
+        return True
+
+    def _await_warm(self, worker_group: WorkerGroup, started: float, deciding: bool | None) -> bool:
+        """Wait until every worker waits for its round (``deciding=False``: none of them waiting to know whether
+        this node founds the job). False if one ended first: the workers then start after the rendezvous."""
+        host = self._host
+        local_ranks = {w.local_rank for w in worker_group.workers}
+        while not local_ranks <= set(self._regroup.warm_pids(deciding)):
             host.raise_if_left()
             result = host.poll_workers(worker_group)
             if result.state is not WorkerState.HEALTHY:
@@ -287,5 +308,4 @@ class LiveCoordination:
                 lifecycle("warm_start_slow", level=logging.WARNING, waited_s=WARM_START_LIMIT_S, why="joining now")
                 break
             time.sleep(0.05)
-        lifecycle("workers_warm", took_s=round(time.monotonic() - started, 3))
         return True

@@ -19,6 +19,7 @@ from elastrain import fence, pids
 from elastrain.control import RegroupChannel, RegroupNotice
 from elastrain.env import (
     AGENT_PID,
+    FIRST_ROUND,
     GENERATION,
     PREVIOUS_WORLD_SIZE,
     WARM,
@@ -120,16 +121,41 @@ class LiveMember:
                 why=None if ready else f"not touched within {READY_LIMIT_S:.0f} s: the rest is touched as it arrives",
             )
         self.channel.announce_warm(self.env.local_rank, os.getpid())
-        agent = int(os.environ.get(AGENT_PID, "0") or 0)
         lifecycle(
             "worker_warm", local_rank=self.env.local_rank, why="built before its node joined: waiting for a round"
         )
-        while (notice := self.channel.wait_newer(self.round, poll_s)) is None:
-            if agent and not pids.alive(agent):
-                raise LiveError(f"the agent (pid {agent}) ended before this warm worker was given a round")
+        notice = self._wait_first(poll_s, give_up=None)
+        if notice is None:
+            raise RuntimeError("internal: a warm worker's wait for its round ended without one")
         self._adopt(notice)
         lifecycle("worker_warm_joined", round=notice.round, waited_s=round(time.monotonic() - started, 3))
         return self.env
+
+    def await_first_round(self, poll_s: float = 0.25) -> WorkerEnv | None:
+        """A warm worker whose agent saw no round formed, before it runs something whose every member must run it
+        too (an evaluation): wait for its round (its environment then says whether it is the job's first), or for
+        the agent's word that the job formed without this node (None: the worker stays warm and unannounced)."""
+        started = time.monotonic()
+        self.channel.announce_warm(self.env.local_rank, os.getpid(), deciding=True)
+        notice = self._wait_first(poll_s, give_up=self.channel.job_formed)
+        if notice is None:
+            self.channel.withdraw_warm(self.env.local_rank)
+            lifecycle("worker_not_founding", local_rank=self.env.local_rank, why="the job formed without this node")
+            return None
+        self._adopt(notice)
+        lifecycle("worker_warm_joined", round=notice.round, waited_s=round(time.monotonic() - started, 3))
+        return self.env
+
+    def _wait_first(self, poll_s: float, give_up: Callable[[], bool] | None) -> RegroupNotice | None:
+        """The first notice; None once ``give_up()`` says so. Ends with the agent (it starts this worker the usual
+        way, or stops it, if it gives up on it)."""
+        agent = int(os.environ.get(AGENT_PID, "0") or 0)
+        while (notice := self.channel.wait_newer(self.round, poll_s)) is None:
+            if agent and not pids.alive(agent):
+                raise LiveError(f"the agent (pid {agent}) ended before this warm worker was given a round")
+            if give_up is not None and give_up():
+                return None
+        return notice
 
     def move_to(self, notice: RegroupNotice) -> WorkerEnv:
         """Acknowledge ``notice``, leave the current group, and join the notice's; the new WorkerEnv."""
@@ -165,16 +191,21 @@ class LiveMember:
             io_timeout_s=self.env.io_timeout_s,
             live=True,
             regroup_timeout_s=self.env.regroup_timeout_s,
+            first_round=notice.first_round,
         )
         rank = notice.ranks[self.env.local_rank]
         changed = regrouped_environ(
             ctx, rank, notice.world_size, notice.group_rank, notice.master_addr, notice.master_port
         )
-        unset = {WARM} | {
-            name
-            for name, value in ((GENERATION, notice.generation), (PREVIOUS_WORLD_SIZE, notice.previous_world_size))
-            if value is None
-        }
+        unset = (
+            {WARM}
+            | ({FIRST_ROUND} if not notice.first_round else set())
+            | {
+                name
+                for name, value in ((GENERATION, notice.generation), (PREVIOUS_WORLD_SIZE, notice.previous_world_size))
+                if value is None
+            }
+        )
         # The new round's WorkerEnv is built here and handed on (the session, its checkpointer): no part of
         # elastrain reads it back from the process environment.
         self.env = WorkerEnv.from_environ({**_without(os.environ, unset), **changed})

@@ -10,6 +10,7 @@ agent talks to membership through this Protocol only (never ``getattr`` on the h
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler
@@ -58,6 +59,16 @@ class Membership(Protocol):
     @property
     def fatal_error(self) -> BaseException | None:
         """An error that ends this node (raised by the agent at its next tick), or None."""
+        ...
+
+    def job_formed(self) -> bool | None:
+        """Whether the job has formed a round yet, read now from the shared state (None: it cannot say): before
+        this node's first rendezvous, whether it is about to found the job or to join one that trains on."""
+        ...
+
+    def on_formed_without_this_node(self, callback: Callable[[], None]) -> None:
+        """Have ``callback`` called once (on the thread that forms this node's round) when this node first waits for
+        a round of a job that formed one without it: a spare, or a node that came as the job formed."""
         ...
 
     def membership_change(self) -> Change | None:
@@ -117,6 +128,12 @@ class TorchMembership:
     @property
     def fatal_error(self) -> BaseException | None:
         return None
+
+    def job_formed(self) -> bool | None:
+        return None  # torch's handlers keep no job-wide rounds
+
+    def on_formed_without_this_node(self, callback: Callable[[], None]) -> None:
+        return None  # never called: job_formed() is None, so the agent asks for no such word
 
     def membership_change(self) -> Change | None:
         return None

@@ -253,6 +253,12 @@ class ElastrainRendezvousHandler(RendezvousHandler):
         watch_s = self.membership_grace_s + self._settings.heartbeat_timeout_s
         self._beat.report_failure(self._history.round, echo, watch_s)
 
+    def on_formed_without_this_node(self, callback: Callable[[], None]) -> None:
+        self._rounds.formed_without = callback
+
+    def job_formed(self) -> bool | None:
+        return self._state.job_formed()
+
     def membership_change(self) -> st.Change | None:
         """Why this node's current round is over; the next ``num_nodes_waiting`` answers the same."""
         change = self._change()

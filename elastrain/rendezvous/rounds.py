@@ -80,6 +80,8 @@ class Rounds:
         self._quiet = quiet
         self._on_joined = on_joined
         self._fold_hint = False
+        self.formed_without: Callable[[], None] | None = None
+        """Called once, the first time this node waits for a round of a job that formed one without it."""
         self._scale_up_seen: tuple[tuple[str, ...], float] | None = None
 
     def form(self, info: st.NodeInfo, deadline: float) -> st.RendezvousState:
@@ -114,7 +116,11 @@ class Rounds:
                 raise Superseded(state.superseded_by)
             if self._node_id in state.joining or self._waits_by_key(state):
                 target = state.round + 1
+                if state.round >= 0 and self.formed_without is not None:
+                    told, self.formed_without = self.formed_without, None
+                    told()
             elif self._node_id in state.members and state.round >= target:
+                self.formed_without = None  # it is a member: the job did not form without it
                 return state
             else:
                 # Evicted while waiting (we were frozen), dropped from the state, or our key was written on a

@@ -17,7 +17,7 @@ from typing import TypeVar
 from torch._C._distributed_c10d import Store
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import Token
 
-from elastrain.errors import RendezvousStateCorruptError, RendezvousStoreLostError
+from elastrain.errors import RendezvousError, RendezvousStateCorruptError, RendezvousStoreLostError
 from elastrain.log import lifecycle
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous import trust
@@ -116,6 +116,16 @@ class StateStore:
             return self.conn.cached
         return self.read_cached()
 
+    def job_formed(self) -> bool | None:
+        """Whether the job has completed a round, read now and written nowhere (no key of this node's made: it may
+        not join for a while); None, logged, when the store cannot say now."""
+        try:
+            state, _, _ = self._decode(self._get())
+        except (RendezvousError, *STORE_ERRORS) as exc:
+            lifecycle("rendezvous_state_unread", level=logging.WARNING, error=repr(exc)[:200], why="job_formed")
+            return None
+        return state.round >= 0
+
     def read_cached(self) -> st.RendezvousState:
         """The state, read again only when its version counter moved (or after a store switch)."""
 
@@ -133,16 +143,18 @@ class StateStore:
         return self.conn.cached
 
     def read(self) -> st.RendezvousState:
-        def once() -> tuple[bytes, Token] | trust.Unreadable | None:
-            with self.conn.lock:
-                return self.call(lambda: trust.or_unreadable(self.conn.backend.get_state))
-
-        got = self.conn.retrying(once)
-        state, _, ignored = self._decode(got)
+        state, _, ignored = self._decode(self._get())
         if ignored:
             state = self.update(lambda cur: None)  # write the stand-in back over what was ignored
         self.conn.cached = state
         return state
+
+    def _get(self) -> tuple[bytes, Token] | trust.Unreadable | None:
+        def once() -> tuple[bytes, Token] | trust.Unreadable | None:
+            with self.conn.lock:
+                return self.call(lambda: trust.or_unreadable(self.conn.backend.get_state))
+
+        return self.conn.retrying(once)
 
     def _decode(
         self, got: tuple[bytes, Token] | trust.Unreadable | None

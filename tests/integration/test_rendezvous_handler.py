@@ -110,12 +110,18 @@ def test_a_node_beyond_max_is_a_spare_and_takes_a_departed_members_place() -> No
     a, b, c = make_nodes(3)
     for h in (a, b, c):
         h._params.max_nodes = 2  # type: ignore[misc]
+    told: list[str] = []
     try:
+        assert c.job_formed() is False  # before any round: c may found the job
+        for h in (a, b, c):
+            h.on_formed_without_this_node(lambda h=h: told.append(h.node_id))  # type: ignore[misc]
         rendezvous_all([a, b])
+        assert c.job_formed() is True and not told
         got: list[RendezvousInfo] = []
         spare = threading.Thread(target=lambda: got.append(c.next_rendezvous()))
         spare.start()
         eventually(lambda: c.node_id in a._read().joining)
+        assert told == [c.node_id]  # the spare, once, as it waits: its warm workers are told
         time.sleep(0.5)  # past the scale-up window: a full round does not restart for a spare
         assert a.membership_change() is None and a.num_nodes_waiting() == 0
         assert b.membership_change() is None

@@ -69,12 +69,16 @@ def test_new_workers_start_with_no_change_at_hand() -> None:
 def test_one_builder_for_a_round_and_for_a_warm_start() -> None:
     options = ElastrainOptions(checkpoint_dir="/ckpt", live=True)
     builder = ContextBuilder(options, "job", "/control")
-    ctx = builder.for_round(4, 1, StartReason.SCALE_UP, 2, 7)
+    ctx = builder.for_round(4, 1, StartReason.SCALE_UP, 2, 7, first_round=False)
     assert (ctx.run_id, ctx.round, ctx.restart_count, ctx.failure_count) == ("job", 4, 4, 1)
     assert (ctx.start_reason, ctx.previous_world_size, ctx.generation) == (StartReason.SCALE_UP, 2, 7)
     assert (ctx.checkpoint_dir, ctx.control_dir, ctx.live) == ("/ckpt", "/control", True)
     assert ctx.regroup_timeout_s == regroup_timeout_s(options)
-    warm = builder.warm()
+    assert not ctx.first_round
+    assert builder.for_round(0, 0, StartReason.FIRST_START, None, 1, first_round=True).first_round
+    assert builder.warm(job_forming=True).first_round
+    warm = builder.warm(job_forming=False)
+    assert not warm.first_round
     assert (warm.round, warm.restart_count, warm.failure_count, warm.generation) == (-1, 0, 0, None)
     assert (warm.start_reason, warm.live, warm.regroup_timeout_s) == (
         StartReason.FIRST_START,
@@ -82,6 +86,7 @@ def test_one_builder_for_a_round_and_for_a_warm_start() -> None:
         ctx.regroup_timeout_s,
     )
     restart = ContextBuilder(ElastrainOptions(live=False), "job", "/control").for_round(
-        0, 0, StartReason.FIRST_START, None, None
+        0, 0, StartReason.FIRST_START, None, None, first_round=True
     )
     assert (restart.live, restart.regroup_timeout_s, restart.checkpoint_dir) == (False, None, None)
+    assert not restart.first_round  # a worker that restarts at every change joins where it sets up

@@ -140,6 +140,33 @@ def test_a_notice_says_whether_the_round_kept_every_member_and_older_notices_rea
     assert not RegroupNotice.from_json(raw).no_departure
 
 
+def test_a_notice_says_whether_its_round_is_the_jobs_first_and_older_notices_read_as_not(tmp_path: Path) -> None:
+    agent, worker = RegroupChannel(tmp_path), RegroupChannel(tmp_path)
+    agent.announce(_notice(round_=0, first_round=True))
+    seen = worker.notice()
+    assert seen is not None and seen.first_round
+    raw = json.loads((tmp_path / "regroup.json").read_text())
+    del raw["first_round"]  # written by an agent of before the field
+    assert not RegroupNotice.from_json(raw).first_round
+
+
+def test_warm_workers_that_wait_to_know_whether_their_node_founds_the_job_are_told_when_it_does_not(
+    tmp_path: Path,
+) -> None:
+    agent, worker = RegroupChannel(tmp_path), RegroupChannel(tmp_path)
+    worker.announce_warm(0, 111, deciding=True)
+    worker.announce_warm(1, 222)
+    assert agent.warm_pids() == {0: 111, 1: 222}
+    assert agent.warm_pids(deciding=True) == {0: 111} and agent.warm_pids(deciding=False) == {1: 222}
+    assert not worker.job_formed()
+    agent.announce_job_formed()
+    assert worker.job_formed()
+    worker.withdraw_warm(0)  # it evaluates alone, then waits for its round where it trains
+    assert agent.warm_pids() == {1: 222}
+    worker.announce_warm(0, 111)
+    assert agent.warm_pids(deciding=False) == {0: 111, 1: 222}
+
+
 def test_a_finishing_worker_and_its_broken_collectives_are_seen_by_the_agent(tmp_path: Path) -> None:
     agent, worker = RegroupChannel(tmp_path), RegroupChannel(tmp_path)
     worker.announce_finishing(0, 111)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,13 @@ def test_round_trip_through_environment() -> None:
     assert (got.checkpoint_dir, got.control_dir, got.collective_timeout_s) == ("/ckpt", "/ctl", 12.5)
     assert got.io_timeout_s == 900.0
     assert got.under_elastrain
+    assert not got.first_round
+
+
+def test_the_jobs_first_round_is_told_only_when_it_is_one() -> None:
+    ctx = LaunchContext("job", 0, 0, StartReason.FIRST_START, None, 0, live=True, first_round=True)
+    assert WorkerEnv.from_environ({**TORCH_VARS, **to_environ(ctx)}).first_round
+    assert not WorkerEnv.from_environ({**TORCH_VARS, **to_environ(replace(ctx, first_round=False))}).first_round
 
 
 def test_without_a_launcher_is_a_single_process_world() -> None:

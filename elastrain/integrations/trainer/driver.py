@@ -189,6 +189,12 @@ class ElasticTrainer:
         finally:
             args.eval_on_start = eval_on_start
 
+    def before_evaluation(self, loop: str) -> None:
+        """``evaluate()`` or ``predict()`` (``loop``): before the first ``train()``, in the job's first round, the
+        worker joins its round (:meth:`~elastrain.integrations.trainer.world.TrainerWorld.before_loop`)."""
+        if self.world is not None and (env := self.world.before_loop(loop)) is not None:
+            self.env = env
+
     def _asked_checkpoint(self, asked: Any) -> str | None:
         """The checkpoint the script asked for, or the newest committed one; never an uncommitted folder."""
         choice = choose(asked, self.checkpoints.root)

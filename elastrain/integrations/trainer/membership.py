@@ -11,7 +11,9 @@ joined a round, so that the imports, the model and the data are ready when the n
 yet and waits there for the agent's first notice. A *cold* one (a worker restarted into a round whose other
 members train on in place) would otherwise meet them in its script's own setup collectives
 (``main_process_first``'s barriers around the dataset map), which they never run; instead they wait for it
-in the round's group join, bounded by the regroup timeout (which allows for a cold start).
+in the round's group join, bounded by the regroup timeout (which allows for a cold start). In the job's first
+round, whose members all run the script from the top, an ``evaluate()`` or ``predict()`` before ``train()`` joins
+it too (an evaluation-only script evaluates over the round, as under torchrun).
 
 A Trainer that cannot regroup in place (:func:`restart_only`: DeepSpeed, FSDP, ``auto_find_batch_size``) joins when
 the script first asks for a device, as in restart mode; a warm one ends there (``event=trainer_warm_unsupported``),
@@ -21,6 +23,7 @@ and its agent starts the workers after the rendezvous from then on.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -97,21 +100,42 @@ class TrainerMembership:
     def joined(self) -> bool:
         return self.member is not None and self.member.group.round is not None
 
-    def join(self, backend: str, prepare: Callable[[], ReceivePool | None] | None = None) -> None:
-        """Join the round this worker was started into (collective over its members); no-op once joined.
-        ``prepare``: a warm worker's memory for the state it will receive, made ready before it waits."""
+    def await_round(self, backend: str, prepare: Callable[[], ReceivePool | None] | None = None) -> LiveMember:
+        """This worker's round: a warm one waits for it (its agent's first notice). ``prepare``: a warm worker's
+        memory for the state it will receive, made ready before it waits."""
+        member = self._member(backend)
+        if self.warm:
+            self.env = member.await_round(prepare=prepare)
+            self.warm = False
+        return member
+
+    def in_first_round(self, backend: str) -> bool:
+        """Whether this worker's round is the job's first, whose every member runs its script from the top. A warm
+        worker whose agent saw no round formed waits here for its round, or for word that the job formed without
+        its node (then it stays warm, and waits for its round where it trains)."""
+        if self.warm and self.env.first_round:
+            env = self._member(backend).await_first_round()
+            if env is None:
+                self.env = dataclasses.replace(self.env, first_round=False)
+            else:
+                self.env, self.warm = env, False
+        return not self.warm and self.env.first_round
+
+    def _member(self, backend: str) -> LiveMember:
         if self.member is None:
             self.member = LiveMember(self.env, backend)
             member = self.member
             self.flags.add(REGROUP_FLAG, lambda: member.pending_notice() is not None)
             # Before the interpreter finalises: the watchdog stopped, left groups freed (pytorch#179291).
             atexit.register(member.close)
-        if self.warm:
-            self.env = self.member.await_round(prepare=prepare)
-            self.warm = False
-        if self.member.group.round is None:
-            self.member.join_first()
-            lifecycle("trainer_group_joined", round=self.member.round, rank=self.env.rank, world=self.env.world_size)
+        return self.member
+
+    def join(self, backend: str, prepare: Callable[[], ReceivePool | None] | None = None) -> None:
+        """Join the round this worker was started into (collective over its members); no-op once joined."""
+        member = self.await_round(backend, prepare)
+        if member.group.round is None:
+            member.join_first()
+            lifecycle("trainer_group_joined", round=member.round, rank=self.env.rank, world=self.env.world_size)
 
     def require(self) -> LiveMember:
         if self.member is None:

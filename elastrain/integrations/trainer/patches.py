@@ -8,7 +8,8 @@ trainer.hook.TESTED` only:
   joins its round's training group and accelerate's view is made again over it (a Trainer that cannot regroup in
   place joins here, as in restart mode);
 * ``Trainer.__init__``: attaches the :class:`~elastrain.integrations.trainer.driver.ElasticTrainer`;
-* ``Trainer.train``: the driver's loop (resume, regroups);
+* ``Trainer.train``: the driver's loop (resume, regroups); ``Trainer.evaluate`` and ``Trainer.predict`` before it:
+  the job's first round joined there (:meth:`~elastrain.integrations.trainer.driver.ElasticTrainer.before_evaluation`);
 * ``Trainer.get_train_dataloader``: the stream's batches for this rank; ``Trainer.set_initial_training_values``:
   the stream's epochs;
 * ``Trainer._init_training_state``: the state in memory after a regroup;
@@ -159,6 +160,16 @@ def patch_trainer(module: Any) -> None:
 
         return training_step
 
+    def make_loop(original: Any) -> Any:
+        @functools.wraps(original)
+        def loop(self: Any, *args: Any, **kwargs: Any) -> Any:
+            driver = driver_of(self)
+            if driver is not None:
+                driver.before_evaluation(original.__name__)
+            return original(self, *args, **kwargs)
+
+        return loop
+
     def make_compute_loss(original: Any) -> Any:
         @functools.wraps(original)
         def compute_loss(
@@ -225,6 +236,8 @@ def patch_trainer(module: Any) -> None:
     _wrap(cls, "_save_checkpoint", make_save)
     _wrap(cls, "training_step", make_training_step)
     _wrap(cls, "compute_loss", make_compute_loss)
+    _wrap(cls, "evaluate", make_loop)
+    _wrap(cls, "predict", make_loop)
 
 
 def patch_trainer_utils(module: Any) -> None:

@@ -43,6 +43,7 @@ class TrainerWorld:
         self.membership = membership
         self.held = held
         self._pool: ReceivePool | None = None
+        self._alone_told = False
         self.collection = MoveCollection()
         """The collections at a move: the driver says when the next world's model is wrapped."""
 
@@ -50,17 +51,37 @@ class TrainerWorld:
     def rank(self) -> int:
         return dist.get_rank() if dist.is_initialized() else 0
 
-    def join(self, first: bool) -> WorkerEnv:
+    @property
+    def backend(self) -> str:
+        return "gloo" if self.trainer.args.use_cpu or not torch.cuda.is_available() else "nccl"
+
+    def join(self, first: bool, receive: bool = True) -> WorkerEnv:
         """Join this worker's round (a warm worker waits for its first one here); accelerate then sees it, made
-        again over the round's group if the worker set up as one process (every worker before its first round)."""
+        again over the round's group if the worker set up as one process (every worker before its first round).
+        ``receive``: a warm worker makes memory ready for the state it may receive (not for an evaluation)."""
         m = self.membership
         provisional = not m.joined
-        args = self.trainer.args
-        backend = "gloo" if args.use_cpu or not torch.cuda.is_available() else "nccl"
-        m.join(backend, prepare=self._prepare_to_receive if backend == "gloo" else None)
+        backend = self.backend
+        m.join(backend, prepare=self._prepare_to_receive if backend == "gloo" and receive else None)
         if provisional or not first:
             self.reset_devices()
         return m.require().env
+
+    def before_loop(self, loop: str) -> WorkerEnv | None:
+        """``evaluate()`` or ``predict()`` (``loop``) before the first ``train()``, set up as one process: in the job's
+        first round, whose members all run the script from the top, join the round (the new environment), so that
+        the loop runs over it as under torchrun (sharded, one writer). A warm worker whose agent saw no round formed
+        waits here to know (:meth:`TrainerMembership.in_first_round`). A worker that joins a job that trains on runs
+        the loop alone (None): the members it joins are in ``train()`` and never run it."""
+        m = self.membership
+        if m.joined:
+            return None
+        if m.in_first_round(self.backend):
+            return self.join(first=True, receive=False)
+        if not self._alone_told:
+            self._alone_told = True
+            lifecycle("trainer_loop_alone", loop=loop, why="before train(), in a job that trains on: as one process")
+        return None
 
     def _prepare_to_receive(self) -> ReceivePool:
         """A warm worker, before it waits: memory for the optimizer state it will receive, being touched (the
@@ -83,6 +104,9 @@ class TrainerWorld:
         args.distributed_state = None
         _ = args.device  # a PartialState over the current group
         t.create_accelerator_and_postprocess()
+        # What the callbacks read (who prints and reports): set when the Trainer was built, as one process.
+        t.state.is_local_process_zero = t.is_local_process_zero()
+        t.state.is_world_process_zero = t.is_world_process_zero()
 
     def agree_state(self) -> int | None:
         """Collective: the members' agreed state in this worker's memory; its step, or None when no member holds
