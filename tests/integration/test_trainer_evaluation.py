@@ -31,6 +31,17 @@ def _data(assets: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def _training(assets: Path, steps: int, save_steps: int) -> Workload:
+    return Workload(
+        str(SCRIPT),
+        (
+            *_data(assets), "--per_device_train_batch_size", "4", "--learning_rate", "2e-3",
+            "--save_steps", str(save_steps), "--logging_steps", "10", "--max_steps", str(steps),
+        ),
+        steps,
+    )  # fmt: skip
+
+
 def _results(folder: Path) -> dict[str, float]:
     return json.loads((folder / "all_results.json").read_text())
 
@@ -66,14 +77,7 @@ def test_a_script_that_evaluates_first_does_so_over_the_first_round_and_a_joiner
     hf_assets: Path, tmp_path: Path
 ) -> None:
     steps = 60
-    w = Workload(
-        str(SCRIPT),
-        (
-            *_data(hf_assets), "--per_device_train_batch_size", "4", "--learning_rate", "2e-3",
-            "--save_steps", "40", "--logging_steps", "10", "--max_steps", str(steps),
-        ),
-        steps,
-    )  # fmt: skip
+    w = _training(hf_assets, steps, save_steps=40)
     events = [Event("start", "c", at=10, world=2), Event("wait", "c", at=10, world=3)]
     ran = trace(w, tmp_path / "trace", events, nnodes="1:3")
     assert ran.codes == {"a": 0, "b": 0, "c": 0}, ran.dump()
@@ -97,14 +101,7 @@ def test_a_spare_started_with_the_founders_evaluates_alone_once_the_job_formed_w
     founds the job. The two of the first round evaluate over it; the third, a spare, is told that the job formed
     without it, evaluates alone while it stands by, and waits for a round where it trains (it gets none)."""
     steps = 40
-    w = Workload(
-        str(SCRIPT),
-        (
-            *_data(hf_assets), "--per_device_train_batch_size", "4", "--learning_rate", "2e-3",
-            "--save_steps", "20", "--logging_steps", "10", "--max_steps", str(steps),
-        ),
-        steps,
-    )  # fmt: skip
+    w = _training(hf_assets, steps, save_steps=20)
     ran = trace(w, tmp_path / "trace", [], first=("a", "b", "c"), nnodes="2:2", extra=("--rdzv-backend", "c10d"))
     spares = [name for name, log in ran.logs.items() if events_in(log, "standby")]
     assert len(spares) == 1, ran.dump()

@@ -130,24 +130,18 @@ def test_regroup_notice_ack_and_live_workers_round_trip(tmp_path: Path) -> None:
     assert agent.live_pids() == {} and not agent.acked(0, 3)
 
 
-def test_a_notice_says_whether_the_round_kept_every_member_and_older_notices_read_as_not(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "flag",
+    ["no_departure", "first_round"],  # the round kept every member; the round is the job's first
+)
+def test_a_notice_carries_its_flags_and_older_notices_read_as_not(flag: str, tmp_path: Path) -> None:
     agent, worker = RegroupChannel(tmp_path), RegroupChannel(tmp_path)
-    agent.announce(_notice(round_=6, no_departure=True))
+    agent.announce(_notice(round_=6, **{flag: True}))
     seen = worker.notice()
-    assert seen is not None and seen.no_departure
+    assert seen is not None and getattr(seen, flag)
     raw = json.loads((tmp_path / "regroup.json").read_text())
-    del raw["no_departure"]  # written by an agent of before the field
-    assert not RegroupNotice.from_json(raw).no_departure
-
-
-def test_a_notice_says_whether_its_round_is_the_jobs_first_and_older_notices_read_as_not(tmp_path: Path) -> None:
-    agent, worker = RegroupChannel(tmp_path), RegroupChannel(tmp_path)
-    agent.announce(_notice(round_=0, first_round=True))
-    seen = worker.notice()
-    assert seen is not None and seen.first_round
-    raw = json.loads((tmp_path / "regroup.json").read_text())
-    del raw["first_round"]  # written by an agent of before the field
-    assert not RegroupNotice.from_json(raw).first_round
+    del raw[flag]  # written by an agent of before the field
+    assert not getattr(RegroupNotice.from_json(raw), flag)
 
 
 def test_warm_workers_that_wait_to_know_whether_their_node_founds_the_job_are_told_when_it_does_not(
