@@ -43,7 +43,7 @@ REGROUP_TIMEOUT = "ELASTRAIN_REGROUP_TIMEOUT"
 # first regroup notice (a Session waits for it; see elastrain.live.member).
 WARM = "ELASTRAIN_WARM"
 # --live: "1" when the worker's round is the job's first, whose every member runs its script from the top (a warm
-# worker: its agent saw no round formed when it started it; its first notice says). See TrainerMembership.
+# worker learns it from its first notice). See TrainerMembership.
 FIRST_ROUND = "ELASTRAIN_FIRST_ROUND"
 # Set by elastrain's own launcher only: a worker that sees it knows an elastrain agent supervises it.
 AGENT_PID = "ELASTRAIN_AGENT_PID"
@@ -248,7 +248,7 @@ class WorkerEnv:
     # regroup notice (the values above are placeholders until a Session has started).
     warm: bool = False
     # --live: this worker's round is the job's first, whose every member runs its script from the top (a warm
-    # worker: its agent saw no round formed yet; the first regroup notice says for sure).
+    # worker: from its first regroup notice).
     first_round: bool = False
 
     @property

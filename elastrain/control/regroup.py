@@ -20,7 +20,7 @@ _LIVE = "live-{local_rank}.json"
 _BROKEN = "broken-{local_rank}.json"
 _WARM = "warm-{local_rank}.json"
 _FINISHING = "finishing-{local_rank}.json"
-_JOB_FORMED = "job-formed.json"
+_JOB_FORMING = "job-forming.json"
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,10 @@ def _round(f: Fields) -> int:
 
 def _local_rank_and_pid(f: Fields) -> tuple[int, int]:
     return f.integer("local_rank"), f.integer("pid")
+
+
+def _forming(f: Fields) -> bool:
+    return f.flag("forming", default=False)
 
 
 def _warm(f: Fields) -> tuple[int, int, bool]:
@@ -159,10 +163,10 @@ class RegroupChannel:
                 out[found[0]] = found[1]
         return out
 
-    def announce_job_formed(self) -> None:
-        """The job formed a round without this node (before it joined one): the workers that wait to know whether
-        their node founds the job (:meth:`announce_warm` ``deciding``) do not."""
-        write_atomic(self.directory / _JOB_FORMED, {"at": time.time()})
+    def tell_job_forming(self, forming: bool) -> None:
+        """Whether this node may found the job: no round had formed as its warm workers started (True), or one has
+        formed without it (False: then the workers that wait to know, :meth:`announce_warm` ``deciding``, do not)."""
+        write_atomic(self.directory / _JOB_FORMING, {"forming": forming, "at": time.time()})
 
     def finishing_pids(self) -> dict[int, int]:
         """The workers whose training is over and that are closing (:meth:`announce_finishing`)."""
@@ -183,7 +187,7 @@ class RegroupChannel:
     def announce_warm(self, local_rank: int, pid: int, deciding: bool = False) -> None:
         """A warm worker is built (imports, model, data) and waits for its first notice: its node may join.
         ``deciding``: it waits to know whether its node founds the job (its first notice says so), unless the agent
-        says first that the job formed without it (:meth:`job_formed`)."""
+        says first that the job formed without it (:meth:`job_forming`)."""
         path = self.directory / _WARM.format(local_rank=local_rank)
         write_atomic(path, {"local_rank": local_rank, "pid": pid, "deciding": deciding})
 
@@ -191,9 +195,9 @@ class RegroupChannel:
         """A deciding warm worker that learnt that the job formed without its node: not waiting any more."""
         (self.directory / _WARM.format(local_rank=local_rank)).unlink(missing_ok=True)
 
-    def job_formed(self) -> bool:
-        """Whether the agent said that the job formed a round without this node (:meth:`announce_job_formed`)."""
-        return (self.directory / _JOB_FORMED).exists()
+    def job_forming(self) -> bool | None:
+        """What the agent said of the job's first round (:meth:`tell_job_forming`); None: nothing yet."""
+        return self._reader.read(self.directory / _JOB_FORMING, _forming)
 
     def announce_finishing(self, local_rank: int, pid: int) -> None:
         """The worker's training is over (its last save and exit follow): it answers no save request or

@@ -221,7 +221,7 @@ class ElastrainAgent(LocalElasticAgent):
     def _set_local_rank_env(self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec) -> None:
         super()._set_local_rank_env(worker_env, local_rank, spec)
         if self.phase is Phase.WARMING:
-            tell_warm(worker_env, self._contexts.warm(job_forming=self._live.job_forming))
+            tell_warm(worker_env, self._contexts.warm())
         elif self._context is not None:
             worker_env.update(to_environ(self._context))
             # One restart count for the whole job, the same on every node (torch's counts local failures).

@@ -36,10 +36,10 @@ class ContextBuilder:
             round_, round_, failure_count, start_reason, previous_world_size, generation, live, first_round
         )
 
-    def warm(self, job_forming: bool) -> LaunchContext:
-        """What a warm worker is told before it has a round: everything but its place in one. ``job_forming``: no
-        round had formed when its agent started it (its first notice says whether it is in the job's first)."""
-        return self._build(-1, 0, 0, StartReason.FIRST_START, None, None, live=True, first_round=job_forming)
+    def warm(self) -> LaunchContext:
+        """What a warm worker is told before it has a round: everything but its place in one (whether it may found
+        the job comes through its control folder: :meth:`~elastrain.control.regroup.RegroupChannel.job_forming`)."""
+        return self._build(-1, 0, 0, StartReason.FIRST_START, None, None, live=True, first_round=False)
 
     def _build(
         self,

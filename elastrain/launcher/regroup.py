@@ -114,7 +114,7 @@ class LiveCoordination:
         # The first workers start before the rendezvous (see start_warm): scripts that wait for their round only.
         self.warm_start = warm_start
         self.job_forming = False
-        """Whether no round had formed when the warm workers started (they may found the job: see FIRST_ROUND)."""
+        """Whether no round had formed when the warm workers started (they may found the job)."""
         self._deferred_since: float | None = None  # when a membership change began to wait for closing workers
         self._probed_round: int | None = None  # the last broken round whose peers were probed
 
@@ -259,9 +259,6 @@ class LiveCoordination:
         host = self._host
         if worker_group.store is None:
             worker_group.store = HashStore()  # type: ignore[assignment]  # torch requires one; warm workers get none
-        self.job_forming = self._membership.job_formed() is False
-        if self.job_forming:  # its workers that wait to know whether this node founds the job are told if not
-            self._membership.on_formed_without_this_node(self._regroup.announce_job_formed)
         host.phase = Phase.WARMING
         try:
             host.start_workers_tracked(worker_group)
@@ -270,12 +267,18 @@ class LiveCoordination:
                 host.phase = Phase.IDLE
         host.phase = host.phase.stopped()  # not training yet: a leave now has no checkpoint to ask for
         started = time.monotonic()
+        # Read while the workers load (a store that does not answer delays no worker): whether this node may found
+        # the job. Its workers that wait to know are told when the job formed without it (never: a member of round 0).
+        self.job_forming = self._membership.job_formed() is False
+        if self.job_forming:
+            self._membership.on_formed_without_this_node(lambda: self._regroup.tell_job_forming(False))
+        self._regroup.tell_job_forming(self.job_forming)
         lifecycle("workers_warming", workers=len(worker_group.workers), up_to_s=WARM_START_LIMIT_S)
         if not self._await_warm(worker_group, started, deciding=None):
             return False
         if self.job_forming and self._regroup.warm_pids(deciding=True) and self._membership.job_formed():
             # It formed while they were built: they evaluate alone first, then wait for a round where they train.
-            self._regroup.announce_job_formed()
+            self._regroup.tell_job_forming(False)
             lifecycle("job_formed_meanwhile", why="this node joins a job that trains on: its workers are told so")
             if not self._await_warm(worker_group, started, deciding=False):
                 return False

@@ -132,12 +132,20 @@ class LiveMember:
         return self.env
 
     def await_first_round(self, poll_s: float = 0.25) -> WorkerEnv | None:
-        """A warm worker whose agent saw no round formed, before it runs something whose every member must run it
-        too (an evaluation): wait for its round (its environment then says whether it is the job's first), or for
-        the agent's word that the job formed without this node (None: the worker stays warm and unannounced)."""
+        """A warm worker, before it runs something whose every member must run it too (an evaluation): if its agent
+        saw no round formed, wait for its round (its environment then says whether it is the job's first), or for the
+        agent's word that the job formed without this node. None (the worker stays warm and unannounced): the job
+        formed without it, or its agent cannot tell."""
         started = time.monotonic()
+        agent = int(os.environ.get(AGENT_PID, "0") or 0)
+        while (forming := self.channel.job_forming()) is None:  # the agent says so right after it starts us
+            if agent and not pids.alive(agent):
+                raise LiveError(f"the agent (pid {agent}) ended before it said whether the job formed")
+            time.sleep(0.05)
+        if not forming:
+            return None
         self.channel.announce_warm(self.env.local_rank, os.getpid(), deciding=True)
-        notice = self._wait_first(poll_s, give_up=self.channel.job_formed)
+        notice = self._wait_first(poll_s, give_up=lambda: self.channel.job_forming() is False)
         if notice is None:
             self.channel.withdraw_warm(self.env.local_rank)
             lifecycle("worker_not_founding", local_rank=self.env.local_rank, why="the job formed without this node")

@@ -76,9 +76,8 @@ def test_one_builder_for_a_round_and_for_a_warm_start() -> None:
     assert ctx.regroup_timeout_s == regroup_timeout_s(options)
     assert not ctx.first_round
     assert builder.for_round(0, 0, StartReason.FIRST_START, None, 1, first_round=True).first_round
-    assert builder.warm(job_forming=True).first_round
-    warm = builder.warm(job_forming=False)
-    assert not warm.first_round
+    warm = builder.warm()
+    assert not warm.first_round  # a warm worker learns it from its first notice
     assert (warm.round, warm.restart_count, warm.failure_count, warm.generation) == (-1, 0, 0, None)
     assert (warm.start_reason, warm.live, warm.regroup_timeout_s) == (
         StartReason.FIRST_START,

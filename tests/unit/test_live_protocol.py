@@ -152,9 +152,11 @@ def test_warm_workers_that_wait_to_know_whether_their_node_founds_the_job_are_to
     worker.announce_warm(1, 222)
     assert agent.warm_pids() == {0: 111, 1: 222}
     assert agent.warm_pids(deciding=True) == {0: 111} and agent.warm_pids(deciding=False) == {1: 222}
-    assert not worker.job_formed()
-    agent.announce_job_formed()
-    assert worker.job_formed()
+    assert worker.job_forming() is None  # not said yet
+    agent.tell_job_forming(True)
+    assert worker.job_forming() is True
+    agent.tell_job_forming(False)  # the job formed without this node
+    assert worker.job_forming() is False
     worker.withdraw_warm(0)  # it evaluates alone, then waits for its round where it trains
     assert agent.warm_pids() == {1: 222}
     worker.announce_warm(0, 111)

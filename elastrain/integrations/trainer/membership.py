@@ -112,8 +112,9 @@ class TrainerMembership:
     def in_first_round(self, backend: str) -> bool:
         """Whether this worker's round is the job's first, whose every member runs its script from the top. A warm
         worker whose agent saw no round formed waits here for its round, or for word that the job formed without
-        its node (then it stays warm, and waits for its round where it trains)."""
-        if self.warm and self.env.first_round:
+        its node (then it stays warm, and waits for its round where it trains; so does one whose agent saw a round
+        formed)."""
+        if self.warm:
             env = self._member(backend).await_first_round()
             if env is None:
                 self.env = dataclasses.replace(self.env, first_round=False)

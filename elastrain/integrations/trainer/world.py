@@ -70,8 +70,8 @@ class TrainerWorld:
     def before_loop(self, loop: str) -> WorkerEnv | None:
         """``evaluate()`` or ``predict()`` (``loop``) before the first ``train()``, set up as one process: in the job's
         first round, whose members all run the script from the top, join the round (the new environment), so that
-        the loop runs over it as under torchrun (sharded, one writer). A warm worker whose agent saw no round formed
-        waits here to know (:meth:`TrainerMembership.in_first_round`). A worker that joins a job that trains on runs
+        the loop runs over it as under torchrun (sharded, one writer). A warm worker waits here to know
+        (:meth:`TrainerMembership.in_first_round`). A worker that joins a job that trains on runs
         the loop alone (None): the members it joins are in ``train()`` and never run it."""
         m = self.membership
         if m.joined:
