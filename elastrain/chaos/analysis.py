@@ -131,6 +131,7 @@ def segments(
     :func:`workers_started`, from when its agent started its rank-0 worker: the world exists from
     then on) to its last record, sorted by start."""
     spans: dict[str, Segment] = {}
+    opened: set[str] = set()  # segments whose start event says what they restored
 
     def touch(token: str, t: float | None, step: int | None = None) -> None:
         if t is None:
@@ -151,6 +152,7 @@ def segments(
             # superseded meanwhile logs it long after its world's last step (T5 soak, seed 91127)
         touch(token, float(e["time"]), e.get("step") if isinstance(e.get("step"), int) else None)
         if e["event"] == "start":
+            opened.add(token)
             seg = spans[token]
             seg.world_size, seg.pid = e.get("world_size"), e.get("pid")
             seg.restart_count, seg.round = e.get("restart_count"), e.get("round")
@@ -159,7 +161,10 @@ def segments(
     if metrics_file is not None:
         for r in read_json_lines(metrics_file):
             if "segment" in r and "time" in r:
-                touch(str(r["segment"]), float(r["time"]), r.get("step") if r.get("kind") == "point" else None)
+                token = str(r["segment"])
+                touch(token, float(r["time"]), r.get("step") if r.get("kind") == "point" else None)
+                if r.get("kind") == "segment" and token not in opened:  # a live regroup's world: no start event
+                    spans[token].restored_step = r.get("restored_step")
     for row in ledger:
         touch(row.segment, row.time, row.step)
     for seg in spans.values():

@@ -185,6 +185,8 @@ def check_one_world(spans: Sequence[Segment], t0: float | None = None) -> Check:
         for b in spans[i + 1 :]:
             if b.start >= a.end:
                 break  # sorted by start: no later segment overlaps a either
+            if _written_late(a, b):
+                continue
             overlap = min(a.end, b.end) - b.start
             check.violations.append(
                 f"segments overlap for {overlap:.3f}s: {a.describe()} spans {a.start - base:.3f}-{a.end - base:.3f}, "
@@ -199,6 +201,13 @@ def check_one_world(spans: Sequence[Segment], t0: float | None = None) -> Check:
     check.violations = _listed(check.violations)
     check.detail = f"{len(spans)} segments"
     return check
+
+
+def _written_late(a: Segment, b: Segment) -> bool:
+    """Whether what ``a`` recorded after ``b`` began is no training: ``b`` started from a step at or after ``a``'s last,
+    so ``a`` had trained that step before (a member frozen between the step's all-reduce and its record writes it
+    when it thaws, after the survivors regrouped without it). A step of ``a`` beyond it would be a second world."""
+    return b.restored_step is not None and a.last_step is not None and a.last_step <= b.restored_step
 
 
 def refounded(spans: Sequence[Segment], timeline: Mapping[str, Any]) -> list[str]:

@@ -196,6 +196,23 @@ def test_a_stop_logged_late_by_a_superseded_worker_is_not_training(tmp_path):
     assert not check_one_world(segments(events, metrics)).ok
 
 
+def test_a_step_recorded_late_by_a_member_frozen_after_its_all_reduce_is_not_training(tmp_path):
+    """Rank 0 of the old world is frozen after step 268's all-reduce and before its metrics point; the survivor
+    regroups alone and starts from step 268 (T5 soak, seed 63719). The thawed member writes step 268's point after
+    the new world began: no second world, since the new one started from that step. Its step 269 would be one."""
+    events, metrics = tmp_path / "events.jsonl", tmp_path / "metrics.jsonl"
+    append_json_line(events, {"time": 0.0, "event": "start", "pid": 1, "segment": "old", "world_size": 2})
+    append_json_line(metrics, {"kind": "point", "segment": "old", "step": 267, "time": 1.0, "values": {}})
+    append_json_line(metrics, {"kind": "segment", "segment": "new", "restored_step": 268, "time": 2.0})
+    append_json_line(metrics, {"kind": "point", "segment": "old", "step": 268, "time": 2.3, "values": {}})
+    append_json_line(metrics, {"kind": "point", "segment": "new", "step": 269, "time": 2.4, "values": {}})
+    spans = segments(events, metrics)
+    assert [s.restored_step for s in spans] == [None, 268]
+    assert check_one_world(spans).ok, check_one_world(spans).violations
+    append_json_line(metrics, {"kind": "point", "segment": "old", "step": 269, "time": 2.5, "values": {}})
+    assert not check_one_world(segments(events, metrics)).ok
+
+
 # -- checkpoints -------------------------------------------------------------------------------------
 def make_step(
     root: Path, step: int, world_size: int = 2, state_step: int | None = None, commit: bool = True, generation=None
