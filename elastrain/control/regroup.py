@@ -86,16 +86,13 @@ def _round(f: Fields) -> int:
     return f.integer("round")
 
 
-def _local_rank_and_pid(f: Fields) -> tuple[int, int]:
-    return f.integer("local_rank"), f.integer("pid")
+def _announced(f: Fields) -> tuple[int, int, bool]:
+    """An announcement's local rank, pid, and whether it is a deciding warm worker's (False for every other)."""
+    return f.integer("local_rank"), f.integer("pid"), f.flag("deciding", default=False)
 
 
 def _forming(f: Fields) -> bool:
     return f.flag("forming", default=False)
-
-
-def _warm(f: Fields) -> tuple[int, int, bool]:
-    return f.integer("local_rank"), f.integer("pid"), f.flag("deciding", default=False)
 
 
 class RegroupChannel:
@@ -156,12 +153,7 @@ class RegroupChannel:
     def warm_pids(self, deciding: bool | None = None) -> dict[int, int]:
         """The warm workers that wait for their first round (:meth:`announce_warm`): local rank -> pid. ``deciding``:
         only those that wait to know whether their node founds the job (True), or only the others (False)."""
-        out: dict[int, int] = {}
-        for path in self.directory.glob(_WARM.format(local_rank="*")):
-            found = self._reader.read(path, _warm)
-            if found is not None and (deciding is None or found[2] is deciding):
-                out[found[0]] = found[1]
-        return out
+        return self._pids(_WARM, deciding)
 
     def tell_job_forming(self, forming: bool) -> None:
         """Whether this node may found the job: no round had formed as its warm workers started (True), or one has
@@ -172,11 +164,11 @@ class RegroupChannel:
         """The workers whose training is over and that are closing (:meth:`announce_finishing`)."""
         return self._pids(_FINISHING)
 
-    def _pids(self, pattern: str) -> dict[int, int]:
+    def _pids(self, pattern: str, deciding: bool | None = None) -> dict[int, int]:
         out: dict[int, int] = {}
         for path in self.directory.glob(pattern.format(local_rank="*")):
-            found = self._reader.read(path, _local_rank_and_pid)
-            if found is not None:
+            found = self._reader.read(path, _announced)
+            if found is not None and (deciding is None or found[2] is deciding):
                 out[found[0]] = found[1]
         return out
 
@@ -188,8 +180,7 @@ class RegroupChannel:
         """A warm worker is built (imports, model, data) and waits for its first notice: its node may join.
         ``deciding``: it waits to know whether its node founds the job (its first notice says so), unless the agent
         says first that the job formed without it (:meth:`job_forming`)."""
-        path = self.directory / _WARM.format(local_rank=local_rank)
-        write_atomic(path, {"local_rank": local_rank, "pid": pid, "deciding": deciding})
+        self._announce(_WARM, local_rank, pid, deciding=deciding)
 
     def withdraw_warm(self, local_rank: int) -> None:
         """A deciding warm worker that learnt that the job formed without its node: not waiting any more."""
@@ -204,8 +195,9 @@ class RegroupChannel:
         regroup notice any more, so a membership change now waits for it to exit instead of moving it."""
         self._announce(_FINISHING, local_rank, pid)
 
-    def _announce(self, pattern: str, local_rank: int, pid: int) -> None:
-        write_atomic(self.directory / pattern.format(local_rank=local_rank), {"local_rank": local_rank, "pid": pid})
+    def _announce(self, pattern: str, local_rank: int, pid: int, **more: object) -> None:
+        path = self.directory / pattern.format(local_rank=local_rank)
+        write_atomic(path, {"local_rank": local_rank, "pid": pid, **more})
 
     def notice(self) -> RegroupNotice | None:
         """The newest notice; one ``stat`` when nothing changed since the last call."""

@@ -44,6 +44,12 @@ class LiveError(ElastrainError):
     """A live worker cannot go on (its agent is gone before giving it a round)."""
 
 
+def _raise_if_agent_gone(before: str) -> None:
+    agent = int(os.environ.get(AGENT_PID, "0") or 0)
+    if agent and not pids.alive(agent):
+        raise LiveError(f"the agent (pid {agent}) ended before {before}")
+
+
 def _without(environ: Mapping[str, str], names: set[str]) -> dict[str, str]:
     return {name: value for name, value in environ.items() if name not in names}
 
@@ -137,10 +143,8 @@ class LiveMember:
         agent's word that the job formed without this node. None (the worker stays warm and unannounced): the job
         formed without it, or its agent cannot tell."""
         started = time.monotonic()
-        agent = int(os.environ.get(AGENT_PID, "0") or 0)
         while (forming := self.channel.job_forming()) is None:  # the agent says so right after it starts us
-            if agent and not pids.alive(agent):
-                raise LiveError(f"the agent (pid {agent}) ended before it said whether the job formed")
+            _raise_if_agent_gone("it said whether the job formed")
             time.sleep(0.05)
         if not forming:
             return None
@@ -157,10 +161,8 @@ class LiveMember:
     def _wait_first(self, poll_s: float, give_up: Callable[[], bool] | None) -> RegroupNotice | None:
         """The first notice; None once ``give_up()`` says so. Ends with the agent (it starts this worker the usual
         way, or stops it, if it gives up on it)."""
-        agent = int(os.environ.get(AGENT_PID, "0") or 0)
         while (notice := self.channel.wait_newer(self.round, poll_s)) is None:
-            if agent and not pids.alive(agent):
-                raise LiveError(f"the agent (pid {agent}) ended before this warm worker was given a round")
+            _raise_if_agent_gone("this warm worker was given a round")
             if give_up is not None and give_up():
                 return None
         return notice

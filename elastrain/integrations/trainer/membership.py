@@ -23,7 +23,6 @@ and its agent starts the workers after the rendezvous from then on.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -65,6 +64,13 @@ def restart_only(args: Any) -> str | None:
     if args.auto_find_batch_size:
         return "auto_find_batch_size"
     return None
+
+
+def backend_for(args: Any) -> str:
+    """The process group's backend for a Trainer with these ``TrainingArguments``: gloo on CPU, else NCCL."""
+    import torch
+
+    return "gloo" if args.use_cpu or not torch.cuda.is_available() else "nccl"
 
 
 def live_mode(env: WorkerEnv) -> bool:
@@ -114,12 +120,8 @@ class TrainerMembership:
         worker whose agent saw no round formed waits here for its round, or for word that the job formed without
         its node (then it stays warm, and waits for its round where it trains; so does one whose agent saw a round
         formed)."""
-        if self.warm:
-            env = self._member(backend).await_first_round()
-            if env is None:
-                self.env = dataclasses.replace(self.env, first_round=False)
-            else:
-                self.env, self.warm = env, False
+        if self.warm and (env := self._member(backend).await_first_round()) is not None:
+            self.env, self.warm = env, False
         return not self.warm and self.env.first_round
 
     def _member(self, backend: str) -> LiveMember:

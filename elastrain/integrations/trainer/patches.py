@@ -36,6 +36,7 @@ from elastrain.integrations.trainer.driver import ElasticTrainer, driver_of
 from elastrain.integrations.trainer.membership import (
     WARM_UNSUPPORTED_EXIT,
     TrainerMembership,
+    backend_for,
     provisional_environ,
     restart_only,
 )
@@ -75,7 +76,7 @@ def patch_training_args(module: Any) -> None:
                     why=f"{why_not_live}: the Trainer restarts at every change; its workers start after the rendezvous",
                 )
                 raise SystemExit(WARM_UNSUPPORTED_EXIT)
-            membership.join("gloo" if self.use_cpu or not _cuda() else "nccl")
+            membership.join(backend_for(self))
             return original(self)
         # Until train(): a warm worker has no round yet, and a cold one (a restarted worker) would meet the members
         # that train on in the script's own setup collectives (main_process_first's barriers), which they never run.
@@ -88,12 +89,6 @@ def patch_training_args(module: Any) -> None:
     replacement = functools.cached_property(_setup_devices)
     replacement.__set_name__(cls, "_setup_devices")
     cls._setup_devices = replacement
-
-
-def _cuda() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
 
 
 def patch_trainer(module: Any) -> None:

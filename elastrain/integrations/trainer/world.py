@@ -18,7 +18,6 @@ import time
 import weakref
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from elastrain.collective_failure import is_collective_failure
@@ -26,7 +25,7 @@ from elastrain.control import RegroupNotice
 from elastrain.env import WorkerEnv
 from elastrain.integrations.trainer.collection import MoveCollection
 from elastrain.integrations.trainer.forward_stop import forward_stops
-from elastrain.integrations.trainer.membership import TrainerMembership
+from elastrain.integrations.trainer.membership import TrainerMembership, backend_for
 from elastrain.integrations.trainer.memory import Held
 from elastrain.live import heap
 from elastrain.live.agreement import Ballot, vote
@@ -53,7 +52,7 @@ class TrainerWorld:
 
     @property
     def backend(self) -> str:
-        return "gloo" if self.trainer.args.use_cpu or not torch.cuda.is_available() else "nccl"
+        return backend_for(self.trainer.args)
 
     def join(self, first: bool, receive: bool = True) -> WorkerEnv:
         """Join this worker's round (a warm worker waits for its first one here); accelerate then sees it, made
