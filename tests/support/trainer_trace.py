@@ -174,7 +174,7 @@ class Run:
         return {int(h["step"]): float(h["loss"]) for h in self.state()["log_history"] if "loss" in h}
 
     def dump(self) -> str:
-        return "\n".join(f"--- {n} ---\n{log[-5000:]}" for n, log in self.logs.items())
+        return "\n".join(f"--- {n} ---\n{digest(log)}" for n, log in self.logs.items())
 
 
 def _command(w: Workload, out: Path, port: int, rdzv_id: str, nnodes: str, extra: tuple[str, ...]) -> list[str]:
@@ -246,7 +246,8 @@ def trace(
 ) -> Run:
     """The workload as local nodes, ``first`` started at once, through ``events`` in order. Until the last event
     has played, each step also sleeps (the tests' ledger does) ``pace[0]`` seconds, and ``pace[1]`` while a node
-    started by an event warms up to join: the job outlasts the trace whatever the machine's speed. ``env``: more
+    started by an event warms up to join (until its agent is in a round, or the next event plays): the job outlasts
+    the trace whatever the machine's speed. ``env``: more
     environment for every node (the ledger's own instruments: ``LEDGER_KILL``)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "ledger").mkdir(exist_ok=True)
@@ -258,6 +259,7 @@ def trace(
     logs: dict[str, Path] = {}
     started = time.monotonic()
     done: list[str] = []
+    warming: Path | None = None  # the log of the node started last, while the steps wait for it
 
     def start(name: str) -> None:
         n = sum(1 for k in logs if k.startswith(name))
@@ -281,13 +283,18 @@ def trace(
                 changed = changed or (ev.world is not None and now != ev.world) or ledger.round_now() != round_before
                 if ledger.last_step() >= ev.at and changed and (ev.world is None or now == ev.world):
                     pace_file.write_text(f"{pace[0]:g}")
+                    warming = None
                     break
+                if warming is not None and events_in(warming.read_text(errors="replace"), "rendezvous_done"):
+                    pace_file.write_text(f"{pace[0]:g}")  # it is in a round: the steps to the next event go fast
+                    warming = None
                 if ledger.last_step() >= w.max_steps or time.monotonic() > deadline:
                     raise AssertionError(f"the job never reached {ev} (at step {ledger.last_step()})\n" + _dump(logs))
                 time.sleep(0.05)
             if ev.action == "start":
                 start(ev.node)
                 every.append(procs[ev.node])
+                warming = logs[max(k for k in logs if k.rstrip("0123456789") == ev.node)]
                 pace_file.write_text(f"{pace[1]:g}")  # few steps pass while it warms up
             elif ev.action == "kill":
                 kill_tree(procs[ev.node].pid, signal.SIGKILL)
@@ -327,4 +334,11 @@ def _by_log(procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path]) ->
 
 
 def _dump(logs: dict[str, Path]) -> str:
-    return "\n".join(f"--- {k} ---\n{p.read_text(errors='replace')[-4000:]}" for k, p in logs.items() if p.exists())
+    return "\n".join(f"--- {k} ---\n{digest(p.read_text(errors='replace'))}" for k, p in logs.items() if p.exists())
+
+
+def digest(log: str, tail: int = 4000) -> str:
+    """What a failure message shows of a node's log: every lifecycle line (the node's story, which CI keeps only in
+    the message), then the log's tail (a traceback)."""
+    events = [line[:300] for line in log.splitlines() if line.startswith("elastrain event=")]
+    return "\n".join(["[events]", *events, "[tail]", log[-tail:]])
