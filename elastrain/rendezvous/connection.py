@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import NoReturn, Protocol, TypeVar, cast
+from typing import NoReturn, Protocol, TypeVar
 
 from torch._C._distributed_c10d import Store
 from torch.distributed import DistError, DistNetworkError
@@ -29,6 +29,7 @@ from elastrain.errors import RendezvousError, RendezvousStoreLostError
 from elastrain.log import lifecycle
 from elastrain.rendezvous import liveness
 from elastrain.rendezvous import state as st
+from elastrain.rendezvous.deadline import with_deadline
 from elastrain.rendezvous.pacing import Throttled
 from elastrain.rendezvous.settings import HandlerSettings
 from elastrain.rendezvous.trust import split_address
@@ -138,27 +139,6 @@ class FixedStores:
 
     def no_world_since_start(self) -> bool:
         return False
-
-
-def with_deadline(op: Callable[[], _T], timeout_s: float) -> _T:
-    """``op()`` in a daemon thread; TimeoutError if it has not returned within ``timeout_s`` (it is abandoned)."""
-    box: dict[str, object] = {}
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            box["out"] = op()
-        except BaseException as exc:  # handed to the caller below
-            box["err"] = exc
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="elastrain-store-call", daemon=True).start()
-    if not done.wait(timeout_s):
-        raise TimeoutError(f"a rendezvous store call did not return in {timeout_s}s")
-    if "err" in box:
-        raise cast(BaseException, box["err"])
-    return cast(_T, box["out"])
 
 
 class Connection:

@@ -53,8 +53,8 @@ from elastrain.rendezvous.connection import (
     FixedStores,
     StoreFactory,
     StoreSwitched,
-    with_deadline,
 )
+from elastrain.rendezvous.deadline import with_deadline
 from elastrain.rendezvous.heartbeat import Heartbeat, linger_until_seen
 from elastrain.rendezvous.history import RoundHistory
 from elastrain.rendezvous.pacing import Backoff, Throttled

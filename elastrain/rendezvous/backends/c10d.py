@@ -39,7 +39,8 @@ from elastrain.log import lifecycle
 from elastrain.rendezvous import fence_marks, liveness
 from elastrain.rendezvous import state as st
 from elastrain.rendezvous.auth import RendezvousAuth
-from elastrain.rendezvous.connection import STORE_ERRORS, caused_by, with_deadline
+from elastrain.rendezvous.connection import STORE_ERRORS, caused_by
+from elastrain.rendezvous.deadline import with_deadline
 from elastrain.rendezvous.handler import ElastrainRendezvousHandler
 from elastrain.rendezvous.trust import host_of, split_address
 
@@ -275,8 +276,8 @@ class C10dStores:
     def connect(self, addr: str, port: int, timeout_s: float) -> TCPStore:
         """A client of the store at ``addr:port``; TimeoutError once it is well past ``timeout_s`` (the client's own
         handshake with a frozen host's store never ends: it is left blocked in a daemon thread). The margin is wide:
-        a constructor abandoned while it could still return by its own timeout raises later in its thread, and the
-        process aborts if it exits meanwhile (seen once in the full suite with a 1 s margin, at a dead port)."""
+        a constructor abandoned while it could still return by its own timeout raises later in its thread (the
+        process awaits such calls before it exits: :mod:`elastrain.rendezvous.deadline`)."""
         timeout = timedelta(seconds=timeout_s)
         return with_deadline(lambda: TCPStore(addr, port, is_master=False, timeout=timeout), 2 * timeout_s + 5.0)
 
