@@ -83,6 +83,8 @@ class Heartbeat:
         self._clock = liveness.TickClock(settings.heartbeat_interval_s, settings.stall_s)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._life = threading.Lock()
+        """Held while the thread is started or stopped (the agent's and the rendezvous's threads both do)."""
         self._obs = st.Observations()
         self._probe_all = False
         self._judged_last: str | None = None
@@ -100,19 +102,23 @@ class Heartbeat:
 
     def start(self) -> None:
         self._pulse.start()
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        self._wake.clear()
-        self._thread = threading.Thread(target=self._loop, name="elastrain-heartbeat", daemon=True)
-        self._thread.start()
+        with self._life:  # a stop on another thread sees no thread that is not started yet
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stop.clear()
+            self._wake.clear()
+            thread = threading.Thread(target=self._loop, name="elastrain-heartbeat", daemon=True)
+            thread.start()
+            self._thread = thread
 
     def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2)
-            if self._thread.is_alive():  # inside a store call that has not answered: it ends with that call
+        with self._life:
+            self._stop.set()
+            self._wake.set()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2)
+            if thread.is_alive():  # inside a store call that has not answered: it ends with that call
                 lifecycle("heartbeat_stop_pending", level=logging.WARNING, node=self._node_id, waited_s=2)
         self._pulse.stop()
         self._deaths.close()
