@@ -339,6 +339,8 @@ def _dump(logs: dict[str, Path]) -> str:
 
 def digest(log: str, tail: int = 4000) -> str:
     """What a failure message shows of a node's log: every lifecycle line (the node's story, which CI keeps only in
-    the message), then the log's tail (a traceback)."""
-    events = [line[:300] for line in log.splitlines() if line.startswith("elastrain event=")]
-    return "\n".join(["[events]", *events, "[tail]", log[-tail:]])
+    the message), the lines that name an error (a worker's traceback long before the tail), then the log's tail."""
+    lines = log.splitlines()
+    events = [line[:300] for line in lines if line.startswith("elastrain event=")]
+    errors = [line[:300] for line in lines if "Error" in line or "Traceback" in line][:80]
+    return "\n".join(["[events]", *events, "[errors]", *errors, "[tail]", log[-tail:]])
