@@ -45,11 +45,11 @@ def with_deadline(op: Callable[[], _T], timeout_s: float) -> _T:
             done.set()
 
     thread = threading.Thread(target=run, name="elastrain-store-call", daemon=True)
-    with _lock:
-        if _exiting:
+    with _lock:  # started and recorded at once: the exit never joins a thread not started yet (run() takes the lock
+        if _exiting:  # only as it ends, after this block)
             raise TimeoutError("the process is exiting: no rendezvous store call starts any more")
+        thread.start()
         _running.add(thread)
-    thread.start()
     if not done.wait(timeout_s):
         raise TimeoutError(f"a rendezvous store call did not return in {timeout_s}s")
     if "err" in box:

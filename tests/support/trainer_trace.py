@@ -247,8 +247,8 @@ def trace(
     """The workload as local nodes, ``first`` started at once, through ``events`` in order. Until the last event
     has played, each step also sleeps (the tests' ledger does) ``pace[0]`` seconds, and ``pace[1]`` while a node
     started by an event warms up to join (until its agent is in a round, or the next event plays): the job outlasts
-    the trace whatever the machine's speed. ``env``: more
-    environment for every node (the ledger's own instruments: ``LEDGER_KILL``)."""
+    the trace whatever the machine's speed. ``env``: more environment for every node (the ledger's own instruments:
+    ``LEDGER_KILL``)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "ledger").mkdir(exist_ok=True)
     port, rdzv_id = free_port(), f"hf-{random.randrange(1 << 30)}"
@@ -261,11 +261,13 @@ def trace(
     done: list[str] = []
     warming: Path | None = None  # the log of the node started last, while the steps wait for it
 
-    def start(name: str) -> None:
+    def start(name: str) -> Path:
+        """Start node ``name`` (again); its log."""
         n = sum(1 for k in logs if k.startswith(name))
         key = name if n == 0 else f"{name}{n + 1}"
         logs[key] = out / f"{key}.log"
         procs[name] = spawn(_command(w, out, port, rdzv_id, nnodes, extra), logs[key], env=env, cwd=out)
+        return logs[key]
 
     for name in first:
         start(name)
@@ -292,9 +294,8 @@ def trace(
                     raise AssertionError(f"the job never reached {ev} (at step {ledger.last_step()})\n" + _dump(logs))
                 time.sleep(0.05)
             if ev.action == "start":
-                start(ev.node)
+                warming = start(ev.node)
                 every.append(procs[ev.node])
-                warming = logs[max(k for k in logs if k.rstrip("0123456789") == ev.node)]
                 pace_file.write_text(f"{pace[1]:g}")  # few steps pass while it warms up
             elif ev.action == "kill":
                 kill_tree(procs[ev.node].pid, signal.SIGKILL)
