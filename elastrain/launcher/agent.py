@@ -86,7 +86,13 @@ class ElastrainAgent(LocalElasticAgent):
         self._contexts = ContextBuilder(options, spec.rdzv_handler.get_run_id(), str(self.control.directory))
         self._verdict = FailureVerdict(self._membership, self.regroup)
         self._live = LiveCoordination(self, self._membership, self.regroup, options, warm_start)
-        self._checkpoint = partial(checkpoint_before_change, self.control, options, workers_exited=self._workers_exited)
+        self._checkpoint = partial(
+            checkpoint_before_change,
+            self.control,
+            options,
+            workers_exited=self._workers_exited,
+            workers_finishing=self._workers_finishing,
+        )
         self._leave = NodeLeave(self._membership, self._checkpoint, lambda: self.phase.running, options.save_timeout_s)
         # Started now, so that torch is imported while the first rendezvous runs.
         self._zygote = zygote.Zygote.for_entrypoint(spec.entrypoint, spec.args) if options.zygote else None
@@ -98,6 +104,10 @@ class ElastrainAgent(LocalElasticAgent):
         if not isinstance(pcontext, SubprocessContext):
             return False
         return all(handler.proc.poll() is not None for handler in pcontext.subprocess_handlers.values())
+
+    def _workers_finishing(self) -> bool:
+        """Whether every worker of this node said its training is over (:meth:`LiveCoordination.finishing`)."""
+        return self._live.finishing(self._worker_group)
 
     def request_leave(self, reason: str, deadline_s: float) -> None:
         """Leave the job within ``deadline_s``: checkpoint (if enabled), announce, stop the workers, end.

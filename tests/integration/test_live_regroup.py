@@ -513,6 +513,28 @@ def test_a_node_told_to_leave_while_its_workers_warm_up_leaves_at_once(tmp_path:
     assert not b.events("rendezvous_joined") and not a.events("regroup_announced")[1:], detail
 
 
+def test_a_node_told_to_leave_while_its_workers_close_lets_them_end_and_loses_nothing(tmp_path: Path) -> None:
+    """A SIGTERM after the training loop ended, while the worker still runs (its script's end: an upload, say):
+    the agent's save request is never answered (the final save is the worker's newest state), the worker is let
+    end, and its exit without an answer is no error (``checkpoint_not_needed``, not ``checkpoint_unanswered``)."""
+    hold = tmp_path / "hold"
+    env = {"LW_MAX_STEPS": "8", "LW_SLEEP": "0.02", "LW_END_HOLD_FILE": str(hold)}
+    a = Node("a", tmp_path, free_port(), "1:2", env, extra=("--checkpoint-dir", str(tmp_path / "ckpt")))
+    with reaped(a.proc):
+        wait_for(lambda: bool(a.lines("LW_CLOSED")), BOUND, what="a's worker closing\n" + a.dump())
+        a.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: bool(a.events("checkpoint_requested")), BOUND, what="a's request\n" + a.dump())
+        hold.write_text("")
+        try:
+            a.proc.wait(timeout=BOUND)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("a did not end\n" + a.dump()) from None
+    detail = a.dump()
+    assert len(a.lines("LW_START")) == 1 and len(a.lines("LW_DONE")) == 1, detail
+    assert a.events("checkpoint_not_needed") and a.events("agent_left"), detail
+    assert not a.events("checkpoint_unanswered") and not a.events("checkpoint_timeout"), detail
+
+
 def test_a_node_arriving_while_the_workers_close_waits_for_them_to_end(tmp_path: Path) -> None:
     """A node joins after the training loop ended but before the worker exited: the finished worker is neither
     asked for a save nor moved nor restarted (a restart would redo the whole job); its node ends with success."""
