@@ -513,6 +513,16 @@ def test_a_node_told_to_leave_while_its_workers_warm_up_leaves_at_once(tmp_path:
     assert not b.events("rendezvous_joined") and not a.events("regroup_announced")[1:], detail
 
 
+def _release_once(node: Node, event: str, hold: Path) -> None:
+    """Once ``node`` logged ``event``, let its closing worker end (``LW_END_HOLD_FILE``), and wait for the node."""
+    wait_for(lambda: bool(node.events(event)), BOUND, what=f"{node.name}: {event}\n" + node.dump())
+    hold.write_text("")
+    try:
+        node.proc.wait(timeout=BOUND)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{node.name} did not end\n" + node.dump()) from None
+
+
 def test_a_node_told_to_leave_while_its_workers_close_lets_them_end_and_loses_nothing(tmp_path: Path) -> None:
     """A SIGTERM after the training loop ended, while the worker still runs (its script's end: an upload, say):
     the agent's save request is never answered (the final save is the worker's newest state), the worker is let
@@ -523,12 +533,7 @@ def test_a_node_told_to_leave_while_its_workers_close_lets_them_end_and_loses_no
     with reaped(a.proc):
         wait_for(lambda: bool(a.lines("LW_CLOSED")), BOUND, what="a's worker closing\n" + a.dump())
         a.proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: bool(a.events("checkpoint_requested")), BOUND, what="a's request\n" + a.dump())
-        hold.write_text("")
-        try:
-            a.proc.wait(timeout=BOUND)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("a did not end\n" + a.dump()) from None
+        _release_once(a, "checkpoint_requested", hold)
     detail = a.dump()
     assert len(a.lines("LW_START")) == 1 and len(a.lines("LW_DONE")) == 1, detail
     assert a.events("checkpoint_not_needed") and a.events("agent_left"), detail
@@ -546,12 +551,7 @@ def test_a_node_arriving_while_the_workers_close_waits_for_them_to_end(tmp_path:
         wait_for(lambda: bool(a.lines("LW_CLOSED")), BOUND, what="a's worker closing\n" + a.dump())
         b = Node("b", tmp_path, port, "1:2", {**env, "LW_END_HOLD_FILE": ""})
         with reaped(b.proc):
-            wait_for(lambda: bool(a.events("membership_change_deferred")), BOUND, what="a deferring\n" + a.dump())
-            hold.write_text("")
-            try:
-                a.proc.wait(timeout=BOUND)
-            except subprocess.TimeoutExpired:
-                raise AssertionError("a did not end\n" + a.dump()) from None
+            _release_once(a, "membership_change_deferred", hold)
     detail = a.dump() + "\n" + b.dump()
     assert a.proc.returncode == 0, detail
     assert len(a.lines("LW_START")) == 1 and len(a.lines("LW_DONE")) == 1, detail
