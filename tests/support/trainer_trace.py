@@ -338,10 +338,14 @@ def _dump(logs: dict[str, Path]) -> str:
     return "\n".join(f"--- {k} ---\n{digest(p.read_text(errors='replace'))}" for k, p in logs.items() if p.exists())
 
 
+_ERROR_MARKS = ("Error", "Traceback", "terminate called", "what():", "enforce fail", "Fatal Python", "exitcode")
+"""What a line names when a process failed: a Python exception, or a C++ one that aborted it (a gloo I/O thread's)."""
+
+
 def digest(log: str, tail: int = 4000) -> str:
     """What a failure message shows of a node's log: every lifecycle line (the node's story, which CI keeps only in
     the message), the lines that name an error (a worker's traceback long before the tail), then the log's tail."""
     lines = log.splitlines()
     events = [line[:300] for line in lines if line.startswith("elastrain event=")]
-    errors = [line[:300] for line in lines if "Error" in line or "Traceback" in line][:80]
+    errors = [line[:300] for line in lines if any(mark in line for mark in _ERROR_MARKS)][:80]
     return "\n".join(["[events]", *events, "[errors]", *errors, "[tail]", log[-tail:]])
