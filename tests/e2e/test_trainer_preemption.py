@@ -120,23 +120,33 @@ def test_an_unmodified_trainer_script_survives_kills_and_leaves_with_no_step_los
         assert not events_in(run.logs["c"], "trainer_stream_skipped"), f"{where}\n{run.dump()}"
 
 
+@pytest.mark.parametrize("in_save", [False, True], ids=["at-a-random-step", "before-its-save"])
 def test_a_trainer_worker_killed_alone_restarts_and_joins_the_live_world(
-    assets: Path, hf_references: References, tmp_path: Path
+    in_save: bool, assets: Path, hf_references: References, tmp_path: Path
 ) -> None:
     """Only b's worker dies; its agent lives and starts a new one, cold, into the round a's live worker moves into.
     The new worker's script runs its setup (run_clm's ``main_process_first`` barriers around the dataset map) before
-    ``trainer.train()``: it sets up as one process and joins the world there, where a hands it the state."""
+    ``trainer.train()``: it sets up as one process and joins the world there, where a hands it the state.
+
+    ``before-its-save``: b's worker dies after save step 40, before its save (each step then sleeps 0.3 s after its
+    ledger row), while a's is in it: the new world of a live member and a cold one saves step 40 again, and the two
+    run the same collectives (a flos counter of another type in each was a collective mismatch that aborted a)."""
     w = causal_lm(assets)  # the uninterrupted run test_an_unmodified_trainer_script... compares with too
     rng = random.Random(SEED)
-    crash_at = _random_step(rng, w, 0.15, 0.35)
+    crash_at = 40 if in_save else _random_step(rng, w, 0.15, 0.35)
     where = f"seed {SEED} (TRAINER_TRACE_SEED): SIGKILL b's worker at step {crash_at}"
     crash = [Event("crash", "b", at=crash_at, world=2)]
-    run = trace(w, tmp_path / "trace", crash, extra=("--max-restarts", "3"))
+    pace = (0.3, 0.4) if in_save else (0.03, 0.4)
+    run = trace(w, tmp_path / "trace", crash, extra=("--max-restarts", "3"), pace=pace)
     ref = hf_references.get(w)
     check(run, ref, w, sigkills=1, where=where, restarted="b")
     assert run.codes["a"] == 0 and run.codes["b"] == 0, run.dump()
     assert events_in(run.logs["b"], "workers_restarting"), f"{where}: b's workers were not restarted\n{run.dump()}"
     assert run.ledger.world_sizes()[-1] == 2, f"{where}: world sizes {run.ledger.world_sizes()}"
+    if in_save:  # the save of step 40, if lost (the crash came before b's save), was saved again and committed
+        redone = [e for log in run.logs.values() for e in events_in(log, "trainer_epilogue_redone")]
+        assert all((e["step"], e["save"]) == ("40", "True") for e in redone), f"{where}\n{run.dump()}"
+        assert is_committed(str(run.out / "model" / "checkpoint-40")), f"{where}\n{run.dump()}"
 
 
 @pytest.mark.parametrize(
