@@ -227,6 +227,7 @@ class ElasticTrainer:
             return self._restore(asked, first)
         own_step = int(self.trainer.state.global_step) if self.held.holds_state else -1
         agreed_step = world.agree_state()
+        _one_flos_type(self.trainer)
         self.lost_log.relog(self.trainer, self.trainer.args.device, own_step, agreed_step)
         self.epilogue.agree(self.trainer, self.checkpoints.committed, self.trainer.args.device, own_step, agreed_step)
         tune_ddp(self.trainer.accelerator, in_sync=agreed_step is not None)  # the DDP train() builds for this world
@@ -349,6 +350,14 @@ class ElasticTrainer:
 
     def note_failure(self, exc: BaseException) -> None:
         note_if_collective_failure(self.env, exc)
+
+
+def _one_flos_type(trainer: Any) -> None:
+    """Every save all-gathers the flos counter as a tensor of its Python type (``Trainer.store_flos``): an int 0
+    where no step ran since the last save (a cold joiner), a float where one did (a live member whose save or
+    evaluation broke after its step). Different types are a collective mismatch, which aborts gloo's process: one
+    type on every member of a new world."""
+    trainer.current_flos = float(trainer.current_flos)
 
 
 def _explicit_settings(trainer: Any) -> TrainerSettings | None:

@@ -146,10 +146,6 @@ class LostEpilogue:
         if due.evaluate:
             trainer.state.log_history = without_eval_at(trainer.state.log_history, due.step)
         control.should_evaluate, control.should_save = due.evaluate, due.save
-        # The save all-gathers the flos counter as a tensor of its Python type (``Trainer.store_flos``): an int 0
-        # in a process that has trained no step yet (a cold joiner), a float in one whose epilogue broke after the
-        # step. Different types are a collective mismatch, which aborts gloo's process: one type on every member.
-        trainer.current_flos = float(trainer.current_flos)
         if dist.get_rank() == 0:
             lifecycle("trainer_epilogue_redone", step=due.step, evaluate=due.evaluate, save=due.save)
         trainer._maybe_log_save_evaluate(
