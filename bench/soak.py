@@ -1,32 +1,31 @@
 """Soak: a job on up to 3 local nodes plus spares under a seeded churn trace, then Jepsen-style checks.
 
     python bench/soak.py --seed 1 --events 50                  # the T5 example (tiny preset)
-    python bench/soak.py --seed 20 --events 10 --job ledger    # the short CI version (tests/e2e/test_soak.py)
+    python bench/soak.py --seed 311 --events 10 --job ledger   # the short CI version (tests/e2e/test_soak.py)
     python bench/soak.py --seed 3 --events 50 --job trainer    # examples/hf/run_clm.py, unchanged
 
-Every node runs the same command (``elastrain-run --nnodes 1:MAX`` on 127.0.0.1:PORT, one worker),
-so a node that comes back, a spare beyond MAX and a whole-job restart all use the original
-endpoint, run id and checkpoint directory. The trace (elastrain/chaos/churn.py) SIGKILLs any node
-(node 0, the first store host, too), SIGTERMs with a notice, SIGSTOPs and then kills or continues,
-kills the whole job and starts it again, and starts spares while the job is full; each event waits
-for the job's next step milestone. At the end it checks what the run left behind
-(elastrain/chaos/checks.py) and prints a PASS/FAIL table with every violation, then the figures;
-it exits 1 on any violation. Everything stays in ``--output-dir`` (``soak.json``: checks and figures);
+Every node runs the same command (``elastrain-run --nnodes 1:MAX`` on 127.0.0.1:PORT, one worker), so a node that comes
+back, a spare beyond MAX and a whole-job restart all use the original endpoint, run id and checkpoint directory. The
+trace (elastrain/chaos/churn.py) SIGKILLs any node (node 0, the first store host, too) or one worker of a node (its
+agent starts it again), SIGTERMs with a notice, SIGSTOPs and then kills or continues, kills the whole job and starts it
+again, and starts spares while the job is full; each event waits for the job's next step milestone. At the end it checks
+what the run left behind (elastrain/chaos/checks.py) and prints a PASS/FAIL table with every violation, then the
+figures; it exits 1 on any violation. Everything stays in ``--output-dir`` (``soak.json``: checks and figures);
 ``--check DIR`` checks a finished soak's directory again.
 
 The jobs: the T5 example with ``--ledger`` (each rank records the sample ids of every step), or
-tests/workers/ledger_job.py, a tiny linear regression that records the same and starts in ~2 s, or ``trainer``:
-the Hugging Face Trainer causal-LM script examples/hf/run_clm.py, unchanged, on a tiny local GPT-2 (built once
-by examples/hf/make_assets.py into ``--data-dir``), in the default mode with ``--checkpoint-dir``. Its ranks
-write the sample ledger of bench/support/hf/ledger.py (the script imports it when ``LEDGER_DIR`` is set) and
-each step sleeps 0.3 s (its pace file), like the T5 job's ``--step-sleep``: an idle machine would end the job
-before the trace. Its judge checks what applies to a script that is not written against ``Session`` (no
-``finish`` or ``start`` records): the trace ran and the job finished, the last step is ``max_steps`` (ledger and
-the Trainer's ``trainer_state.json``), every sample once per epoch (the committed steps' ledger rows make the
-stream), every evaluation once (the script evaluates every 20 steps and after training: the log history holds
-the uninterrupted run's evaluation steps, each once), steps computed twice at most one per SIGKILL (and
-``--save-every`` + 1 per world lost whole: a whole-job kill, or every member of a world killed, after which the
-job resumes from its newest committed ``checkpoint-N``), no orphan processes, bounded rendezvous rounds.
+tests/workers/ledger_job.py, a tiny linear regression that records the same and starts in ~2 s, or ``trainer``: the
+Hugging Face Trainer causal-LM script examples/hf/run_clm.py, unchanged, on a tiny local GPT-2 (built once by
+examples/hf/make_assets.py into ``--data-dir``), in the default mode with ``--checkpoint-dir``. Its ranks write the
+sample ledger of bench/support/hf/ledger.py (the script imports it when ``LEDGER_DIR`` is set) and each step sleeps 0.3
+s (its pace file), like the T5 job's ``--step-sleep``: an idle machine would end the job before the trace. Its judge
+checks what applies to a script that is not written against ``Session`` (no ``finish`` or ``start`` records): the trace
+ran and the job finished, the last step is ``max_steps`` (ledger and the Trainer's ``trainer_state.json``), every sample
+once per epoch (the committed steps' ledger rows make the stream), every evaluation once (the script evaluates every 20
+steps and after training: the log history holds the uninterrupted run's evaluation steps, each once), steps computed
+twice at most one per SIGKILL, of a node or of one worker (and ``--save-every`` + 1 per world lost whole: a whole-job
+kill, or every member of a world killed, after which the job resumes from its newest committed ``checkpoint-N``), no
+orphan processes, bounded rendezvous rounds.
 """
 
 from __future__ import annotations
@@ -134,8 +133,8 @@ JOBS = {
 TRAINER_STEP_SLEEP = 0.3
 EVAL_EVERY = 20
 """The trainer job evaluates every that many steps (and once after training, as run_clm.py does)."""
-KILLS = ("kill", "notice_expired", "drain_timeout")
-"""The harness's records of a SIGKILL (elastrain/chaos/checks.py's ``_SIGKILLS``)."""
+KILLS = ("kill", "notice_expired", "drain_timeout", "crash")
+"""The harness's records of a SIGKILL: of a node (elastrain/chaos/checks.py's ``_SIGKILLS``) or of one worker."""
 
 
 def free_port() -> int:

@@ -1,7 +1,8 @@
 """Seeded churn traces for the soak: every kind of membership event, each one gated on training progress.
 
 :func:`churn_trace` draws ``events`` events over ``max_nodes`` slots plus ``spares`` slots beyond
-the launcher's MAX: SIGKILL of any node (node 0, the first store host, included), SIGTERM with a
+the launcher's MAX: SIGKILL of any node (node 0, the first store host, included), SIGKILL of one
+worker of a node (its agent starts it again), SIGTERM with a
 notice (to the agent, or to every process of the node), SIGSTOP followed by a SIGKILL or a SIGCONT,
 whole-job kill followed by a restart of the same nodes with the same command, nodes returning at the
 original endpoint, and spare nodes started while the job is full. Each event that is not a follow-up
@@ -82,6 +83,8 @@ def churn_trace(seed: int, config: ChurnConfig | None = None) -> Trace:
             choices += [("kill", 3.0), ("term", 2.0)]
             if left >= 2:
                 choices.append(("stop", 1.5))
+        if up:
+            choices.append(("crash", 1.2))  # the node stays up: the last one may crash too
         if down:
             bonus = 3.0 if len(up) < 2 else (1.5 if len(up) >= cfg.max_nodes else 0.0)  # rescue; or a spare
             choices.append(("start", 2.0 + 2.0 * len(down) / slots + bonus))
@@ -96,6 +99,8 @@ def churn_trace(seed: int, config: ChurnConfig | None = None) -> Trace:
             was_up = tuple(sorted(up))
             events.append(gated(Action.KILL_ALL, -1))
             events.append(TraceEvent(0.0, Action.RESTART_ALL, -1, gap_s=span(cfg.down_s), nodes=was_up))
+        elif kind == "crash":
+            events.append(gated(Action.CRASH, rng.choice(sorted(up))))
         else:
             node = rng.choice(sorted(up))
             if kind == "kill":

@@ -100,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("elastrain-chaos: error: give the training script after --", file=sys.stderr)
         return 2
     host = trace.start[0]
-    stops_host = [e for e in trace.events if e.node == host and e.action is not Action.START]
+    # A crash takes a worker only: the agent, which hosts the store, lives.
+    stops_host = [e for e in trace.events if e.node == host and e.action not in (Action.START, Action.CRASH)]
     preempted = bool(stops_host) or any(e.action is Action.KILL_ALL for e in trace.events)
     if preempted and "etcd" not in args.launcher_args:
         print(

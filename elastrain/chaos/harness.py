@@ -123,6 +123,8 @@ class ChaosHarness:
             self.nodes.stop(node)
         elif event.action is Action.CONT:
             self.nodes.cont(node)
+        elif event.action is Action.CRASH:
+            self.nodes.crash(node)
         else:
             self.nodes.term(node, event.notice_s, event.whole)
 

@@ -1,10 +1,12 @@
 """The chaos run's local nodes as processes: each started in its own session with its output appended to
-``OUTPUT_DIR/node-<i>.log``, signalled (SIGKILL, SIGTERM with a notice, SIGSTOP, SIGCONT), reaped when it exits, and
-killed with whatever it left behind at the end. Every action is recorded on the run's :class:`Timeline`."""
+``OUTPUT_DIR/node-<i>.log``, signalled (SIGKILL, SIGTERM with a notice, SIGSTOP, SIGCONT; SIGKILL of one worker),
+reaped when it exits, and killed with whatever it left behind at the end. Every action is recorded on the run's
+:class:`Timeline`."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -18,6 +20,7 @@ import psutil
 
 from elastrain.chaos.procs import ProcessTree, tagged_processes
 from elastrain.chaos.timeline import Timeline
+from elastrain.log import parse_event_line
 
 
 @dataclass
@@ -53,6 +56,7 @@ class Nodes:
         self.tag = tag
         self.timeline = timeline
         self.all = [Node(i, output_dir / f"node-{i}.log") for i in range(count)]
+        self._crashes = 0
 
     def __getitem__(self, index: int) -> Node:
         return self.all[index]
@@ -110,6 +114,36 @@ class Nodes:
             return
         node.stopped = False
         self.timeline.record("cont", node.index, pids=node.tree.signal(signal.SIGCONT))
+
+    def crash(self, node: Node) -> None:
+        """SIGKILL one of the workers the node's agent started last (each crash takes the next local rank): the
+        agent lives. A node with no worker running (a spare, or one still joining) is skipped, with the reason."""
+        if node.tree is None:
+            return
+        alive = set(node.tree.alive())
+        workers = [p for p in self._workers_started(node) if p in alive]
+        if not workers:
+            self.timeline.record("skip", node.index, reason="crash of a node with no worker running (a spare?)")
+            return
+        pid = workers[self._crashes % len(workers)]
+        self._crashes += 1
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        self.timeline.record("crash", node.index, pid=pid, workers=workers)
+
+    def _workers_started(self, node: Node) -> list[int]:
+        """The PIDs of the node's current incarnation's last ``workers_started`` line (none yet: empty)."""
+        marker = f"==== chaos: node {node.index} start #{node.incarnation} ===="
+        try:
+            text = node.log.read_text(errors="replace")
+        except OSError:
+            return []
+        pids: list[int] = []
+        for line in text[text.rfind(marker) :].splitlines():
+            event = parse_event_line(line)
+            if event is not None and event.get("event") == "workers_started" and event.get("pids"):
+                pids = [int(p) for p in event["pids"].split(",")]
+        return pids
 
     def wait_for_host(self, node: Node, port: int, timeout_s: float, poll_s: float) -> None:
         """Wait until ``node`` listens on ``port`` on 127.0.0.1, it exits, or the run's clock passes ``timeout_s``."""

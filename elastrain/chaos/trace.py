@@ -6,6 +6,7 @@ A trace is a file (YAML or JSON)::
     start: [0, 1, 2]    # nodes up at t=0 (default: all)
     events:
       - {at: 20, action: kill, node: 1}              # SIGKILL, no warning (AzureML low priority)
+      - {at: 30, action: crash, node: 2}             # SIGKILL of one worker: its agent lives and starts it again
       - {at: 45, action: start, node: 1}             # the node comes back
       - {at: 60, action: term, node: 2, notice: 10}  # SIGTERM, then SIGKILL 10 s later (AWS/GCP notice)
       - {at: 65, action: term, node: 1, whole: true} # SIGTERM to every process of the node (a VM's or Slurm's shutdown)
@@ -53,6 +54,9 @@ class Action(str, enum.Enum):
     """SIGKILL of every node that is up or stopped: the whole job is gone."""
     RESTART_ALL = "restart_all"
     """Start the listed ``nodes`` (all down) at once, with the same command: the whole job again."""
+    CRASH = "crash"
+    """SIGKILL of one worker process of a node that is up (out of memory, a segfault): its agent lives, and starts
+    its workers again (``--max-restarts``). The node stays up."""
 
 
 GROUP_ACTIONS = frozenset({Action.KILL_ALL, Action.RESTART_ALL})
@@ -175,14 +179,23 @@ _ALLOWED_FROM = {
     Action.TERM: {"up"},
     Action.STOP: {"up"},
     Action.CONT: {"stopped"},
+    Action.CRASH: {"up"},
 }
-_NEXT = {Action.START: "up", Action.KILL: "down", Action.TERM: "down", Action.STOP: "stopped", Action.CONT: "up"}
+_NEXT = {
+    Action.START: "up",
+    Action.KILL: "down",
+    Action.TERM: "down",
+    Action.STOP: "stopped",
+    Action.CONT: "up",
+    Action.CRASH: "up",
+}
 _FIX = {
     Action.START: "it is already up: kill or term it before starting it again",
     Action.KILL: "only a node that is up or stopped can be killed",
     Action.TERM: "only a node that is up can be termed (kill a stopped node, or cont it first)",
     Action.STOP: "only a node that is up can be stopped",
     Action.CONT: "only a stopped node can be continued",
+    Action.CRASH: "only a node that is up has workers to crash",
 }
 
 

@@ -1,20 +1,20 @@
 """The soak, short and seeded: the ledger job on 3 local nodes plus 2 spares under 10 churn events.
 
-Seed 20's trace has every kind of event (tests/unit/test_chaos_trace.py checks that): SIGKILL,
-SIGTERM with a notice, SIGSTOP then SIGCONT, node 0 (the first store host) down, a whole-job kill and
-restart with the same command, nodes returning at the original endpoint, spares beyond MAX. The
-soak passes only if the job ends at its last step with the exact samples, every sample id is used
-exactly once per epoch, no two worlds train at the same time, every committed checkpoint verifies,
-no process outlives its node, and no membership event leads to more than one rendezvous round.
-``python bench/soak.py --seed N --events 50`` is the long version.
+Seed 311's trace has every kind of event (tests/unit/test_chaos_trace.py checks that): SIGKILL, SIGKILL of one worker
+(its agent starts it again), SIGTERM with a notice, SIGSTOP then SIGCONT, node 0 (the first store host) down, a
+whole-job kill and restart with the same command, nodes returning at the original endpoint, spares beyond MAX. The soak
+passes only if the job ends at its last step with the exact samples, every sample id is used exactly once per epoch, no
+two worlds train at the same time, every committed checkpoint verifies, no process outlives its node, and no membership
+event leads to more than one rendezvous round. ``python bench/soak.py --seed N --events 50`` is the long version.
 
-The Trainer soak: examples/hf/run_clm.py, unchanged, on a tiny GPT-2, 2 local nodes plus a spare, in the
-default mode with ``--checkpoint-dir``, under seed 16's 3 events: a member SIGTERMed with a short notice, a
-node started (it joins, or is still warming up), that node SIGKILLed. (No start comes late in the trace: a node
-still warming up when the job ends waits for the store its job published until it gives up, longer than the
-harness's drain.) It passes only if the job ends at max_steps, every sample is used once per epoch (the ledger the
-script writes for the bench, read from outside), no step is computed twice beyond one per SIGKILL, no process
-outlives its node and no event leads to more than one rendezvous round.
+The Trainer soak: examples/hf/run_clm.py, unchanged, on a tiny GPT-2, 2 local nodes plus a spare, in the default mode
+with ``--checkpoint-dir``, under seed 1897's 4 events: a spare started while the job is full, the worker of node 0
+(the store host) SIGKILLed alone (its agent starts it again, and it joins the live world), a member SIGTERMed with a
+notice (the spare takes its place), the spare SIGKILLed. (No start comes late in the trace: a node still warming up
+when the job ends waits for the store its job published until it gives up, longer than the harness's drain.) It passes
+only if the job ends at max_steps, every sample is used once per epoch (the ledger the script writes for the bench,
+read from outside), no step is computed twice beyond one per SIGKILL, no process outlives its node and no event leads
+to more than one rendezvous round.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from support.processes import PYTHON, REPO, free_port, run
 
 pytestmark = pytest.mark.slow
 
-SEED = 20
+SEED = 311
 EVENTS = 10
 SOAK_TIMEOUT_S = 600
-TRAINER_SEED = 16
-TRAINER_EVENTS = 3
+TRAINER_SEED = 1897
+TRAINER_EVENTS = 4
 TRAINER_TIMEOUT_S = 300
 
 

@@ -229,3 +229,66 @@ def test_a_start_waits_for_a_node_still_in_its_notice_window(tmp_path):
     t = {(e["action"], e.get("node")): e["t"] for e in result.timeline}
     restart = [e["t"] for e in result.timeline if e["action"] == "start" and e["node"] == 1][1]
     assert t[("notice_expired", 1)] <= restart, "the start waited until the termed node was gone"
+
+
+RESTARTING_AGENT = r"""
+import subprocess, sys, time
+node, until = int(sys.argv[1]), float(sys.argv[2])
+if node == 1:
+    time.sleep(2.5)  # still starting when its crash comes: nothing to crash yet
+
+
+def start():
+    ws = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+          for _ in range(2)]
+    print("elastrain event=workers_started round=0 pids=" + ",".join(str(w.pid) for w in ws), flush=True)
+    return ws
+
+
+workers = start()
+while time.time() < until:
+    if any(w.poll() is not None for w in workers):  # one died: stop the others and start them all again
+        for w in workers:
+            w.kill()
+            w.wait()
+        workers = start()
+    time.sleep(0.05)
+for w in workers:
+    w.kill()
+    w.wait()
+"""
+
+
+@pytest.mark.slow
+def test_a_crash_kills_one_worker_and_leaves_its_agent(tmp_path):
+    """``crash``: SIGKILL of one worker of the agent's last ``workers_started`` line, each crash the next local rank;
+    a node with no worker yet is skipped, with the reason."""
+    script = tmp_path / "agent.py"
+    script.write_text(RESTARTING_AGENT)
+    trace = trace_from_dict(
+        {
+            "nodes": 2,
+            "events": [
+                {"at": 1.0, "action": "crash", "node": 1},
+                {"at": 1.5, "action": "crash", "node": 0},
+                {"gap": 1.0, "action": "crash", "node": 0},
+            ],
+        }
+    )
+    until = time.time() + 5.0
+    out = tmp_path / "out"
+    harness = ChaosHarness(trace, lambda i: [sys.executable, str(script), str(i), str(until)], out, poll_s=0.05)
+    result = harness.run(timeout_s=60)
+
+    assert result.succeeded, result.timeline
+    crashes = [e for e in result.timeline if e["action"] == "crash"]
+    skips = [e for e in result.timeline if e["action"] == "skip"]
+    assert [e["node"] for e in skips] == [1] and "no worker running" in skips[0]["reason"]
+    started = [line.split("pids=")[1].split(",") for line in (out / "node-0.log").read_text().splitlines()
+               if "workers_started" in line]  # fmt: skip
+    assert len(started) == 3, started  # the first workers, and again after each crash
+    assert [c["pid"] for c in crashes] == [int(started[0][0]), int(started[1][1])]
+    assert [c["node"] for c in crashes] == [0, 0]
+    exits = [e for e in result.timeline if e["action"] == "exit"]
+    assert {(e["node"], e["returncode"]) for e in exits} == {(0, 0), (1, 0)}, "the agents lived on"
+    assert not result.leftover_pids

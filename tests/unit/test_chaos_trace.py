@@ -54,6 +54,7 @@ def test_events_are_sorted_by_time():
         ({"nodes": 2, "events": [{"at": 1, "action": "explode", "node": 1}]}, "kill, term, start"),
         ({"nodes": 2, "events": [{"at": 1, "node": 1}]}, "missing key 'action'"),
         ({"nodes": 2, "start": [0], "events": [{"at": 1, "action": "kill", "node": 1}]}, "not up"),
+        ({"nodes": 2, "start": [0], "events": [{"at": 1, "action": "crash", "node": 1}]}, "has workers to crash"),
         ({"nodes": 2, "events": [{"at": -1, "action": "kill", "node": 1}]}, ">= 0"),
         ({"nodes": 2, "events": [{"at": 1, "action": "kill", "node": 1, "whole": True}]}, "term events only"),
         ({"nodes": 2, "events": [{"at": 1, "action": "term", "node": 1, "whole": "yes"}]}, "true or false"),
@@ -185,6 +186,8 @@ def test_churn_trace_is_seeded_exact_and_never_strands_the_job(seed):
         elif e.action is Action.STOP:
             up.discard(e.node)
             stopped.add(e.node)
+        elif e.action is Action.CRASH:
+            assert e.node in up, (i, e)  # one worker of a node that is up; the node stays up
         else:
             up.discard(e.node)
             stopped.discard(e.node)
@@ -196,8 +199,9 @@ def test_churn_trace_is_seeded_exact_and_never_strands_the_job(seed):
 
 def test_ci_churn_seed_covers_every_kind_of_event():
     """The seed tests/e2e/test_soak.py runs: every action, a spare, the store host down, a return."""
-    c = coverage(churn_trace(20, ChurnConfig(events=10)))
-    needed = {"kill", "term", "stop", "cont", "start", "kill_all", "restart_all", "spare", "store_host_down", "return"}
+    c = coverage(churn_trace(311, ChurnConfig(events=10)))
+    needed = {"kill", "crash", "term", "stop", "cont", "start", "kill_all", "restart_all", "spare", "store_host_down"}
+    needed.add("return")
     assert needed <= set(c), c
     assert 0 < c["term_whole"] < c["term"], c  # SIGTERMs to the agent alone, and to every process of a node
 
@@ -224,3 +228,11 @@ def test_events_timed_by_a_gap_or_a_step_stay_after_the_one_before():
         }
     )
     assert [e.action for e in t.events] == [Action.KILL, Action.START, Action.STOP, Action.CONT]
+
+
+def test_a_crash_leaves_its_node_up_and_round_trips():
+    t = trace_from_dict(
+        {"nodes": 2, "events": [{"at": 1, "action": "crash", "node": 1}, {"gap": 1, "action": "kill", "node": 1}]}
+    )
+    assert [e.action for e in t.events] == [Action.CRASH, Action.KILL] and t.min_alive() == 1
+    assert trace_from_dict(t.to_dict()) == t and coverage(t)["crash"] == 1
