@@ -4,7 +4,8 @@ Pure functions over the run's files (no processes, no torch), used by :mod:`elas
 ``bench/soak.py``, ``bench/goodput.py`` and the T5 example's report:
 
 - segments (one start of the workers, or one live world) and their spans, from the events, metrics and
-  ledger files (:func:`segments`, :func:`segment_order`, :func:`workers_started`);
+  ledger files (:func:`segments`, :func:`segment_order`, :func:`workers_started`); the workers an agent started
+  last (:func:`last_workers_started`);
 - the sample ledger and the rows each step keeps once re-run steps are superseded (:func:`read_ledger`,
   :func:`kept_rows`);
 - the trace events the harness fired, the rendezvous rounds, the stalls between steps and the completed
@@ -119,6 +120,15 @@ def workers_started(logs: Iterable[str | os.PathLike[str]]) -> dict[int, float]:
             except (KeyError, ValueError):
                 continue
     return {pid: max(t, joined.get(pid, t)) for pid, t in started.items()}
+
+
+def last_workers_started(log: str) -> list[int]:
+    """The worker PIDs of the last ``event=workers_started pids=A,B`` line of a node's log text; none yet: empty."""
+    pids: list[int] = []
+    for line in log.splitlines():
+        if "event=workers_started" in line and (listed := _event_fields(line).get("pids")):
+            pids = [int(p) for p in listed.split(",")]
+    return pids
 
 
 def segments(

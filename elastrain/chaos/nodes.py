@@ -18,9 +18,9 @@ from typing import IO, Any
 
 import psutil
 
+from elastrain.chaos.analysis import last_workers_started
 from elastrain.chaos.procs import ProcessTree, tagged_processes
 from elastrain.chaos.timeline import Timeline
-from elastrain.log import parse_event_line
 
 
 @dataclass
@@ -120,6 +120,7 @@ class Nodes:
         agent lives. A node with no worker running (a spare, or one still joining) is skipped, with the reason."""
         if node.tree is None:
             return
+        node.tree.refresh()  # workers started since the last reap are in the tree too
         alive = set(node.tree.alive())
         workers = [p for p in self._workers_started(node) if p in alive]
         if not workers:
@@ -138,12 +139,7 @@ class Nodes:
             text = node.log.read_text(errors="replace")
         except OSError:
             return []
-        pids: list[int] = []
-        for line in text[text.rfind(marker) :].splitlines():
-            event = parse_event_line(line)
-            if event is not None and event.get("event") == "workers_started" and event.get("pids"):
-                pids = [int(p) for p in event["pids"].split(",")]
-        return pids
+        return last_workers_started(text[text.rfind(marker) :])
 
     def wait_for_host(self, node: Node, port: int, timeout_s: float, poll_s: float) -> None:
         """Wait until ``node`` listens on ``port`` on 127.0.0.1, it exits, or the run's clock passes ``timeout_s``."""

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.support.trainer_ledger import WRITER_DIR, Ledger
+from elastrain.chaos.analysis import last_workers_started
 from support.processes import (
     PYTHON,
     REPO,
@@ -319,10 +320,10 @@ def trace(
 
 def _worker_pids(log: Path) -> list[int]:
     """The workers a node's agent started last (its ``workers_started`` line)."""
-    started = events_in(log.read_text(errors="replace"), "workers_started")
-    if not started:
+    pids = last_workers_started(log.read_text(errors="replace"))
+    if not pids:
         raise AssertionError(f"{log.name}: no workers started yet")
-    return [int(p) for p in started[-1]["pids"].split(",")]
+    return pids
 
 
 def _by_log(procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path]) -> dict[str, subprocess.Popen[bytes]]:

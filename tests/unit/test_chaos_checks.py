@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from elastrain.chaos.analysis import (
     LedgerRow,
     Segment,
+    last_workers_started,
     max_stall,
     read_ledger,
     rendezvous_rounds,
@@ -359,6 +360,24 @@ def test_a_world_exists_from_when_its_agent_started_its_workers(tmp_path):
     spans = segments(events, started=started)
     assert (spans[1].start, spans[1].first_record) == (5.5, 9.0)
     assert "segments overlap for 1.500s" in check_one_world(spans).violations[0]
+
+
+@pytest.mark.parametrize(
+    ("log", "pids"),
+    [
+        ("", []),
+        ("x elastrain event=workers_warming workers=2 t=5.5 pid=399\n", []),
+        ("x elastrain event=workers_started round=0 pids=400,401 t=5.5 pid=399\n", [400, 401]),
+        (
+            "elastrain event=workers_started pids=400,401 t=5.5 pid=399\n"
+            "elastrain event=workers_restarting cause=worker_failure t=6.0 pid=399\n"
+            "elastrain event=workers_started round=1 reason=failure pids=402,403 t=6.5 pid=399\n",
+            [402, 403],
+        ),
+    ],
+)
+def test_the_workers_an_agent_started_last(log, pids):
+    assert last_workers_started(log) == pids
 
 
 def test_a_warm_worker_enters_its_world_when_it_is_given_a_round(tmp_path):
