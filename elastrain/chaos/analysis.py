@@ -107,7 +107,8 @@ def workers_started(logs: Iterable[str | os.PathLike[str]]) -> dict[int, float]:
     for path in logs:
         for line in Path(path).read_text(errors="replace").splitlines():
             warm = "event=worker_warm_joined" in line
-            if not warm and "event=workers_started" not in line:
+            replaced = "event=workers_replaced" in line  # new workers beside running ones: ``new=C``
+            if not warm and not replaced and "event=workers_started" not in line:
                 continue
             fields = _event_fields(line)
             try:
@@ -115,7 +116,7 @@ def workers_started(logs: Iterable[str | os.PathLike[str]]) -> dict[int, float]:
                 if warm:
                     joined[int(fields["pid"])] = t
                     continue
-                for pid in fields.get("pids", "").split(","):
+                for pid in fields.get("new" if replaced else "pids", "").split(","):
                     started[int(pid)] = t
             except (KeyError, ValueError):
                 continue
@@ -123,10 +124,13 @@ def workers_started(logs: Iterable[str | os.PathLike[str]]) -> dict[int, float]:
 
 
 def last_workers_started(log: str) -> list[int]:
-    """The worker PIDs of the last ``event=workers_started pids=A,B`` line of a node's log text; none yet: empty."""
+    """The worker PIDs, by local rank, of the last ``event=workers_started pids=A,B`` line of a node's log text, or
+    of its last ``event=workers_replaced`` line (some workers replaced beside the others: all of them); none yet:
+    empty."""
     pids: list[int] = []
     for line in log.splitlines():
-        if "event=workers_started" in line and (listed := _event_fields(line).get("pids")):
+        started = "event=workers_started" in line or "event=workers_replaced" in line
+        if started and (listed := _event_fields(line).get("pids")):
             pids = [int(p) for p in listed.split(",")]
     return pids
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,11 +141,14 @@ class RegroupChannel:
                 out[path.stem.split("-", 1)[1]] = round_
         return out
 
-    def forget_workers(self) -> None:
-        """Before new workers start: the old workers' live announcements and acks no longer hold."""
+    def forget_workers(self, local_ranks: Collection[int] | None = None) -> None:
+        """Before new workers start: the old workers' live announcements and acks no longer hold (only those of
+        ``local_ranks`` when given: the others keep running)."""
+        names = ["*"] if local_ranks is None else [str(r) for r in local_ranks]
         for pattern in (_LIVE, _REGROUP_ACK, _BROKEN, _WARM, _FINISHING):
-            for path in self.directory.glob(pattern.format(local_rank="*")):
-                path.unlink(missing_ok=True)
+            for name in names:
+                for path in self.directory.glob(pattern.format(local_rank=name)):
+                    path.unlink(missing_ok=True)
 
     def live_pids(self) -> dict[int, int]:
         """The workers that said they can regroup in place: local rank -> pid."""

@@ -253,6 +253,8 @@ class ElastrainAgent(LocalElasticAgent):
         self.phase = self.phase.without_change()
         with zygote.forking_from(self._zygote):
             pids: dict[int, Any] = super()._start_workers(worker_group)
+        if isinstance(self._pcontext, zygote.ZygoteContext):
+            self._pcontext.keep_survivors = self._live.keeps  # a failed worker alone is replaced (--live)
         # torch's process context installs its own signal handlers on every start; SIGTERM is ours.
         self._leave.install_sigterm()
         self.phase = self.phase.started()
@@ -270,6 +272,9 @@ class ElastrainAgent(LocalElasticAgent):
             return
         if self._live.capable(worker_group):
             self._live.regroup(worker_group)
+            return
+        if replaced := self._live.replaceable(self._pcontext):
+            self._live.regroup(worker_group, replaced)
             return
         lifecycle(
             "workers_restarting",
@@ -296,6 +301,24 @@ class ElastrainAgent(LocalElasticAgent):
         for local_rank, worker_id in self._start_workers(worker_group).items():
             worker_group.workers[local_rank].id = worker_id
         worker_group.state = WorkerState.HEALTHY
+
+    def replace_workers(self, worker_group: WorkerGroup, local_ranks: frozenset[int]) -> None:
+        ctx = self._pcontext
+        if not isinstance(ctx, zygote.ZygoteContext) or self._zygote is None or not self._zygote.alive:
+            raise zygote.ZygoteError("the zygote that forks a single worker is gone")
+        self._leave.raise_if_left()
+        self.regroup.forget_workers(local_ranks)  # the new ones say again whether they can regroup
+        new: dict[int, int] = {}
+        with zygote.respawning(ctx, local_ranks, new):
+            pids = super()._start_workers(worker_group)
+        for local_rank, pid in pids.items():
+            worker_group.workers[local_rank].id = pid
+        worker_group.state = WorkerState.HEALTHY
+        new_pids, all_pids = (",".join(str(ps[r]) for r in sorted(ps)) for ps in (new, pids))  # by local rank
+        round_ = self._context.round if self._context else None
+        lifecycle(
+            "workers_replaced", round=round_, local_ranks=",".join(map(str, sorted(new))), new=new_pids, pids=all_pids
+        )
 
     def raise_if_left(self) -> None:
         self._leave.raise_if_left()

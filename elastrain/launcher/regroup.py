@@ -4,7 +4,10 @@ A membership change whose local workers are all alive and said they can regroup 
 :class:`elastrain.session.Session`) does not restart them: the agent completes the new round, writes a
 regroup notice to the control channel and waits (bounded) for every local worker to acknowledge it; the
 workers join the new round's group in place (:mod:`elastrain.live`). Workers that cannot, or do not
-acknowledge in time, are restarted into the same round (the fallback).
+acknowledge in time, are restarted into the same round (the fallback). When a local worker fails on its own
+(an out-of-memory kill, a crash), the others keep running and move in place the same way, and only the failed
+one starts again, into the new round, where it receives the state from them: nothing is read from a checkpoint,
+even on a node alone in its job.
 
 A node's first workers may start *warm*, before it joins a round: they build what they can (imports,
 model, data) and wait for the first regroup notice, so that joining a running job costs the others
@@ -23,11 +26,13 @@ from typing import Protocol
 
 from torch._C._distributed_c10d import HashStore
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.multiprocessing.api import PContext
 
 from elastrain.control import RegroupChannel, RegroupNotice
 from elastrain.env import WARM, LaunchContext, to_environ
 from elastrain.launcher.options import ElastrainOptions
 from elastrain.launcher.phase import Phase
+from elastrain.launcher.zygote import ZygoteContext, ZygoteError
 from elastrain.log import lifecycle
 from elastrain.rendezvous.api import Membership
 
@@ -89,6 +94,11 @@ class WorkerHost(Protocol):
 
     def start_workers_tracked(self, worker_group: WorkerGroup) -> None:
         """Start the workers outside torch's own first start, and record them in the group."""
+        ...
+
+    def replace_workers(self, worker_group: WorkerGroup, local_ranks: frozenset[int]) -> None:
+        """Start new workers for ``local_ranks`` (theirs failed) into the round just formed, beside the running
+        ones, and record them in the group; :class:`~elastrain.launcher.zygote.ZygoteError` if it cannot."""
         ...
 
     def raise_if_left(self) -> None:
@@ -167,8 +177,30 @@ class LiveCoordination:
         local_ranks = {w.local_rank for w in worker_group.workers}
         return bool(local_ranks) and local_ranks <= set(self._regroup.live_pids())
 
-    def regroup(self, worker_group: WorkerGroup) -> None:
-        """Form the new round and move the running workers into it; restart them only if they do not answer."""
+    def keeps(self, survivors: frozenset[int]) -> bool:
+        """When some local workers failed: whether the others, ``survivors``, keep running (--live, each said it can
+        regroup) to move to the next round in place, while only the failed ones start again (:meth:`regroup` with
+        ``replaced``); otherwise they are stopped with them and all start again, as torch's agent does."""
+        phase = self._host.phase
+        if not self._options.live or not phase.in_place or phase is Phase.FENCED:
+            return False
+        return survivors <= set(self._regroup.live_pids())
+
+    def replaceable(self, pcontext: PContext | None) -> frozenset[int]:
+        """After a failure: the local ranks whose worker failed while the others were kept running (:meth:`keeps`)
+        and still run, so that only they start again (none: every local worker restarts)."""
+        if not isinstance(pcontext, ZygoteContext) or self._host.phase not in (Phase.FAILED, Phase.EXITED):
+            return frozenset()
+        failed, running = pcontext.failed_ranks(), pcontext.running_ranks()
+        if not failed or not running or not running <= set(self._regroup.live_pids()):
+            return frozenset()
+        return failed
+
+    def regroup(self, worker_group: WorkerGroup, replaced: frozenset[int] = frozenset()) -> None:
+        """Form the new round and move the running workers into it; restart them only if they do not answer.
+
+        ``replaced``: local ranks whose worker failed; a new one starts for each into the round (a cold start that
+        receives the state from the others), while the rest move in place."""
         host = self._host
         started = time.monotonic()
         ids = {w.local_rank: w.id for w in worker_group.workers}
@@ -191,7 +223,7 @@ class LiveCoordination:
             start_reason=ctx.start_reason.value,
             previous_world_size=old_world_size,
             announced_at=time.time(),
-            no_departure=self._membership.kept_every_member,
+            no_departure=self._membership.kept_every_member and not replaced,
             # Left behind: told while running (this round superseded, evicted) or found in forming the new round.
             superseded=host.phase is Phase.LEFT_BEHIND or self._membership.left_behind,
             first_round=ctx.first_round,
@@ -200,8 +232,10 @@ class LiveCoordination:
             host.phase = Phase.RUNNING  # dealt with: the notice says so
         self._regroup.announce(notice)
         lifecycle("regroup_announced", round=notice.round, world_size=f"{old_world_size}->{notice.world_size}")
+        if replaced and not self._replace(worker_group, replaced):
+            return
         wait_s = ack_wait_s(self._options)
-        missing = self._wait_acks(worker_group, notice, wait_s)
+        missing = self._wait_acks(worker_group, notice, wait_s, replaced)
         if missing is None:
             return  # a worker ended meanwhile: the next monitor tick reports how (success or failure)
         if not missing:
@@ -221,19 +255,38 @@ class LiveCoordination:
             unanswered_local_ranks=",".join(map(str, missing)),
             waited_s=wait_s,
         )
+        self._restart_all(worker_group)
+
+    def _restart_all(self, worker_group: WorkerGroup) -> None:
+        host = self._host
         host.phase = host.phase.stopped()
         host.stop_workers(worker_group)
         worker_group.state = WorkerState.STOPPED
         host.start_workers_tracked(worker_group)
 
-    def _wait_acks(self, worker_group: WorkerGroup, notice: RegroupNotice, wait_s: float) -> list[int] | None:
-        """The local ranks that did not acknowledge ``notice`` within ``wait_s``; None if a worker ended first
-        (one that finished its training as the change came, or died: restarting it would be wrong either way)."""
+    def _replace(self, worker_group: WorkerGroup, replaced: frozenset[int]) -> bool:
+        """Start the new workers for ``replaced``; if that fails, restart every local worker into the round instead
+        (False: nothing is left to wait for)."""
+        host = self._host
+        try:
+            host.replace_workers(worker_group, replaced)
+        except ZygoteError as exc:
+            lifecycle("worker_replace_failed", level=logging.WARNING, error=str(exc)[:200], action="restarting all")
+            self._restart_all(worker_group)
+            return False
+        host.phase = host.phase.without_change()
+        return True
+
+    def _wait_acks(
+        self, worker_group: WorkerGroup, notice: RegroupNotice, wait_s: float, replaced: frozenset[int] = frozenset()
+    ) -> list[int] | None:
+        """The local ranks that did not acknowledge ``notice`` within ``wait_s`` (those ``replaced`` just started
+        in its round: none is asked); None if a worker ended first (one that finished its training as the change
+        came, or died: restarting it would be wrong either way)."""
         deadline = time.monotonic() + wait_s
+        asked = sorted(set(notice.ranks) - replaced)
         while True:
-            missing = self._regroup.wait_acks(
-                sorted(notice.ranks), notice.round, min(0.5, max(0.0, deadline - time.monotonic()))
-            )
+            missing = self._regroup.wait_acks(asked, notice.round, min(0.5, max(0.0, deadline - time.monotonic())))
             if not missing or time.monotonic() >= deadline:
                 return missing
             result = self._host.poll_workers(worker_group)

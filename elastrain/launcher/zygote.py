@@ -38,7 +38,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing import api as mp_api
@@ -197,10 +197,54 @@ class _ZygoteHandler:
 
 
 class ZygoteContext(mp_api.SubprocessContext):
-    """torch's SubprocessContext whose processes are forked by the zygote."""
+    """torch's SubprocessContext whose processes are forked by the zygote.
+
+    torch's context stops every worker as soon as one fails. Given ``keep_survivors``, it asks first: when that
+    says yes for the workers still running (``--live``: each said it can regroup), it reports the failure and leaves
+    them running, so that the agent replaces only the failed ones (:meth:`respawn`) and moves the rest to the next
+    round in place, their state kept; otherwise it stops them all, as torch's does.
+    """
 
     zygote: Zygote
     argvs: dict[int, list[str]]
+    keep_survivors: Callable[[frozenset[int]], bool] | None = None
+
+    def _poll(self) -> mp_api.RunProcsResult | None:
+        if self.keep_survivors is not None:
+            done: set[int] = set()
+            self._capture_process_failures(done)
+            self._running_local_ranks.difference_update(done)
+            survivors = frozenset(self._running_local_ranks)
+            if self._failures and survivors and self.keep_survivors(survivors):
+                return mp_api.RunProcsResult(failures=dict(self._failures), stdouts=self.stdouts, stderrs=self.stderrs)
+        return super()._poll()
+
+    def failed_ranks(self) -> frozenset[int]:
+        """The local ranks whose worker failed while others were kept running (none: empty)."""
+        return frozenset(self._failures)
+
+    def running_ranks(self) -> frozenset[int]:
+        """The local ranks whose worker runs."""
+        return frozenset(r for r, h in self.subprocess_handlers.items() if h.proc.poll() is None)
+
+    def respawn(self, local_ranks: Collection[int], envs: Mapping[int, dict[str, str]]) -> dict[int, int]:
+        """Fork a new worker for each of ``local_ranks`` (their old one failed) with its new ``envs``, beside the
+        running ones; its output goes on in the same files, and its error file is its predecessor's, whose report
+        is set aside first (a later failure must not read it). Returns local rank -> new pid."""
+        pids: dict[int, int] = {}
+        for r in sorted(local_ranks):
+            env = dict(envs[r])
+            error_file = self.envs[r].get("TORCHELASTIC_ERROR_FILE", "")
+            env["TORCHELASTIC_ERROR_FILE"] = error_file
+            if error_file and os.path.exists(error_file):
+                with contextlib.suppress(OSError):
+                    os.replace(error_file, f"{error_file}.{self.subprocess_handlers[r].proc.pid}")
+            pids[r] = self.zygote.spawn(self.argvs[r], env, self.stdouts[r], self.stderrs[r])
+            self.envs[r] = env
+            self.subprocess_handlers[r] = _ZygoteHandler(_ZygoteProc(self.zygote, pids[r]), r)  # type: ignore[assignment]
+            self._failures.pop(r, None)
+            self._running_local_ranks.add(r)
+        return pids
 
     def _start(self) -> None:
         self.subprocess_handlers = {
@@ -251,10 +295,29 @@ def forking_from(zygote: Zygote | None) -> Iterator[None]:
     if zygote is None:
         yield
         return
+    with _starting_with(lambda **kw: start_processes(zygote, **kw)):
+        yield
+
+
+@contextlib.contextmanager
+def respawning(ctx: ZygoteContext, local_ranks: Collection[int], pids: dict[int, int]) -> Iterator[None]:
+    """Within this block, torch's LocalElasticAgent's worker start forks only ``local_ranks`` anew into ``ctx``
+    (:meth:`ZygoteContext.respawn`, with the environment torch builds for the round); ``pids`` receives their pids."""
+
+    def respawn(**kw: Any) -> ZygoteContext:
+        pids.update(ctx.respawn(local_ranks, kw["envs"]))
+        return ctx
+
+    with _starting_with(respawn):
+        yield
+
+
+@contextlib.contextmanager
+def _starting_with(start: Callable[..., mp_api.PContext]) -> Iterator[None]:
     from torch.distributed.elastic.agent.server import local_elastic_agent as lea
 
     original = getattr(lea, "start_processes")  # noqa: B009 - not re-exported; patched for this block only
-    setattr(lea, "start_processes", lambda **kw: start_processes(zygote, **kw))  # noqa: B010
+    setattr(lea, "start_processes", start)  # noqa: B010
     try:
         yield
     finally:

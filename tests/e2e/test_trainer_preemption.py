@@ -149,6 +149,28 @@ def test_a_trainer_worker_killed_alone_restarts_and_joins_the_live_world(
         assert is_committed(str(run.out / "model" / "checkpoint-40")), f"{where}\n{run.dump()}"
 
 
+def test_a_trainer_worker_that_dies_beside_another_on_its_node_is_replaced_alone(
+    assets: Path, hf_references: References, tmp_path: Path
+) -> None:
+    """One node of two workers, alone in its job: local rank 1's worker is SIGKILLed. Its agent keeps rank 0's
+    worker running and starts a new one for rank 1 alone, which receives rank 0's state: the job goes on from the
+    step in flight, not from its last checkpoint (torch's agent stops every worker of the node when one fails)."""
+    w = causal_lm(assets)
+    rng = random.Random(SEED)
+    crash_at = _random_step(rng, w, 0.1, 0.6)
+    where = f"seed {SEED} (TRAINER_TRACE_SEED): SIGKILL a's local rank 1 at step {crash_at}"
+    crash = [Event("crash", "a", at=crash_at, world=2, local_rank=1)]
+    extra = ("--nproc-per-node", "2", "--max-restarts", "3")
+    run = trace(w, tmp_path / "trace", crash, first=("a",), nnodes="1", extra=extra)
+    check(run, hf_references.get(w), w, sigkills=1, where=where)
+    assert run.codes["a"] == 0, run.dump()
+    replaced = events_in(run.logs["a"], "workers_replaced")
+    assert [e["local_ranks"] for e in replaced] == ["1"], f"{where}\n{run.dump()}"
+    read = [e for e in events_in(run.logs["a"], "checkpoint_restored") if "step" in e]
+    assert not read, f"{where}: a checkpoint was read\n{run.dump()}"
+    assert set(run.ledger.world_sizes()) == {2}, f"{where}: world sizes {run.ledger.world_sizes()}"
+
+
 @pytest.mark.parametrize(
     ("hold", "kept_samples"),
     [("", ("8/24", "12/24", "16/24")), (":3:forward", ("8/24",)), (":3:backward", ("16/24",))],

@@ -204,8 +204,9 @@ def printed_fields(line: str) -> dict[str, str]:
 
 
 class LiveNode:
-    """One test "node": an ``elastrain-run --live true`` agent with one worker running ``script`` on 127.0.0.1
-    (c10d, the first node's agent hosts the store); its log, the lines its worker printed, its events."""
+    """One test "node": an ``elastrain-run --live true`` agent with one worker (or ``nproc_per_node``) running
+    ``script`` on 127.0.0.1 (c10d, the first node's agent hosts the store); its log, the lines its workers printed,
+    its events."""
 
     def __init__(
         self,
@@ -220,17 +221,19 @@ class LiveNode:
         last_call_s: float,
         collective_timeout: float,
         extra: Sequence[str] = (),
+        nproc_per_node: int = 1,
+        max_restarts: int = 0,
     ) -> None:
         self.name = name
         self.log = tmp / f"{name}.log"
         cmd = elastrain_cmd(
             "--nnodes", nnodes,
-            "--nproc-per-node", "1",
+            "--nproc-per-node", str(nproc_per_node),
             "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}",
             "--rdzv-id", rdzv_id,
             "--rdzv-conf", f"last_call_timeout={last_call_s:g}",
-            "--max-restarts", "0",
+            "--max-restarts", str(max_restarts),
             "--live", "true",
             "--collective-timeout", f"{collective_timeout:g}",
             *extra,

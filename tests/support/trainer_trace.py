@@ -150,6 +150,7 @@ class Event:
     node: str
     at: int = 0
     world: int | None = None
+    local_rank: int | None = None  # "crash": only this local rank's worker (None: every one)
 
 
 @dataclass
@@ -301,7 +302,8 @@ def trace(
             elif ev.action == "kill":
                 kill_tree(procs[ev.node].pid, signal.SIGKILL)
             elif ev.action == "crash":
-                for pid in _worker_pids(logs[max(k for k in logs if k.rstrip("0123456789") == ev.node)]):
+                pids = _worker_pids(logs[max(k for k in logs if k.rstrip("0123456789") == ev.node)])
+                for pid in pids if ev.local_rank is None else pids[ev.local_rank : ev.local_rank + 1]:
                     kill_tree(pid, signal.SIGKILL)
             elif ev.action == "term":
                 procs[ev.node].send_signal(signal.SIGTERM)

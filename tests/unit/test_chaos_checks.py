@@ -374,10 +374,25 @@ def test_a_world_exists_from_when_its_agent_started_its_workers(tmp_path):
             "elastrain event=workers_started round=1 reason=failure pids=402,403 t=6.5 pid=399\n",
             [402, 403],
         ),
+        (
+            "elastrain event=workers_started pids=400,401 t=5.5 pid=399\n"
+            "elastrain event=workers_replaced round=1 local_ranks=0 new=402 pids=402,401 t=6.5 pid=399\n",
+            [402, 401],
+        ),
     ],
 )
 def test_the_workers_an_agent_started_last(log, pids):
     assert last_workers_started(log) == pids
+
+
+def test_a_replaced_worker_enters_its_world_when_it_is_started_and_the_others_keep_theirs(tmp_path):
+    """A worker that failed alone is replaced beside the others (``workers_replaced``): only the new one starts."""
+    log = tmp_path / "node-0.log"
+    log.write_text(
+        "x elastrain event=workers_started round=0 pids=400,401 t=5.5 pid=399\n"
+        "x elastrain event=workers_replaced round=1 local_ranks=1 new=402 pids=400,402 t=9.0 pid=399\n"
+    )
+    assert workers_started([log]) == {400: 5.5, 401: 5.5, 402: 9.0}
 
 
 def test_a_warm_worker_enters_its_world_when_it_is_given_a_round(tmp_path):

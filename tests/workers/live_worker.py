@@ -13,6 +13,8 @@ With LW_HANG_NODE=g, LW_HANG_AT_STEP=N: that node's worker sleeps LW_HANG_S in i
 With LW_DIE_AT_STEP=N and LW_DIE_NODE=<group rank>: that node's worker SIGKILLs its agent and itself in the
 middle of step N's backward (from the gradient hook of layer LW_DIE_LAYER: 0, 2 or 3), between DDP's bucket
 all-reduces.
+With LW_DIE_RANK=<rank> (instead of LW_DIE_NODE): the worker of that rank in round 0 SIGKILLs itself alone, as
+above (its node's agent and other workers live on).
 With LW_DIE_JOINING=1: the worker SIGKILLs its whole node (agent, zygote, itself) as it starts to join its first
 round's process group: a member that died after its round formed and before it joined.
 """
@@ -55,6 +57,7 @@ def main() -> None:
     sleep = float(os.environ.get("LW_SLEEP", "0.05"))
     die_at = int(os.environ.get("LW_DIE_AT_STEP", "0"))
     die_node = int(os.environ.get("LW_DIE_NODE", "-1"))
+    die_rank = int(os.environ.get("LW_DIE_RANK", "-1"))
     stop_at_ws = int(os.environ.get("LW_STOP_AT_WS", "0"))
     extra = int(os.environ.get("LW_EXTRA_STEPS", "10"))
     stop_at: int | None = None
@@ -105,7 +108,8 @@ def main() -> None:
 
     def die(grad: torch.Tensor) -> torch.Tensor:
         if dying["armed"]:
-            os.kill(os.getppid(), signal.SIGKILL)
+            if die_rank < 0:
+                os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         return grad
 
@@ -137,7 +141,8 @@ def main() -> None:
             if hang_node == group_rank and step.number == hang_at and session.env.round == 0:
                 say(f"LW_HANG rank={session.rank} step={step.number}")
                 time.sleep(hang_s)  # deaf to the regroup notice: the agent must restart this worker
-            dying["armed"] = step.number == die_at and group_rank == die_node
+            alone = rank == die_rank and session.env.round == 0
+            dying["armed"] = step.number == die_at and (group_rank == die_node or alone)
             for mb in step:
                 x, y = mb.data
                 step.backward(torch.nn.functional.mse_loss(session.model(x), y), mb)
