@@ -302,10 +302,8 @@ class Session:
         )
 
     def log(self, step: int, **values: Any) -> None:
-        """Record metrics at global step ``step`` (rank 0 writes; tensors become floats)."""
-        if self.rank != 0:
-            return
-        self.records.log(step, {k: float(v.item()) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
+        """Record metrics at global step ``step`` (rank 0 writes, tensors become floats; the others keep them)."""
+        self.records.log(step, values)
 
     # -- live mode (elastrain-run --live true) ------------------------------------------------------
     def collective_broke(self, exc: BaseException, step: Step | None, group_error: bool) -> None:

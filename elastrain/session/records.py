@@ -2,13 +2,19 @@
 
 Every entry into a world (a start, or a live regroup) opens a new segment, whose ``start`` (or
 ``regroup``) event says where it began; metric points keep their format (``kind``, ``step``,
-``time``, ``values``). Other ranks write nothing.
+``time``, ``values``). Other ranks write nothing, but keep the points they were asked to log: rank 0 can
+die after a step every member completed and before its point was stored (a SIGKILL between the optimizer step
+and ``step.log``; on an object store, points wait in a buffer up to ``flush_every_s``), and the world goes on
+from that step. The member that becomes rank 0 stores the kept points the file lacks, up to the agreed step.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Any
+
+import torch
 
 from elastrain.checkpoint import RestoreInfo
 from elastrain.data import ElasticSampler
@@ -28,6 +34,9 @@ from elastrain.session.config import OutputConfig
 from elastrain.storage import join_path
 from elastrain.train_state import TrainState
 
+KEPT_POINTS = 1024
+"""How many metric points a rank that does not write keeps, for when it becomes rank 0 (see the module doc)."""
+
 
 class Records:
     """The events, metrics and TensorBoard writers of the current segment (open on rank 0 only)."""
@@ -40,6 +49,7 @@ class Records:
         """Steps logged past the restored one by an earlier start that died: computed again now."""
         self._metrics: MetricsWriter | None = None
         self._tensorboard: TensorBoardWriter | None = None
+        self._kept: deque[tuple[int, dict[str, Any]]] = deque(maxlen=KEPT_POINTS)  # not written: values as given
 
     def open(self, env: WorkerEnv, segment: str, restored_step: int) -> None:
         """Rank 0: the segment's writers, continuing the files of earlier segments."""
@@ -50,6 +60,8 @@ class Records:
             logged = max((p.step for p in read_metrics(metrics_path).active), default=0)
             self.steps_rerun = max(0, logged - restored_step)
             self._metrics = MetricsWriter(metrics_path, segment, restored_step)
+            self._store_kept(logged, restored_step)
+        self._kept.clear()
         self.events = EventsFile(events_path, run_id=env.run_id, segment=segment)
         if self.tensorboard_dir:
             if tensorboard_available():
@@ -117,10 +129,25 @@ class Records:
             self.events.record("rescale", **fields)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
+        """Write ``values`` at ``step`` (rank 0: tensors become floats); any other rank keeps them (module doc)."""
+        if self._metrics is None and self._tensorboard is None:
+            self._kept.append((step, values))  # converted only if ever stored: no device sync per step here
+            return
+        plain = _plain(values)
         if self._metrics is not None:
-            self._metrics.log(step, **values)
+            self._metrics.log(step, **plain)
         if self._tensorboard is not None:
-            self._tensorboard.log(step, **values)
+            self._tensorboard.log(step, **plain)
+
+    def _store_kept(self, logged: int, restored_step: int) -> None:
+        """The kept points of the steps after the file's last (``logged``) up to the one this world goes on from."""
+        if self._metrics is None:
+            return
+        missing = [(step, values) for step, values in self._kept if logged < step <= restored_step]
+        for step, values in missing:
+            self._metrics.log(step, **_plain(values))
+        if missing:
+            lifecycle("metrics_recovered", steps=f"{missing[0][0]}-{missing[-1][0]}", points=len(missing))
 
     def checkpointed(self, step: int) -> None:
         """A checkpoint of ``step`` committed (object stores: no restorable step's points are lost)."""
@@ -134,3 +161,7 @@ class Records:
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
+
+
+def _plain(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: float(v.item()) if isinstance(v, torch.Tensor) else v for k, v in values.items()}

@@ -1,0 +1,63 @@
+"""Rank 0's metrics through a live regroup that changed rank 0: the points it died before storing are stored."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastrain.env import WorkerEnv
+from elastrain.metrics import METRICS_FILENAME, read_metrics
+from elastrain.session.config import OutputConfig
+from elastrain.session.records import KEPT_POINTS, Records
+
+ENV = WorkerEnv.from_environ({})
+
+
+def _records(tmp_path: Path) -> Records:
+    return Records(OutputConfig(), str(tmp_path))
+
+
+def _losses(tmp_path: Path) -> dict[int, float]:
+    return dict(read_metrics(tmp_path / METRICS_FILENAME).series("loss"))
+
+
+@pytest.mark.parametrize(
+    ("old_rank0_logged", "agreed", "stored"),
+    [
+        (28, 28, []),  # rank 0 stored every step the world kept: nothing to add
+        (27, 28, [28]),  # it died after step 28, before its point: the new rank 0 stores it
+        (24, 28, [25, 26, 27, 28]),  # an object store's buffer lost several
+        (27, 27, []),  # the world goes on from 27: 28 is computed again and logged then
+        (29, 28, []),  # rank 0 logged a step the world gave up: superseded, nothing added
+    ],
+)
+def test_the_new_rank_0_stores_the_points_the_file_lacks_up_to_the_agreed_step(
+    tmp_path: Path, old_rank0_logged: int, agreed: int, stored: list[int]
+) -> None:
+    old, other = _records(tmp_path), _records(tmp_path)
+    old.open(ENV, "seg-a", 0)
+    for step in range(1, 30):
+        if step <= old_rank0_logged:
+            old.log(step, {"loss": torch.tensor(float(step))})
+        other.log(step, {"loss": torch.tensor(float(step)), "lr": 0.1})  # not rank 0: keeps, writes nothing
+    old.close_writers()
+    assert max(_losses(tmp_path)) == old_rank0_logged
+    other.reopen(0, ENV, "seg-b", agreed)  # the regroup made it rank 0
+    losses = _losses(tmp_path)
+    assert sorted(s for s in losses if s > old_rank0_logged) == stored
+    assert all(losses[s] == float(s) for s in losses)
+    other.close_writers()
+
+
+def test_a_rank_keeps_a_bounded_number_of_points_and_forgets_them_once_it_wrote(tmp_path: Path) -> None:
+    r = _records(tmp_path)
+    for step in range(1, KEPT_POINTS + 11):
+        r.log(step, {"loss": 1.0})
+    r.reopen(0, ENV, "seg-a", KEPT_POINTS + 10)
+    stored = sorted(_losses(tmp_path))
+    assert stored == list(range(11, KEPT_POINTS + 11))
+    r.reopen(1, ENV, "seg-b", KEPT_POINTS + 10)  # rank 1 now: nothing written, nothing kept from before
+    r.reopen(0, ENV, "seg-c", KEPT_POINTS + 10)
+    assert sorted(_losses(tmp_path)) == stored
