@@ -1,9 +1,10 @@
 """The rounds a node was in, what its next round's continuity needs (:func:`~elastrain.rendezvous.state.continuity`).
 
-A node's next round either continues its last one (the next number, every member kept: a live regroup moves at an
-agreed step) or it does not; and the node was left behind when rounds were formed without it, when it was redirected
-to a winning world's store since (that world numbers its own rounds), or when it was frozen for a heartbeat timeout
-and the new round did not keep every member. Its workers then drop the state they hold.
+A node's next round either continues its last one (the next number, every member kept, no member's workers failed:
+a live regroup moves at an agreed step) or it does not; and the node was left behind when rounds were formed without
+it, when it was redirected to a winning world's store since (that world numbers its own rounds), or when it was
+frozen for a heartbeat timeout and the new round did not keep every member. Its workers then drop the state they
+hold.
 """
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ class RoundHistory:
         after ``t`` (monotonic)."""
         silent = silent_since(self._formed_at)
         self.continuity = st.continuity(
-            self._node_id, self.round, self.members, state.round, state.members, self._redirected, silent
+            self._node_id,
+            self.round,
+            self.members,
+            state.round,
+            state.members,
+            self._redirected,
+            silent,
+            state.after_failure,
         )
         self.round, self.members = state.round, state.members
         self._redirected = False

@@ -87,6 +87,9 @@ class RendezvousState:
     (``echoes``), each part in the order they reported it (see :func:`report_failure`)."""
     echoes: tuple[str, ...] = ()
     """The members of ``failed`` whose workers said a collective broke under them (a peer failed)."""
+    after_failure: tuple[str, ...] = ()
+    """The previous round's ``failed`` when this round formed: members whose workers failed (a worker SIGKILLed, a
+    crash) and re-joined. A worker's state was lost with it, so this round did not keep every member's."""
 
 
 class Departure(str, enum.Enum):
@@ -154,6 +157,7 @@ def encode(state: RendezvousState) -> bytes:
             "superseded_by": state.superseded_by,
             "failed": list(state.failed),
             "echoes": list(state.echoes),
+            "after_failure": list(state.after_failure),
         },
         separators=(",", ":"),
     ).encode()
@@ -240,6 +244,7 @@ def decode(data: bytes) -> RendezvousState:
             superseded_by=_str(raw.get("superseded_by", "")),
             failed=tuple(_str(n) for n in _list(raw.get("failed", []))),
             echoes=tuple(_str(n) for n in _list(raw.get("echoes", []))),
+            after_failure=tuple(_str(n) for n in _list(raw.get("after_failure", []))),
         )
     except _DECODE_ERRORS as exc:
         raise RendezvousStateCorruptError(
@@ -410,6 +415,7 @@ def complete(state: RendezvousState, max_nodes: int) -> RendezvousState:
         majority=majority,
         failed=(),
         echoes=(),
+        after_failure=tuple(m for m in state.failed if m in members),
     )
 
 
@@ -463,7 +469,7 @@ class Continuity:
 
     kept_every_member: bool
     """The new round directly follows the node's last one and holds every member of it (nodes joined, none
-    left): the same answer on every node of both rounds."""
+    left), and no member's workers failed in between: the same answer on every node of both rounds."""
     left_behind: bool
     """The new round does not directly follow the node's last one (rounds were formed without it, or it was
     redirected to a winning world's store), or the node was frozen for a heartbeat timeout and the new round did
@@ -479,19 +485,23 @@ def continuity(
     members: Iterable[str],
     redirected: bool = False,
     silent: bool = False,
+    after_failure: Iterable[str] = (),
 ) -> Continuity:
     """Pure: :class:`Continuity` for ``node``, last in ``last_round`` (``-1``: none) with ``last_members``, now
     in ``round_`` with ``members``. ``redirected``: it left its lineage's store for another world's since (its
     world lost the fencing claim); that world numbers its own rounds, so no number there continues this one's.
     ``silent``: its heartbeat stopped for a heartbeat timeout since (frozen): its peers may have judged it dead
     and trained on in a lineage of their own (its store died meanwhile, so it never saw their rounds); unless the
-    new round kept every member, it was left behind."""
+    new round kept every member, it was left behind. ``after_failure``: the new round's members whose workers failed
+    in the last one (:attr:`RendezvousState.after_failure`): a worker's state went with it, so not every member was
+    kept, though such a member does not leave a silent node behind (the job trained nothing without it)."""
     before, now = set(last_members), set(members)
     if last_round < 0:
         return Continuity(kept_every_member=False, left_behind=False)  # nothing held from an earlier round
     follows = round_ == last_round + 1 and not redirected
     kept = follows and node in before and before <= now
-    return Continuity(kept_every_member=kept, left_behind=not follows or (silent and not kept))
+    lost = any(True for _ in after_failure)
+    return Continuity(kept_every_member=kept and not lost, left_behind=not follows or (silent and not kept))
 
 
 def change_for(state: RendezvousState, node: str, my_round: int, max_nodes: int) -> Change | None:

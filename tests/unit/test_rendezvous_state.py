@@ -292,9 +292,29 @@ def test_the_first_failure_reported_is_the_cause_and_later_ones_are_its_echoes()
     assert st.report_failure(s2, "c", 1) is None
     assert st.report_failure(st.remove(s2, ["c"], "dead"), "c", 0) is None
     assert st.decode(st.encode(s2)) == s2
-    # A new round starts with a clean slate.
+    # A new round starts with a clean slate, and says whose workers failed in the last (their state went with them).
     nxt = st.complete(st.join(st.join(st.join(s2, "a", INFO), "b", INFO), "c", INFO), 4)
-    assert nxt.round == 1 and nxt.failed == ()
+    assert nxt.round == 1 and nxt.failed == () and nxt.after_failure == ("b", "a")
+    assert st.decode(st.encode(nxt)) == nxt
+    after = st.complete(st.join(st.join(st.join(nxt, "a", INFO), "b", INFO), "c", INFO), 4)
+    assert after.after_failure == ()  # a round formed for a newcomer alone lost nobody's state
+
+
+def test_a_round_formed_after_a_members_workers_failed_did_not_keep_every_member_on_any_node() -> None:
+    """A worker SIGKILLed alone (its node re-joins with the same nodes): every node of both rounds learns that a
+    member's state was lost, so a live regroup moves at once instead of finishing the step in flight."""
+    s = st.report_failure(formed("a", "b"), "b", 0)
+    assert s is not None
+    nxt = st.complete(st.join(st.join(s, "b", INFO), "a", INFO), 4)
+    for node in ("a", "b"):
+        got = st.continuity(node, 0, ("a", "b"), nxt.round, nxt.members, after_failure=nxt.after_failure)
+        assert got == st.Continuity(kept_every_member=False, left_behind=False)
+    # A silent node is not left behind by it: the job trained nothing without it.
+    got = st.continuity("a", 0, ("a", "b"), 1, ("a", "b"), silent=True, after_failure=("b",))
+    assert got == st.Continuity(kept_every_member=False, left_behind=False)
+    # A failed member that did not come back is a departure, not in after_failure.
+    gone = st.complete(st.join(st.remove(s, ["b"], "failed"), "a", INFO), 4)
+    assert gone.members == ("a",) and gone.after_failure == ()
 
 
 @pytest.mark.parametrize(
