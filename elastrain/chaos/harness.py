@@ -23,6 +23,9 @@ from elastrain.chaos.timeline import TIMELINE_FILE, ChaosResult, Timeline
 from elastrain.chaos.trace import Action, Trace, TraceEvent
 from elastrain.errors import TraceError
 
+CRASH_WAIT_S = 60.0
+"""How long a crash waits for its node's workers to start (a node started a moment ago) before it is skipped."""
+
 __all__ = ["TIMELINE_FILE", "ChaosHarness", "ChaosResult", "elastrain_node_command", "new_run_id"]
 
 
@@ -63,6 +66,7 @@ class ChaosHarness:
         output_dir: str | os.PathLike[str],
         env: Mapping[str, str] | None = None,
         poll_s: float = 0.1,
+        crash_wait_s: float = CRASH_WAIT_S,
         drain_s: float = 60.0,
         progress: Callable[[], int] | None = None,
         host_port: int | None = None,
@@ -82,6 +86,7 @@ class ChaosHarness:
         self.tag = uuid.uuid4().hex
         self.env[TAG_VARIABLE] = self.tag
         self.poll_s = poll_s
+        self.crash_wait_s = crash_wait_s
         self.drain_s = drain_s
         self.progress = progress
         self.host_port = host_port
@@ -90,6 +95,7 @@ class ChaosHarness:
         self.timeline = Timeline(trace, node_command, self.output_dir, progress)
         self.nodes = Nodes(trace.nodes, node_command, self.output_dir, self.env, self.tag, self.timeline)
         self._last_fired = 0.0
+        self._crash_due_since: dict[int, float] = {}  # id of a crash event -> when it first waited for workers
 
     # -- the trace's events -----------------------------------------------------------------------
     def _fire(self, event: TraceEvent, index: int) -> None:
@@ -135,11 +141,24 @@ class ChaosHarness:
         starting = event.nodes if event.action is Action.RESTART_ALL else (event.node,)
         if event.action in (Action.START, Action.RESTART_ALL) and any(self.nodes.leaving(i) for i in starting):
             return False
+        if self._crash_waits(event):
+            return False
         if event.after_step is None:
             return True
         if self.progress is None:
             raise TraceError(f"an event waits for step {event.after_step}, but the harness has no progress source")
         return self.progress() >= event.after_step
+
+    def _crash_waits(self, event: TraceEvent) -> bool:
+        """A crash waits (up to ``crash_wait_s`` from when it was first due) for its node's workers: a node started a
+        moment ago may not have started them yet."""
+        if event.action is not Action.CRASH:
+            return False
+        node = self.nodes[event.node]
+        since = self._crash_due_since.setdefault(id(event), self.timeline.now())
+        if self.timeline.now() - since > self.crash_wait_s or not self.nodes.settled_running(node):
+            return False
+        return not self.nodes.workers_running(node)
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self, timeout_s: float = 600.0, stall_s: float | None = None) -> ChaosResult:

@@ -56,7 +56,7 @@ class Nodes:
         self.tag = tag
         self.timeline = timeline
         self.all = [Node(i, output_dir / f"node-{i}.log") for i in range(count)]
-        self._crashes = 0
+        self._crashes: dict[int, int] = {}  # node -> its crashes so far (each takes the next local rank)
 
     def __getitem__(self, index: int) -> Node:
         return self.all[index]
@@ -118,19 +118,24 @@ class Nodes:
     def crash(self, node: Node) -> None:
         """SIGKILL one of the workers the node's agent started last (each crash takes the next local rank): the
         agent lives. A node with no worker running (a spare, or one still joining) is skipped, with the reason."""
-        if node.tree is None:
-            return
-        node.tree.refresh()  # workers started since the last reap are in the tree too
-        alive = set(node.tree.alive())
-        workers = [p for p in self._workers_started(node) if p in alive]
+        workers = self.workers_running(node)
         if not workers:
             self.timeline.record("skip", node.index, reason="crash of a node with no worker running (a spare?)")
             return
-        pid = workers[self._crashes % len(workers)]
-        self._crashes += 1
+        done = self._crashes.get(node.index, 0)
+        pid = workers[done % len(workers)]
+        self._crashes[node.index] = done + 1
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         self.timeline.record("crash", node.index, pid=pid, workers=workers)
+
+    def workers_running(self, node: Node) -> list[int]:
+        """The PIDs of the workers the node's agent started last that are alive (none yet, or none left: empty)."""
+        if node.tree is None:
+            return []
+        node.tree.refresh()  # workers started since the last reap are in the tree too
+        alive = set(node.tree.alive())
+        return [p for p in self._workers_started(node) if p in alive]
 
     def _workers_started(self, node: Node) -> list[int]:
         """The PIDs of the node's current incarnation's last ``workers_started`` line (none yet: empty)."""

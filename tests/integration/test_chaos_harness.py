@@ -236,6 +236,9 @@ import subprocess, sys, time
 node, until = int(sys.argv[1]), float(sys.argv[2])
 if node == 1:
     time.sleep(2.5)  # still starting when its crash comes: nothing to crash yet
+if node == 2:  # never starts a worker (as a spare would not)
+    time.sleep(max(0.0, until - time.time()))
+    sys.exit(0)
 
 
 def start():
@@ -261,34 +264,41 @@ for w in workers:
 
 @pytest.mark.slow
 def test_a_crash_kills_one_worker_and_leaves_its_agent(tmp_path):
-    """``crash``: SIGKILL of one worker of the agent's last ``workers_started`` line, each crash the next local rank;
-    a node with no worker yet is skipped, with the reason."""
+    """``crash``: SIGKILL of one worker of the agent's last ``workers_started`` line, each crash of a node the next
+    local rank; a crash of a node still starting waits for its workers, and one of a node that starts none in
+    ``crash_wait_s`` is skipped, with the reason."""
     script = tmp_path / "agent.py"
     script.write_text(RESTARTING_AGENT)
     trace = trace_from_dict(
         {
-            "nodes": 2,
+            "nodes": 3,
             "events": [
                 {"at": 1.0, "action": "crash", "node": 1},
                 {"at": 1.5, "action": "crash", "node": 0},
                 {"gap": 1.0, "action": "crash", "node": 0},
+                {"gap": 0.1, "action": "crash", "node": 2},
             ],
         }
     )
-    until = time.time() + 5.0
+    until = time.time() + 9.0
     out = tmp_path / "out"
-    harness = ChaosHarness(trace, lambda i: [sys.executable, str(script), str(i), str(until)], out, poll_s=0.05)
+    command = lambda i: [sys.executable, str(script), str(i), str(until)]  # noqa: E731
+    harness = ChaosHarness(trace, command, out, poll_s=0.05, crash_wait_s=1.5)
     result = harness.run(timeout_s=60)
 
     assert result.succeeded, result.timeline
     crashes = [e for e in result.timeline if e["action"] == "crash"]
     skips = [e for e in result.timeline if e["action"] == "skip"]
-    assert [e["node"] for e in skips] == [1] and "no worker running" in skips[0]["reason"]
-    started = [line.split("pids=")[1].split(",") for line in (out / "node-0.log").read_text().splitlines()
-               if "workers_started" in line]  # fmt: skip
-    assert len(started) == 3, started  # the first workers, and again after each crash
-    assert [c["pid"] for c in crashes] == [int(started[0][0]), int(started[1][1])]
-    assert [c["node"] for c in crashes] == [0, 0]
+    assert [e["node"] for e in skips] == [2] and "no worker running" in skips[0]["reason"]
+    started = {
+        i: [line.split("pids=")[1].split(",") for line in (out / f"node-{i}.log").read_text().splitlines()
+            if "workers_started" in line]
+        for i in (0, 1)
+    }  # fmt: skip
+    assert len(started[0]) == 3 and len(started[1]) == 2, started  # the first workers, and again after each crash
+    assert [c["node"] for c in crashes] == [1, 0, 0]
+    assert crashes[0]["pid"] == int(started[1][0][0]), "node 1's crash waited for its first worker"
+    assert [c["pid"] for c in crashes[1:]] == [int(started[0][0][0]), int(started[0][1][1])]
     exits = [e for e in result.timeline if e["action"] == "exit"]
-    assert {(e["node"], e["returncode"]) for e in exits} == {(0, 0), (1, 0)}, "the agents lived on"
+    assert {(e["node"], e["returncode"]) for e in exits} == {(0, 0), (1, 0), (2, 0)}, "the agents lived on"
     assert not result.leftover_pids
