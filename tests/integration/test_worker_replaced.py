@@ -139,3 +139,53 @@ def test_a_worker_sigkilled_from_outside_is_replaced_and_a_second_death_is_repla
         steps = [int(s["step"]) for s in _by_rank(node, "LW_STEP", rank)]
         assert len(steps) - len(set(steps)) <= 1, detail
     assert {int(s["step"]) for s in node.lines("LW_STEP")} == set(range(1, max_steps + 1)), detail
+
+
+def test_a_worker_replaced_beside_other_nodes_lets_every_survivor_leave_the_broken_step_at_once(
+    tmp_path: Path,
+) -> None:
+    """Two nodes of two workers; one worker of node a is SIGKILLed. Only it is replaced; every other worker, on
+    either node, moves to the next round in place. A survivor that is not the dead rank's neighbour in gloo's ring
+    never sees its sockets reset: it must learn from the notice that a member's state is gone (the round did not
+    keep every member), give the step's collectives up and leave at once, not wait for ``--collective-timeout``
+    (here longer than the test's bound; it was 30 s in a Trainer soak, seed 31101)."""
+    seed = random.Random().randrange(1000)
+    rng = random.Random(seed)
+    port = free_port()
+    env = {"LW_MAX_STEPS": "60", "LW_SLEEP": "0.05"}
+    nodes = [
+        LiveNode(
+            name,
+            tmp_path,
+            port,
+            SCRIPT,
+            env,
+            rdzv_id="replace-two-nodes",
+            nnodes="2",
+            last_call_s=BOUND,
+            collective_timeout=600,
+            nproc_per_node=2,
+            max_restarts=2,
+        )
+        for name in ("a", "b")
+    ]
+    a, b = nodes
+    with reaped(*(n.proc for n in nodes)):
+        try:
+            wait_for(lambda: len(a.lines("LW_START")) == 2 and len(b.lines("LW_START")) == 2, BOUND, what="4 workers")
+            victim_rank = str(rng.choice([r["rank"] for r in a.lines("LW_START")]))
+            wait_for(partial(_trained, a, victim_rank, rng.randint(5, 20)), BOUND, what="training")
+            time.sleep(rng.uniform(0.0, 0.1))
+            os.kill(int(_by_rank(a, "LW_START", victim_rank)[-1]["pid"]), signal.SIGKILL)
+            for n in nodes:
+                n.proc.wait(timeout=BOUND)
+        except Exception as exc:
+            raise AssertionError(f"seed={seed} {exc}\n" + "\n".join(n.dump() for n in nodes)) from None
+    detail = f"seed={seed}\n" + "\n".join(n.dump() for n in nodes)
+    assert a.proc.returncode == 0 and b.proc.returncode == 0, detail
+    assert len(a.events("workers_replaced")) == 1 and not b.events("workers_replaced"), detail
+    assert len(b.lines("LW_START")) == 2 and len(a.lines("LW_START")) == 3, detail
+    for n in nodes:
+        assert not n.events("workers_restarting") and not n.events("regroup_fallback"), detail
+    done = [d for n in nodes for d in n.lines("LW_DONE")]
+    assert len(done) == 4 and len({d["hash"] for d in done}) == 1 and {d["step"] for d in done} == {"60"}, detail
