@@ -5,7 +5,8 @@ Every entry into a world (a start, or a live regroup) opens a new segment, whose
 ``time``, ``values``). Other ranks write nothing, but keep the points they were asked to log: rank 0 can
 die after a step every member completed and before its point was stored (a SIGKILL between the optimizer step
 and ``step.log``; on an object store, points wait in a buffer up to ``flush_every_s``), and the world goes on
-from that step. The member that becomes rank 0 stores the kept points the file lacks, up to the agreed step.
+from that step. The member that sends the agreed state (the lowest rank that holds it, whichever rank 0 is now:
+a worker replaced alone takes its rank back, cold) stores the kept points the file lacks, up to that step.
 """
 
 from __future__ import annotations
@@ -60,8 +61,7 @@ class Records:
             logged = max((p.step for p in read_metrics(metrics_path).active), default=0)
             self.steps_rerun = max(0, logged - restored_step)
             self._metrics = MetricsWriter(metrics_path, segment, restored_step)
-            self._store_kept(logged, restored_step)
-        self._kept.clear()
+        self._kept.clear()  # it writes from now on; what it kept is stored by the state's source (reopen)
         self.events = EventsFile(events_path, run_id=env.run_id, segment=segment)
         if self.tensorboard_dir:
             if tensorboard_available():
@@ -69,13 +69,18 @@ class Records:
             else:
                 lifecycle("tensorboard_unavailable", level=logging.WARNING, fix="pip install 'elastrain[tensorboard]'")
 
-    def reopen(self, rank: int, env: WorkerEnv, segment: str, restored_step: int) -> None:
-        """A new segment at an entry into a world; rank 0 (perhaps a new one) opens it, the others write nothing."""
+    def reopen(self, rank: int, env: WorkerEnv, segment: str, restored_step: int, source: int | None = None) -> None:
+        """A new segment at an entry into a world; rank 0 (perhaps a new one) opens it, the others write nothing.
+        ``source``: the rank that sent this world its agreed state (a live world's): it stores the points the metrics
+        file lacks up to ``restored_step`` from those it kept (module doc)."""
+        kept = list(self._kept)
         self.close_writers()
         if rank == 0:
             self.open(env, segment, restored_step)
         else:
             self.events = EventsFile(None)
+        if rank == source and kept and self.metrics_dir:
+            self._store_kept(kept, join_path(self.metrics_dir, METRICS_FILENAME), segment, restored_step)
 
     def record_start(
         self,
@@ -139,15 +144,19 @@ class Records:
         if self._tensorboard is not None:
             self._tensorboard.log(step, **plain)
 
-    def _store_kept(self, logged: int, restored_step: int) -> None:
-        """The kept points of the steps after the file's last (``logged``) up to the one this world goes on from."""
-        if self._metrics is None:
-            return
-        missing = [(step, values) for step, values in self._kept if logged < step <= restored_step]
-        for step, values in missing:
-            self._metrics.log(step, **_plain(values))
+    def _store_kept(self, kept: list[tuple[int, dict[str, Any]]], path: str, segment: str, restored_step: int) -> None:
+        """The ``kept`` points of the steps after the metrics file's last up to the one this world goes on from, in
+        ``segment`` (through rank 0's writer, or as a point-only writer of it)."""
+        logged = max((p.step for p in read_metrics(path).active), default=0)
+        missing = [(step, values) for step, values in kept if logged < step <= restored_step]
         if missing:
+            writer = self._metrics or MetricsWriter(path, segment, restored_step, open_segment=False)
+            for step, values in missing:
+                writer.log(step, **_plain(values))
+            if writer is not self._metrics:
+                writer.close()
             lifecycle("metrics_recovered", steps=f"{missing[0][0]}-{missing[-1][0]}", points=len(missing))
+        self._kept.clear()
 
     def checkpointed(self, step: int) -> None:
         """A checkpoint of ``step`` committed (object stores: no restorable step's points are lost)."""

@@ -134,7 +134,7 @@ class World:
             size, changed = catch_up.contributors, self._plan_for(catch_up.contributors, catch_up.index, catch_up.idle)
         self.segment = _agree_on_segment(runtime)
         restored_step = agreed_step if agreed_step is not None else (self.restored.step if self.restored else 0)
-        self.records.reopen(rank, env, self.segment, restored_step)
+        self.records.reopen(rank, env, self.segment, restored_step, source if agreed_step is not None else None)
         if rank != 0:
             return
         if regroup:
