@@ -12,6 +12,9 @@ Per model size (a Session script, bench/workers/transfer_worker.py: 2048x2048 li
   survivors regroup (a survivor that completed one step more than another rolls back: it receives the agreed state);
 - ``spare``: two nodes train (``--nnodes 2:2``) and a third waits as a spare; one training node is SIGKILLed and
   the spare is promoted: it receives the state;
+- ``crash``: one node of two workers (``--nproc-per-node 2``, alone in its job); rank 1's worker SIGKILLs itself at
+  the end of a step's first backward pass; its agent replaces it alone and rank 0, kept running, sends it the state
+  (torch's agent would restart both and read the checkpoint);
 - ``none``: three nodes train and nothing happens: the same statistics over as many steps, the box's own noise
   (on two cores shared by three processes a step varies by a second at 250M with nothing happening; the longest
   of several gaps less their median is that noise, not a cost of the change).
@@ -109,13 +112,14 @@ class Job:
     out: Path
     nnodes: str
     env: dict[str, str]
+    nproc: int = 1
     port: int = field(default_factory=free_port)
     nodes: list[Node] = field(default_factory=list)
 
     def start(self) -> Node:
         i = len(self.nodes)
         cmd = [
-            sys.executable, "-m", "elastrain", "--nnodes", self.nnodes, "--nproc-per-node", "1",
+            sys.executable, "-m", "elastrain", "--nnodes", self.nnodes, "--nproc-per-node", str(self.nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "xfer-bench",
             "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "0", "--live", "true", *self.script,
         ]  # fmt: skip
@@ -167,28 +171,32 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) 
     }
     if scenario == "kill":  # node 2 kills itself, agent and worker, in a backward pass (bench/support/node_kill.py)
         env |= {"XW_DIE_FILE": str(out / "die"), "XW_DIE_NODE": "2", "XW_DIE_LAYER": "0"}
+    if scenario == "crash":  # rank 1's worker alone, in a backward pass: its node lives on
+        env |= {"XW_DIE_FILE": str(out / "die"), "XW_DIE_RANK": "1", "XW_DIE_LAYER": "0"}
     script = [WORKERS[workload]] + ([str(out / "trainer")] if workload == "trainer" else [])
-    job = Job(script, out, "2:2" if scenario == "spare" else "2:3", env)
-    first = 3 if scenario in ("kill", "none") else 2
+    nnodes = {"spare": "2:2", "crash": "1"}.get(scenario, "2:3")
+    job = Job(script, out, nnodes, env, nproc=2 if scenario == "crash" else 1)
+    first = {"kill": 3, "none": 3, "crash": 1}.get(scenario, 2)  # nodes
+    first_ws = first * job.nproc
     try:
         for _ in range(first):
             job.start()
             time.sleep(0.3)
         # Every first node in one world (the third may join the first two's round a moment later).
-        job.wait("training", lambda: sum(1 for s in job.rank0_steps() if s[1] == first) >= STEPS_BEFORE, timeout_s)
+        job.wait("training", lambda: sum(1 for s in job.rank0_steps() if s[1] == first_ws) >= STEPS_BEFORE, timeout_s)
         if scenario == "spare":
             spare = job.start()
             job.wait("the spare to wait", lambda: bool(spare.events("standby")), timeout_s)
             time.sleep(2.0)
         changed_at = time.time()
-        if scenario == "kill":  # once every first node trains in one world (not at a fixed step: a late one)
+        if scenario in ("kill", "crash"):  # once every first node trains in one world (not at a fixed step)
             (out / "die").write_text("")
         if scenario == "join":
             job.start()
         elif scenario == "spare":
             os.killpg(job.nodes[1].proc.pid, signal.SIGKILL)
         seen = len(job.rank0_steps())
-        target_ws = 3 if scenario in ("join", "none") else 2
+        target_ws = 3 if scenario in ("join", "none") else 2  # crash: the same 2 workers
         job.wait(
             "training after the change",
             lambda: sum(1 for s in job.rank0_steps()[seen:] if s[1] == target_ws) >= STEPS_AFTER,
@@ -336,7 +344,9 @@ def criteria(results: list[dict[str, Any]], best_gbs: float) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="25,100,250", help="model sizes in millions of parameters")
-    p.add_argument("--scenarios", default="join,kill,spare,none")
+    p.add_argument(
+        "--scenarios", default="join,kill,spare,none", help="join, kill, spare, none, and crash (the Session's only)"
+    )
     p.add_argument("--workloads", default="session,trainer", help="the Session script, the Trainer script, or both")
     p.add_argument(
         "--transfer", default="overlap,blocking", help="the Session's transfer: overlapping the next step, or before it"
@@ -369,6 +379,7 @@ def main() -> None:
         for s in a.sizes.split(",")
         for c in a.scenarios.split(",")
         for m in (modes if w == "session" else ["blocking"])
+        if c != "crash" or w == "session"  # bench/workers/trainer_size_worker.py has no crash of its own
     ]
     for workload, size, scenario, mode in runs:
         r = run(workload, scenario, size, a.timeout_s, mode)

@@ -8,6 +8,8 @@ With XW_STOP_FILE=path: once the file exists, it holds a step number at which ev
 With XW_DIE_FILE=path and XW_DIE_NODE=<group rank>: in the first step that starts once the file exists, that node's
 worker SIGKILLs its agent, the agent's zygote (its parent) and itself, the whole node, in the step's first backward
 pass, from the gradient hook of layer XW_DIE_LAYER (the first layer's hook runs last in backward).
+With XW_DIE_RANK=<rank> instead of XW_DIE_NODE: that rank's worker SIGKILLs itself alone (a crash; its node lives on),
+once: it removes the file first.
 With XW_OVERLAP=0: the Session's ``overlap_state_transfer=False`` (the whole state arrives before the next step).
 With XW_PHASE_BYTES=N: the Session's ``catch_up_phase_bytes`` (a catch-up's state in phases of about N bytes).
 With XW_PHASES=1: also ``XW_PHASES rank= step= start= mbs=[...] opt=`` (seconds into the step at the end of each
@@ -16,7 +18,9 @@ micro-batch's backward and of the optimizer step), to see where a step's time go
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
 
 import torch
@@ -34,6 +38,7 @@ def main() -> None:
     die_file = os.environ.get("XW_DIE_FILE", "")
     die_node = int(os.environ.get("XW_DIE_NODE", "-1"))
     die_layer = int(os.environ.get("XW_DIE_LAYER", "0"))
+    die_rank = int(os.environ.get("XW_DIE_RANK", "-1"))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
     g = torch.Generator().manual_seed(1)
@@ -54,6 +59,11 @@ def main() -> None:
     armed = {"now": False}
 
     def die(grad: torch.Tensor) -> torch.Tensor:
+        if armed["now"] and die_rank >= 0:  # this worker alone (a crash): its agent replaces it, once
+            print(f"XW_KILL t={time.time():.3f}", flush=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(die_file)
+            os.kill(os.getpid(), signal.SIGKILL)
         if armed["now"]:  # the whole node: the agent, its zygote (this worker's parent), this worker
             kill_own_node()
         return grad
@@ -66,7 +76,8 @@ def main() -> None:
                 stop_at = int(open(stop_file).read() or "0")  # noqa: SIM115 - a tiny file the bench writes
             if stop_at is not None and session.state.step >= stop_at:
                 break
-            armed["now"] = session.env.group_rank == die_node and bool(die_file) and os.path.exists(die_file)
+            dies = session.rank == die_rank if die_rank >= 0 else session.env.group_rank == die_node
+            armed["now"] = dies and bool(die_file) and os.path.exists(die_file)
             t_start = time.time()
             marks = []
             for mb in step:

@@ -280,10 +280,11 @@ def test_a_crash_kills_one_worker_and_leaves_its_agent(tmp_path):
             ],
         }
     )
-    until = time.time() + 9.0
+    until = time.time() + 16.0
     out = tmp_path / "out"
     command = lambda i: [sys.executable, str(script), str(i), str(until)]  # noqa: E731
-    harness = ChaosHarness(trace, command, out, poll_s=0.05, crash_wait_s=1.5)
+    # Node 1 starts its workers 2.5 s after its interpreter (later on a loaded box): well within the wait.
+    harness = ChaosHarness(trace, command, out, poll_s=0.05, crash_wait_s=6.0)
     result = harness.run(timeout_s=60)
 
     assert result.succeeded, result.timeline
