@@ -113,6 +113,7 @@ class Job:
     nnodes: str
     env: dict[str, str]
     nproc: int = 1
+    max_restarts: int = 0
     port: int = field(default_factory=free_port)
     nodes: list[Node] = field(default_factory=list)
 
@@ -121,7 +122,8 @@ class Job:
         cmd = [
             sys.executable, "-m", "elastrain", "--nnodes", self.nnodes, "--nproc-per-node", str(self.nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "xfer-bench",
-            "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "0", "--live", "true", *self.script,
+            "--rdzv-conf", "last_call_timeout=1", "--max-restarts", str(self.max_restarts), "--live", "true",
+            *self.script,
         ]  # fmt: skip
         log = self.out / f"node{i}.log"
         with open(log, "wb") as f:
@@ -175,7 +177,8 @@ def run(workload: str, scenario: str, size_m: int, timeout_s: float, mode: str) 
         env |= {"XW_DIE_FILE": str(out / "die"), "XW_DIE_RANK": "1", "XW_DIE_LAYER": "0"}
     script = [WORKERS[workload]] + ([str(out / "trainer")] if workload == "trainer" else [])
     nnodes = {"spare": "2:2", "crash": "1"}.get(scenario, "2:3")
-    job = Job(script, out, nnodes, env, nproc=2 if scenario == "crash" else 1)
+    crash = scenario == "crash"  # a worker failure: it uses one of --max-restarts
+    job = Job(script, out, nnodes, env, nproc=2 if crash else 1, max_restarts=3 if crash else 0)
     first = {"kill": 3, "none": 3, "crash": 1}.get(scenario, 2)  # nodes
     first_ws = first * job.nproc
     try:
