@@ -38,6 +38,13 @@ def kill_own_node() -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def kill_this_worker() -> None:
+    """SIGKILL this worker alone (a crash: its agent and the node's other workers live on), after the same
+    ``XW_KILL t=<time>`` line as :func:`kill_own_node`."""
+    print(f"XW_KILL t={time.time():.3f}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def term_own_agent() -> None:
     """SIGTERM this worker's agent: the node is asked to leave, as a spot VM's notice or a pod's deletion asks it."""
     agent = _agent()

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import time
 
 import torch
 from torch.utils.data import TensorDataset
 
-from bench.support.node_kill import kill_own_node
+from bench.support.node_kill import kill_own_node, kill_this_worker
 from elastrain.session import Session
 
 WIDTH = 2048
@@ -60,10 +59,9 @@ def main() -> None:
 
     def die(grad: torch.Tensor) -> torch.Tensor:
         if armed["now"] and die_rank >= 0:  # this worker alone (a crash): its agent replaces it, once
-            print(f"XW_KILL t={time.time():.3f}", flush=True)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(die_file)
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill_this_worker()
         if armed["now"]:  # the whole node: the agent, its zygote (this worker's parent), this worker
             kill_own_node()
         return grad

@@ -136,7 +136,9 @@ class Records:
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Write ``values`` at ``step`` (rank 0: tensors become floats); any other rank keeps them (module doc)."""
         if self._metrics is None and self._tensorboard is None:
-            self._kept.append((step, values))  # converted only if ever stored: no device sync per step here
+            # Converted only if ever stored (no device sync per step here); detached, so that a kept loss holds
+            # no autograd graph alive.
+            self._kept.append((step, {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in values.items()}))
             return
         plain = _plain(values)
         if self._metrics is not None:

@@ -81,3 +81,11 @@ def test_a_rank_keeps_a_bounded_number_of_points_and_forgets_them_once_it_wrote(
     r.reopen(1, ENV, "seg-b", KEPT_POINTS + 10, source=1)  # rank 1 now: nothing written, nothing kept from before
     r.reopen(0, ENV, "seg-c", KEPT_POINTS + 10, source=0)
     assert sorted(_losses(tmp_path)) == stored
+
+
+def test_a_kept_loss_holds_no_autograd_graph(tmp_path: Path) -> None:
+    w = torch.ones(3, requires_grad=True)
+    r = _records(tmp_path)
+    r.log(1, {"loss": (w * 2).sum()})
+    [(_, values)] = list(r._kept)
+    assert values["loss"].grad_fn is None and values["loss"].item() == 6.0
