@@ -53,6 +53,11 @@ class StepFlags:
         :meth:`total`). Totals ride only on a sync that carries flags: they never make one of their own."""
         self._totals[name] = source
 
+    def remove(self, name: str, source: Callable[[], bool]) -> None:
+        """Stop asking ``source`` for ``name`` (when it is still the one :meth:`add` registered for it)."""
+        if self._sources.get(name) == source:
+            del self._sources[name]
+
     def begin_step(self) -> None:
         """A new step starts on every rank: nothing is agreed for it yet."""
         self._agreed = self._agreed_view = self._totals_view = None

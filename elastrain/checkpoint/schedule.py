@@ -145,6 +145,14 @@ class SaveTrigger:
         flags.add(_REQUESTED, self._requested)
         self._flags = flags
 
+    def release_flags(self) -> None:
+        """Take this trigger's sources out of the flags it used: flags that outlive it (a worker's, shared by
+        every Trainer it runs) would otherwise keep it, and all it refers to, alive."""
+        if self._flags is not None:
+            self._flags.remove(_TIMED, self._timed)
+            self._flags.remove(_REQUESTED, self._requested)
+            self._flags = None
+
     def _timed(self) -> bool:
         return self.schedule.seconds_due(time.monotonic() - self._last_save_time)
 

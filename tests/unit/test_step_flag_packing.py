@@ -57,6 +57,20 @@ def test_the_save_trigger_decides_from_the_agreed_flags_without_its_own_collecti
     assert trigger.check(9) is SaveReason.REQUEST and agreed == [[0, 0]]
 
 
+def test_a_released_trigger_leaves_the_flags_it_shared_and_keeps_a_newer_triggers() -> None:
+    """A worker's flags outlive each Trainer's trigger; a trigger that stays in them keeps its Trainer alive."""
+    flags = StepFlags()
+    old, new = SaveTrigger(SaveSchedule(), None, None), SaveTrigger(SaveSchedule(), None, None)
+    old.use_flags(flags)
+    flags.add("regroup", lambda: False)
+    new.use_flags(flags)  # the next Trainer's, before the old one let go
+    old.release_flags()
+    assert flags.pack(torch.zeros(1)).numel() == 1 + 3  # the new trigger's two flags and the regroup flag
+    new.release_flags()
+    new.release_flags()  # twice: nothing more to take out
+    assert flags.pack(torch.zeros(1)).numel() == 1 + 1 and flags.active
+
+
 @pytest.mark.parametrize("world", [1, 2, 5])
 def test_a_total_rides_with_the_flags_and_sums_over_the_ranks(world: int) -> None:
     # The step's loss: each rank's share (a float64 tensor or a float) summed in the same all-reduce.

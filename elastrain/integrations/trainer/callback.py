@@ -24,6 +24,7 @@ from elastrain.control import ControlChannel
 from elastrain.env import WorkerEnv
 from elastrain.integrations.trainer.boundaries import StepBoundaries
 from elastrain.integrations.trainer.checkpoints import Resume, TrainerCheckpoints
+from elastrain.integrations.trainer.collection import collect_at_exit
 from elastrain.integrations.trainer.membership import TrainerMembership
 from elastrain.integrations.trainer.memory import Held
 from elastrain.metrics import METRICS_FILENAME, EventsFile, MetricsWriter
@@ -87,6 +88,14 @@ class ElasticTrainerCallback(TrainerCallback):
             )
             self._trigger.use_flags(self.driver.flags)
         return self._trigger
+
+    def release(self) -> None:
+        """train() is over: the save trigger leaves the worker's flags, which outlive this Trainer (the next
+        train() makes a new trigger), and the Trainer is collected before the worker's exit hooks run."""
+        collect_at_exit()
+        if self._trigger is not None:
+            self._trigger.release_flags()
+            self._trigger = None
 
     def leave_world(self) -> None:
         """A regroup: the next world starts its own segment of metrics."""

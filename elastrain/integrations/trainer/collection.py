@@ -11,16 +11,35 @@ cycle: the first DDP wrapper of a process is caught in one when torch imports it
 constructor) does one full collection run, before anything is frozen again. What was frozen goes back to the collector
 once the new world's model is wrapped (:meth:`MoveCollection.wrapped`). When something still holds the old wrapper
 (a collective failure's traceback), nothing is frozen: the Trainer's collection then frees it, as before.
+
+When the worker exits, a Trainer is in a reference cycle with elastrain's side of it, so its end of life waits for a
+collection, where under torchrun its reference count frees it as the script's ``main()`` returns. Its training
+DataLoader's persistent workers (``dataloader_persistent_workers``) would then still run when multiprocessing's
+exit hook terminates them, which torch reports as a failed worker: :func:`collect_at_exit` collects first.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
+import multiprocessing.util  # noqa: F401  (registers its exit hook as it is imported: before collect_at_exit's)
 import time
 import weakref
 from typing import Any
 
 from elastrain.log import lifecycle
+
+_collecting_at_exit = False
+
+
+def collect_at_exit() -> None:
+    """Collect the worker's garbage as it exits, before multiprocessing's exit hook (atexit runs the hooks in the
+    reverse order of their registration; importing multiprocessing.util registers its own), so that a finished
+    Trainer, and the DataLoaders it holds, are freed first and their workers shut down as the DataLoader does."""
+    global _collecting_at_exit
+    if not _collecting_at_exit:
+        _collecting_at_exit = True
+        atexit.register(gc.collect)
 
 
 class MoveCollection:

@@ -188,6 +188,7 @@ class ElasticTrainer:
                 args.eval_on_start = False  # the run evaluated as it started, not as each world does
         finally:
             args.eval_on_start = eval_on_start
+            self.callback.release()
 
     def before_evaluation(self, loop: str) -> None:
         """``evaluate()`` or ``predict()`` (``loop``): before the first ``train()``, in the job's first round, the
