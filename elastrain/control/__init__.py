@@ -8,7 +8,15 @@ Nothing here depends on torch: the agent and the workers both use it. What a wor
 (agree on the step, save, hold for the restart) is :mod:`elastrain.checkpoint.schedule`'s.
 """
 
-from elastrain.control.regroup import RegroupChannel, RegroupNotice
+from elastrain.control.regroup import RegroupChannel, RegroupNotice, announce_training
 from elastrain.control.save import ControlChannel, SaveAck, SaveCause, SaveRequest
 
-__all__ = ["ControlChannel", "RegroupChannel", "RegroupNotice", "SaveAck", "SaveCause", "SaveRequest"]
+__all__ = [
+    "ControlChannel",
+    "RegroupChannel",
+    "RegroupNotice",
+    "SaveAck",
+    "SaveCause",
+    "SaveRequest",
+    "announce_training",
+]

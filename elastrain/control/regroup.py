@@ -7,6 +7,7 @@ message, written atomically (:mod:`elastrain.control.files`): a worker pays one 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Collection
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastrain.control.files import Fields, MessageReader, poll, write_atomic
+from elastrain.env import WorkerEnv
+from elastrain.log import lifecycle
 
 _REGROUP = "regroup.json"
 _REGROUP_ACK = "regroup-ack-{local_rank}.json"
@@ -199,6 +202,10 @@ class RegroupChannel:
         regroup notice any more, so a membership change now waits for it to exit instead of moving it."""
         self._announce(_FINISHING, local_rank, pid)
 
+    def withdraw_finishing(self, local_rank: int) -> None:
+        """The worker trains again (a script that trains a second model): a change moves it again."""
+        (self.directory / _FINISHING.format(local_rank=local_rank)).unlink(missing_ok=True)
+
     def _announce(self, pattern: str, local_rank: int, pid: int, **more: object) -> None:
         path = self.directory / pattern.format(local_rank=local_rank)
         write_atomic(path, {"local_rank": local_rank, "pid": pid, **more})
@@ -233,3 +240,19 @@ class RegroupChannel:
             self.directory / _REGROUP_ACK.format(local_rank=local_rank),
             {"round": round_, "pid": pid, "at": time.time()},
         )
+
+
+def announce_training(env: WorkerEnv, over: bool) -> None:
+    """Tell this worker's agent that its training is over (``over``: its last save and exit follow, so a membership
+    change waits for it to exit rather than ask it for a save or a regroup it will never answer), or that it trains
+    (again: a script that trains one model after another, whose next training a change must move as the first)."""
+    if not (env.under_elastrain and env.control_dir):
+        return
+    channel = RegroupChannel(env.control_dir)
+    try:
+        if over:
+            channel.announce_finishing(env.local_rank, os.getpid())
+        else:
+            channel.withdraw_finishing(env.local_rank)
+    except OSError as exc:
+        lifecycle("finishing_unannounced", level=logging.WARNING, over=over, error=repr(exc)[:200])

@@ -16,8 +16,6 @@ the commit after ``optimizer_step``, a live regroup (leave this world, enter the
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Unpack
@@ -27,13 +25,13 @@ from torch.utils.data import Dataset
 
 from elastrain.checkpoint import Checkpointer, RestoreInfo
 from elastrain.collective_failure import note_if_collective_failure
-from elastrain.control import RegroupChannel
+from elastrain.control import announce_training
 from elastrain.data import ElasticSampler
 from elastrain.env import WorkerEnv
 from elastrain.live.group import GroupBrokenError
 from elastrain.live.member import LiveMember
 from elastrain.live.transfer import TransferFailedError
-from elastrain.log import configure, lifecycle
+from elastrain.log import configure
 from elastrain.metrics import EventsFile
 from elastrain.scaling import BatchPlan
 from elastrain.session.config import SessionConfig, SessionSettings
@@ -197,7 +195,7 @@ class Session:
         """Save the final step (unless ``save`` is false), then release checkpoint threads and the process group."""
         self.feed.reset()  # stops DataLoader workers
         if self._started:
-            _announce_finishing(self.env)
+            announce_training(self.env, over=True)
         self.world.close(save)  # raises CheckpointSaveError if the last save failed
         self.records.close_writers()
         if self.rank == 0 and self._started:
@@ -323,14 +321,3 @@ class Session:
         self.env = env
         self.world.enter(env, has_state, started, regroup=True)
         self._current = None
-
-
-def _announce_finishing(env: WorkerEnv) -> None:
-    """Tell the agent this worker's training is over: a node joining now waits for the job to end
-    rather than have the agent ask a closing worker for a save or a regroup it will never answer."""
-    if not (env.under_elastrain and env.control_dir):
-        return
-    try:
-        RegroupChannel(env.control_dir).announce_finishing(env.local_rank, os.getpid())
-    except OSError as exc:
-        lifecycle("finishing_unannounced", level=logging.WARNING, error=repr(exc)[:200])

@@ -1,17 +1,21 @@
 """A Trainer's life under elastrain-run ends as under torchrun: a script that trains one Trainer after another (a
 k-fold or a sweep) gets each one's memory back, and a training DataLoader's persistent workers are shut down as the
-worker exits, not terminated under it (torch reports that as a failed DataLoader worker)."""
+worker exits, not terminated under it (torch reports that as a failed DataLoader worker). A node lost while such a
+script trains its second model is a live regroup, as in its first: the end of the first training does not make
+the agents wait for the workers to end."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
-from support.processes import REPO, elastrain_cmd, run
+from support.processes import REPO, LiveNode, elastrain_cmd, free_port, kill_tree, reaped, run, wait_for, worker_env
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 WORKER = str(REPO / "tests" / "workers" / "hf_sequential_trainers.py")
+BOUND = 180.0  # only stops hangs
 
 
 @pytest.mark.parametrize("live", ["true", "false"])
@@ -28,3 +32,36 @@ def test_a_script_that_trains_one_trainer_after_another_gets_each_ones_memory_ba
     done = sorted(line.split()[1:] for line in out.splitlines() if line.startswith("DONE"))
     assert done == [["0", "6", "6"], ["1", "6", "6"]], out
     assert "killed by signal" not in out and "Exception ignored" not in out, out
+
+
+def test_a_node_lost_while_the_script_trains_its_second_model_is_a_live_regroup(tmp_path: Path) -> None:
+    """The first Trainer's end says the worker's training is over (a change then waits for the worker to exit);
+    the second's start must take that back, or the survivor's agent waits for a worker that trains on, and the
+    survivor waits in the broken step until --collective-timeout, then every worker restarts."""
+    env = worker_env({"SEQ_OUTPUT_DIR": str(tmp_path / "out"), "SEQ_MAX_STEPS": "40", "SEQ_STEP_SLEEP": "0.15"})
+    port = free_port()
+
+    def node(name: str) -> LiveNode:
+        return LiveNode(
+            name, tmp_path, port, WORKER, env, rdzv_id="sequential", nnodes="1:2", last_call_s=2,
+            collective_timeout=90, extra=("--checkpoint-dir", str(tmp_path / "ckpt")),
+        )  # fmt: skip
+
+    def in_fold(n: LiveNode, fold: int, world: int) -> list[dict[str, str]]:
+        return [x for x in n.lines("FOLD_STEP") if x["fold"] == str(fold) and x["world"] == str(world)]
+
+    a = node("a")
+    b = node("b")
+    with reaped(a.proc, b.proc):
+        wait_for(lambda: len(in_fold(a, 1, 2)) >= 3 or a.proc.poll() is not None, BOUND, what="the second fold")
+        assert in_fold(a, 1, 2), a.dump() + b.dump()
+        kill_tree(b.proc.pid, signal.SIGKILL)
+        wait_for(lambda: a.proc.poll() is not None, BOUND, what="a to end")
+    detail = a.dump()
+    assert a.proc.returncode == 0, detail
+    assert [x.split()[2:] for x in a.text().splitlines() if x.startswith("DONE")] == [["40", "40"]], detail
+    assert not a.events("membership_change_deferred"), detail
+    assert not a.events("workers_restarting"), detail
+    assert a.events("regrouped"), detail
+    alone = in_fold(a, 1, 1)
+    assert alone and alone[-1]["step"] == "40", detail

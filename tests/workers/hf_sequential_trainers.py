@@ -2,23 +2,38 @@
 DataLoaders with persistent worker processes; it imports nothing from elastrain.
 
 After the first fold it drops its Trainer and model and prints ``FOLD_FREED <bool>``: whether the model was freed
-(by the garbage collector, as a script that trains the next fold expects of its memory). At the end each rank prints
-``DONE <rank> <steps of fold 0> <steps of fold 1>``.
+(by the garbage collector, as a script that trains the next fold expects of its memory). Each rank prints ``FOLD_STEP
+fold=<k> step=<n> world=<size>`` after every step (each step sleeps ``--step-sleep`` seconds first, for a test to act
+during a fold), and at the end ``DONE <rank> <steps of fold 0> <steps of fold 1>``. The arguments' defaults come from
+``SEQ_OUTPUT_DIR``, ``SEQ_MAX_STEPS`` and ``SEQ_STEP_SLEEP``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
+import time
 import weakref
+from typing import Any
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 p = argparse.ArgumentParser()
-p.add_argument("--output-dir", required=True)
-p.add_argument("--max-steps", type=int, default=6)
+p.add_argument("--output-dir", default=os.environ.get("SEQ_OUTPUT_DIR"))
+p.add_argument("--max-steps", type=int, default=int(os.environ.get("SEQ_MAX_STEPS", "6")))
+p.add_argument("--step-sleep", type=float, default=float(os.environ.get("SEQ_STEP_SLEEP", "0")))
 args = p.parse_args()
+
+
+class Progress(TrainerCallback):
+    def __init__(self, fold: int) -> None:
+        self.fold = fold
+
+    def on_step_end(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        time.sleep(args.step_sleep)
+        print(f"FOLD_STEP fold={self.fold} step={state.global_step} world={targs.world_size}", flush=True)
 
 
 class Samples(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -59,7 +74,7 @@ def fold(k: int) -> tuple[int, weakref.ref[Tiny]]:
         dataloader_num_workers=2,
         dataloader_persistent_workers=True,
     )
-    trainer = Trainer(model=model, args=targs, train_dataset=Samples(k))
+    trainer = Trainer(model=model, args=targs, train_dataset=Samples(k), callbacks=[Progress(k)])
     trainer.train()
     return trainer.state.global_step, weakref.ref(model)
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch.distributed as dist
 
 from elastrain.collective_failure import note_if_collective_failure
-from elastrain.control import RegroupChannel
+from elastrain.control import announce_training
 from elastrain.env import WorkerEnv
 from elastrain.integrations.trainer.batch import TrainerSettings
 from elastrain.integrations.trainer.boundaries import RegroupNow, StepBoundaries
@@ -164,6 +164,7 @@ class ElasticTrainer:
         self._eval_args = (kwargs.get("trial"), kwargs.get("ignore_keys_for_eval"))
         args = self.trainer.args
         eval_on_start = args.eval_on_start
+        announce_training(self.env, over=False)  # a Trainer before this one may have said its training was over
         path = self._enter_world(first=True, asked=asked)
         try:
             while True:
@@ -181,8 +182,8 @@ class ElasticTrainer:
                     # collects it at once); the traceback keeps its lines for a re-raise.
                     traceback.clear_frames(exc.__traceback__)
                     cause = exc
-                else:
-                    self._finished()
+                else:  # a change now waits for this worker to end, unless the script trains again
+                    announce_training(self.env, over=True)
                     return result
                 path = self._regroup(cause)
                 args.eval_on_start = False  # the run evaluated as it started, not as each world does
@@ -303,15 +304,6 @@ class ElasticTrainer:
                 )
             return path
         raise TrainerIntegrationError(f"no regroup succeeded in {REGROUP_ATTEMPTS} rounds in a row")
-
-    def _finished(self) -> None:
-        """train() returned: tell the agent this worker's training is over (a change now waits for it to end)."""
-        env = self.env
-        if env.under_elastrain and env.control_dir:
-            try:
-                RegroupChannel(env.control_dir).announce_finishing(env.local_rank, os.getpid())
-            except OSError as exc:
-                lifecycle("finishing_unannounced", level=logging.WARNING, error=repr(exc)[:200])
 
     # -- the Trainer's hooks -----------------------------------------------------------------------
     def init_training_state(self, result: tuple[int, int], max_steps: int, per_epoch: int) -> tuple[int, int]:
