@@ -34,11 +34,15 @@ def test_a_script_that_trains_one_trainer_after_another_gets_each_ones_memory_ba
     assert "killed by signal" not in out and "Exception ignored" not in out, out
 
 
-def test_a_node_lost_while_the_script_trains_its_second_model_is_a_live_regroup(tmp_path: Path) -> None:
+@pytest.mark.parametrize("when", ["in the second fold", "between the folds"])
+def test_a_node_lost_while_the_script_trains_its_second_model_is_a_live_regroup(when: str, tmp_path: Path) -> None:
     """The first Trainer's end says the worker's training is over (a change then waits for the worker to exit);
     the second's start must take that back, or the survivor's agent waits for a worker that trains on, and the
-    survivor waits in the broken step until --collective-timeout, then every worker restarts."""
-    env = worker_env({"SEQ_OUTPUT_DIR": str(tmp_path / "out"), "SEQ_MAX_STEPS": "40", "SEQ_STEP_SLEEP": "0.15"})
+    survivor waits in the broken step until --collective-timeout, then every worker restarts. Lost between the
+    folds, the peer is missing from the second Trainer's first agreement: a regroup too, not a failed worker."""
+    pause = "4" if when == "between the folds" else "0"
+    settings = {"SEQ_MAX_STEPS": "40", "SEQ_STEP_SLEEP": "0.15", "SEQ_FOLD_PAUSE": pause}
+    env = worker_env({"SEQ_OUTPUT_DIR": str(tmp_path / "out"), **settings})
     port = free_port()
 
     def node(name: str) -> LiveNode:
@@ -50,18 +54,28 @@ def test_a_node_lost_while_the_script_trains_its_second_model_is_a_live_regroup(
     def in_fold(n: LiveNode, fold: int, world: int) -> list[dict[str, str]]:
         return [x for x in n.lines("FOLD_STEP") if x["fold"] == str(fold) and x["world"] == str(world)]
 
+    def paused(n: LiveNode) -> bool:
+        return "FOLD_FREED" in n.text()
+
     a = node("a")
     b = node("b")
     with reaped(a.proc, b.proc):
-        wait_for(lambda: len(in_fold(a, 1, 2)) >= 3 or a.proc.poll() is not None, BOUND, what="the second fold")
-        assert in_fold(a, 1, 2), a.dump() + b.dump()
+        if when == "between the folds":
+            wait_for(lambda: (paused(a) and paused(b)) or a.proc.poll() is not None, BOUND, what="the pause")
+        else:
+            wait_for(lambda: len(in_fold(a, 1, 2)) >= 3 or a.proc.poll() is not None, BOUND, what="the second fold")
+        assert a.proc.poll() is None, a.dump() + b.dump()
         kill_tree(b.proc.pid, signal.SIGKILL)
         wait_for(lambda: a.proc.poll() is not None, BOUND, what="a to end")
     detail = a.dump()
     assert a.proc.returncode == 0, detail
     assert [x.split()[2:] for x in a.text().splitlines() if x.startswith("DONE")] == [["40", "40"]], detail
-    assert not a.events("membership_change_deferred"), detail
-    assert not a.events("workers_restarting"), detail
+    assert not a.events("workers_restarting") and not a.events("regroup_notice_missing"), detail
     assert a.events("regrouped"), detail
     alone = in_fold(a, 1, 1)
     assert alone and alone[-1]["step"] == "40", detail
+    if when == "in the second fold":
+        assert in_fold(a, 1, 2), detail
+        assert not a.events("membership_change_deferred"), detail
+    else:
+        assert not in_fold(a, 1, 2), detail

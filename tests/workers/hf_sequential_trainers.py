@@ -2,10 +2,11 @@
 DataLoaders with persistent worker processes; it imports nothing from elastrain.
 
 After the first fold it drops its Trainer and model and prints ``FOLD_FREED <bool>``: whether the model was freed
-(by the garbage collector, as a script that trains the next fold expects of its memory). Each rank prints ``FOLD_STEP
-fold=<k> step=<n> world=<size>`` after every step (each step sleeps ``--step-sleep`` seconds first, for a test to act
-during a fold), and at the end ``DONE <rank> <steps of fold 0> <steps of fold 1>``. The arguments' defaults come from
-``SEQ_OUTPUT_DIR``, ``SEQ_MAX_STEPS`` and ``SEQ_STEP_SLEEP``.
+(by the garbage collector, as a script that trains the next fold expects of its memory), then pauses ``--fold-pause``
+seconds. Each rank prints ``FOLD_STEP fold=<k> step=<n> world=<size>`` after every step (each step sleeps
+``--step-sleep`` seconds first, for a test to act during a fold), and at the end ``DONE <rank> <steps of fold 0>
+<steps of fold 1>``. The arguments' defaults come from ``SEQ_OUTPUT_DIR``, ``SEQ_MAX_STEPS``, ``SEQ_STEP_SLEEP`` and
+``SEQ_FOLD_PAUSE``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--output-dir", default=os.environ.get("SEQ_OUTPUT_DIR"))
 p.add_argument("--max-steps", type=int, default=int(os.environ.get("SEQ_MAX_STEPS", "6")))
 p.add_argument("--step-sleep", type=float, default=float(os.environ.get("SEQ_STEP_SLEEP", "0")))
+p.add_argument("--fold-pause", type=float, default=float(os.environ.get("SEQ_FOLD_PAUSE", "0")))
 args = p.parse_args()
 
 
@@ -82,6 +84,7 @@ def fold(k: int) -> tuple[int, weakref.ref[Tiny]]:
 steps0, model0 = fold(0)
 gc.collect()
 print("FOLD_FREED", model0() is None, flush=True)
+time.sleep(args.fold_pause)
 steps1, _ = fold(1)
 rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 print("DONE", rank, steps0, steps1, flush=True)

@@ -165,7 +165,13 @@ class ElasticTrainer:
         args = self.trainer.args
         eval_on_start = args.eval_on_start
         announce_training(self.env, over=False)  # a Trainer before this one may have said its training was over
-        path = self._enter_world(first=True, asked=asked)
+        try:
+            path = self._enter_world(first=True, asked=asked)
+        except Exception as exc:  # a peer lost as the world is entered: a joiner's, or a script's next train()
+            if not self._is_regroup_cause(exc):
+                raise
+            traceback.clear_frames(exc.__traceback__)
+            path = self._regroup(exc)
         try:
             while True:
                 cause: BaseException | None = None
