@@ -14,6 +14,7 @@ the world loads the newest checkpoint.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,9 @@ class Ballot:
     step: int
     world_size: int = 0
     """The world size the held state's last step was trained at (0: unknown, or no state)."""
+    training: int = 0
+    """Which training the member is in (a script may train one model after another: :func:`training_id` of what
+    tells them apart, the Trainer's output directory; 0: unknown)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,8 @@ class Agreement:
     from (they receive the agreed state; their own is dropped)."""
     trained_at: int | None = None
     """The world size the agreed step was trained at (the source's ballot; None: unknown)."""
+    training: int = 0
+    """The training the world continues (the source's ballot, else rank 0's; 0: unknown)."""
 
     @property
     def from_checkpoint(self) -> bool:
@@ -71,21 +77,34 @@ def decide(ballots: list[Ballot]) -> Agreement:
     holders = [(r, s) for r, s in holders if r not in stale]
     receivers = tuple(r for r, b in enumerate(ballots) if not b.has_state or r in stale)
     if not holders:
-        return Agreement(step=None, source=None, receivers=receivers)
+        return Agreement(step=None, source=None, receivers=receivers, training=ballots[0].training if ballots else 0)
     step = min(s for _, s in holders)
     source = min(r for r, s in holders if s == step)
     ahead = tuple(r for r, s in holders if s > step)
     behind = tuple(r for r, s in holders if s < top)
     trained_at = ballots[source].world_size or None
     return Agreement(
-        step=step, source=source, behind=behind, ahead=ahead, receivers=receivers, stale=stale, trained_at=trained_at
+        step=step,
+        source=source,
+        behind=behind,
+        ahead=ahead,
+        receivers=receivers,
+        stale=stale,
+        trained_at=trained_at,
+        training=ballots[source].training,
     )
 
 
 def vote(mine: Ballot, device: torch.device) -> Agreement:
     """Every member's ballot, gathered on the current default group (collective), and the agreement."""
     world = dist.get_world_size()
-    local = torch.tensor([int(mine.has_state), mine.step, mine.world_size], dtype=torch.int64, device=device)
-    gathered = [torch.zeros(3, dtype=torch.int64, device=device) for _ in range(world)]
+    fields = [int(mine.has_state), mine.step, mine.world_size, mine.training]
+    local = torch.tensor(fields, dtype=torch.int64, device=device)
+    gathered = [torch.zeros(len(fields), dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(gathered, local)
-    return decide([Ballot(bool(int(t[0])), int(t[1]), int(t[2])) for t in gathered])
+    return decide([Ballot(bool(int(t[0])), int(t[1]), int(t[2]), int(t[3])) for t in gathered])
+
+
+def training_id(name: str) -> int:
+    """A training's number in a :class:`Ballot` (never 0): the same ``name`` gives the same number in every process."""
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF or 1

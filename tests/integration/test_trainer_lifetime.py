@@ -34,14 +34,19 @@ def test_a_script_that_trains_one_trainer_after_another_gets_each_ones_memory_ba
     assert "killed by signal" not in out and "Exception ignored" not in out, out
 
 
-@pytest.mark.parametrize("when", ["in the second fold", "between the folds"])
+@pytest.mark.parametrize("when", ["in the second fold, then a node joins", "between the folds"])
 def test_a_node_lost_while_the_script_trains_its_second_model_is_a_live_regroup(when: str, tmp_path: Path) -> None:
     """The first Trainer's end says the worker's training is over (a change then waits for the worker to exit);
     the second's start must take that back, or the survivor's agent waits for a worker that trains on, and the
     survivor waits in the broken step until --collective-timeout, then every worker restarts. Lost between the
-    folds, the peer is missing from the second Trainer's first agreement: a regroup too, not a failed worker."""
-    pause = "4" if when == "between the folds" else "0"
-    settings = {"SEQ_MAX_STEPS": "40", "SEQ_STEP_SLEEP": "0.15", "SEQ_FOLD_PAUSE": pause}
+    folds, the peer is missing from the second Trainer's first agreement: a regroup too, not a failed worker.
+
+    A node that joins in the second fold runs the script from the top: its first Trainer is not the one the job
+    trains, and can take neither the job's state nor give its own. It leaves with one line (EX_CONFIG), and the job
+    trains on; before, it took the second model's state into the first, and both nodes failed on the checkpoint
+    directory's check."""
+    between = when == "between the folds"
+    settings = {"SEQ_MAX_STEPS": "40", "SEQ_STEP_SLEEP": "0.15" if between else "0.4", "SEQ_FOLD_PAUSE": "4"}
     env = worker_env({"SEQ_OUTPUT_DIR": str(tmp_path / "out"), **settings})
     port = free_port()
 
@@ -59,23 +64,32 @@ def test_a_node_lost_while_the_script_trains_its_second_model_is_a_live_regroup(
 
     a = node("a")
     b = node("b")
+    joiner: LiveNode | None = None
     with reaped(a.proc, b.proc):
-        if when == "between the folds":
+        if between:
             wait_for(lambda: (paused(a) and paused(b)) or a.proc.poll() is not None, BOUND, what="the pause")
         else:
             wait_for(lambda: len(in_fold(a, 1, 2)) >= 3 or a.proc.poll() is not None, BOUND, what="the second fold")
         assert a.proc.poll() is None, a.dump() + b.dump()
         kill_tree(b.proc.pid, signal.SIGKILL)
+        if not between:
+            wait_for(lambda: bool(in_fold(a, 1, 1)), BOUND, what="a to train alone")
+            joiner = node("c")
+            with reaped(joiner.proc):
+                wait_for(lambda: joiner.proc.poll() is not None, BOUND, what="the joiner to leave")
         wait_for(lambda: a.proc.poll() is not None, BOUND, what="a to end")
-    detail = a.dump()
+    detail = a.dump() + (joiner.dump() if joiner else "")
     assert a.proc.returncode == 0, detail
     assert [x.split()[2:] for x in a.text().splitlines() if x.startswith("DONE")] == [["40", "40"]], detail
     assert not a.events("workers_restarting") and not a.events("regroup_notice_missing"), detail
     assert a.events("regrouped"), detail
     alone = in_fold(a, 1, 1)
     assert alone and alone[-1]["step"] == "40", detail
-    if when == "in the second fold":
+    if joiner is not None:
         assert in_fold(a, 1, 2), detail
         assert not a.events("membership_change_deferred"), detail
+        assert joiner.proc.returncode != 0 and joiner.events("trainer_other_training"), detail
+        assert "takes joining nodes only with --live false" in joiner.text(), detail
+        assert not joiner.lines("FOLD_STEP"), detail  # it trained nothing with the job
     else:
         assert not in_fold(a, 1, 2), detail

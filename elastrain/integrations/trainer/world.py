@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 import time
 import weakref
 from typing import Any
@@ -23,12 +25,13 @@ import torch.distributed as dist
 from elastrain.collective_failure import is_collective_failure
 from elastrain.control import RegroupNotice
 from elastrain.env import WorkerEnv
+from elastrain.errors import EX_CONFIG
 from elastrain.integrations.trainer.collection import MoveCollection
 from elastrain.integrations.trainer.forward_stop import forward_stops
 from elastrain.integrations.trainer.membership import TrainerMembership, backend_for
 from elastrain.integrations.trainer.memory import Held
 from elastrain.live import heap
-from elastrain.live.agreement import Ballot, vote
+from elastrain.live.agreement import Ballot, training_id, vote
 from elastrain.live.receive_pool import ReceivePool
 from elastrain.live.transfer import send_state
 from elastrain.log import lifecycle
@@ -113,7 +116,11 @@ class TrainerWorld:
         t, held = self.trainer, self.held
         step = int(t.state.global_step) if held.holds_state else 0
         device = t.args.device
-        agreement = vote(Ballot(held.holds_state, step), device)
+        output_dir = t.args.output_dir
+        mine = training_id(os.path.abspath(output_dir)) if output_dir else 0  # a script may train one after another
+        agreement = vote(Ballot(held.holds_state, step, training=mine), device)
+        if agreement.training and mine and agreement.training != mine:
+            _another_training(output_dir)
         pool, self._pool = self._pool, None
         if agreement.from_checkpoint:
             if pool is not None:
@@ -224,3 +231,21 @@ def unwrapped(optimizer: Any) -> Any:
     from accelerate.optimizer import AcceleratedOptimizer
 
     return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+
+
+def _another_training(output_dir: str) -> None:
+    """This worker's Trainer is not the one its world trains: the script trains one model after another and this
+    worker, which joined the job, runs one the others are past (or not at yet). It cannot take their state, nor they
+    its: its node leaves (EX_CONFIG: no restart can help; the others train on without it)."""
+    lifecycle(
+        "trainer_other_training",
+        level=logging.ERROR,
+        output_dir=output_dir,
+        why="the job trains a Trainer with another output_dir: this node leaves",
+    )
+    sys.stderr.write(
+        f"elastrain-run: this node joined a job that trains another model than its Trainer (output_dir {output_dir}):"
+        " a script that trains one model after another takes joining nodes only with --live false\n"
+    )
+    sys.stderr.flush()
+    raise SystemExit(EX_CONFIG)
