@@ -3,8 +3,15 @@ the environment a worker rewrites after a regroup, and the --live option."""
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+
 import pytest
 
+from elastrain.control import RegroupChannel, RegroupNotice
+from elastrain.env import LaunchContext, StartReason, WorkerEnv, regrouped_environ, to_environ
+from elastrain.launcher.options import build_parser, options_from_args
 from elastrain.live.agreement import Agreement, Ballot, decide, training_id
 
 
@@ -97,3 +104,140 @@ def test_the_world_continues_the_training_of_its_source(ballots: list[Ballot], t
 def test_a_training_is_numbered_alike_in_every_process_and_never_0() -> None:
     assert training_id("/out/fold-0") == training_id("/out/fold-0") != training_id("/out/fold-1")
     assert all(training_id(name) > 0 for name in ("", "a", "/out/fold-0"))
+
+
+def _notice(round_: int = 3, **over: object) -> RegroupNotice:
+    fields: dict[str, object] = {
+        "round": round_,
+        "generation": 7,
+        "world_size": 4,
+        "group_rank": 1,
+        "group_world_size": 2,
+        "ranks": {0: 2, 1: 3},
+        "master_addr": "127.0.0.1",
+        "master_port": 29999,
+        "start_reason": "scale_down",
+        "previous_world_size": 6,
+        "announced_at": time.time(),
+    }
+    fields.update(over)
+    return RegroupNotice(**fields)  # type: ignore[arg-type]
+
+
+def test_regroup_notice_ack_and_live_workers_round_trip(tmp_path: Path) -> None:
+    agent, worker = RegroupChannel(tmp_path), RegroupChannel(tmp_path)
+    assert worker.notice() is None and agent.live_pids() == {}
+    worker.announce_live(0, 111)
+    worker.announce_live(1, 222)
+    assert agent.live_pids() == {0: 111, 1: 222}
+
+    notice = _notice(generation=None, previous_world_size=None)
+    agent.announce(notice)
+    assert worker.notice() == notice
+    assert worker.newer_than(2) == notice and worker.newer_than(3) is None
+    assert agent.wait_acks([0, 1], 3, timeout_s=0.05) == [0, 1]
+    worker.ack(0, 3, 111)
+    assert agent.wait_acks([0, 1], 3, timeout_s=0.05) == [1]
+    worker.ack(1, 4, 222)  # an ack of a later round answers an earlier one too
+    assert agent.wait_acks([0, 1], 3, timeout_s=0.05) == []
+
+    newer = _notice(round_=5)
+    agent.announce(newer)
+    assert worker.wait_newer(3, timeout_s=1.0) == newer
+    agent.forget_workers()  # new workers start: the old ones' announcements and acks are void
+    assert agent.live_pids() == {} and not agent.acked(0, 3)
+
+
+@pytest.mark.parametrize(
+    "flag",
+    ["no_departure", "first_round"],  # the round kept every member; the round is the job's first
+)
+def test_a_notice_carries_its_flags_and_older_notices_read_as_not(flag: str, tmp_path: Path) -> None:
+    agent, worker = RegroupChannel(tmp_path), RegroupChannel(tmp_path)
+    agent.announce(_notice(round_=6, **{flag: True}))
+    seen = worker.notice()
+    assert seen is not None and getattr(seen, flag)
+    raw = json.loads((tmp_path / "regroup.json").read_text())
+    del raw[flag]  # written by an agent of before the field
+    assert not getattr(RegroupNotice.from_json(raw), flag)
+
+
+def test_warm_workers_that_wait_to_know_whether_their_node_founds_the_job_are_told_when_it_does_not(
+    tmp_path: Path,
+) -> None:
+    agent, worker = RegroupChannel(tmp_path), RegroupChannel(tmp_path)
+    worker.announce_warm(0, 111, deciding=True)
+    worker.announce_warm(1, 222)
+    assert agent.warm_pids() == {0: 111, 1: 222}
+    assert agent.warm_pids(deciding=True) == {0: 111} and agent.warm_pids(deciding=False) == {1: 222}
+    assert worker.job_forming() is None  # not said yet
+    agent.tell_job_forming(True)
+    assert worker.job_forming() is True
+    agent.tell_job_forming(False)  # the job formed without this node
+    assert worker.job_forming() is False
+    worker.withdraw_warm(0)  # it evaluates alone, then waits for its round where it trains
+    assert agent.warm_pids() == {1: 222}
+    worker.announce_warm(0, 111)
+    assert agent.warm_pids(deciding=False) == {0: 111, 1: 222}
+
+
+def test_a_finishing_worker_and_its_broken_collectives_are_seen_by_the_agent(tmp_path: Path) -> None:
+    agent, worker = RegroupChannel(tmp_path), RegroupChannel(tmp_path)
+    worker.announce_finishing(0, 111)
+    worker.report_broken(1, 4)
+    assert agent.finishing_pids() == {0: 111}
+    assert agent.broken_local_ranks(4) == {1} and agent.broken_local_ranks(3) == set()
+    agent.forget_workers()
+    assert agent.finishing_pids() == {} and agent.broken_local_ranks(4) == set()
+
+
+def test_a_foreign_file_is_not_a_notice(tmp_path: Path) -> None:
+    (tmp_path / "regroup.json").write_text('{"round": "x"}')
+    assert RegroupChannel(tmp_path).notice() is None
+
+
+def test_worker_env_after_a_regroup_gives_the_new_rank_world_and_generation() -> None:
+    ctx = LaunchContext(
+        run_id="job",
+        restart_count=4,
+        failure_count=0,
+        start_reason=StartReason.SCALE_DOWN,
+        previous_world_size=6,
+        round=4,
+        control_dir="/tmp/ctl",
+        collective_timeout_s=20.0,
+        generation=9,
+        live=True,
+        regroup_timeout_s=50.0,
+    )
+    stale = {
+        "RANK": "5",
+        "WORLD_SIZE": "6",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        **to_environ(
+            LaunchContext(
+                run_id="job",
+                restart_count=0,
+                failure_count=0,
+                start_reason=StartReason.FIRST_START,
+                previous_world_size=None,
+                round=0,
+                live=True,
+            )
+        ),
+    }
+    environ = {**stale, **regrouped_environ(ctx, rank=3, world_size=4, group_rank=1, master_addr="h", master_port=1)}
+    env = WorkerEnv.from_environ(environ)
+    assert (env.rank, env.world_size, env.local_rank, env.group_rank) == (3, 4, 1, 1)
+    assert (env.round, env.generation, env.start_reason, env.previous_world_size) == (4, 9, StartReason.SCALE_DOWN, 6)
+    assert env.live and env.regroup_timeout_s == 50.0 and env.under_elastrain
+    assert environ["MASTER_ADDR"] == "h" and environ["MASTER_PORT"] == "1"
+
+
+def test_live_option_defaults_on_and_reads_pet_live(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = build_parser()
+    assert options_from_args(parser.parse_args(["train.py"])).live is True
+    assert options_from_args(parser.parse_args(["--live", "false", "train.py"])).live is False
+    monkeypatch.setenv("PET_LIVE", "0")
+    assert options_from_args(build_parser().parse_args(["train.py"])).live is False
