@@ -317,7 +317,7 @@ class ElasticTrainer:
         the Trainer's loop starts in (the stream's, or its own)."""
         state, held = self.trainer.state, self.held
         if held.memory_resume:
-            held.progress.apply(state)
+            held.progress.apply(state, self.trainer.callback_handler.callbacks)
             result = (int(state.global_step) // max(per_epoch, 1), 0)
             self.lost_log.emit(self.trainer)
         epochs = self.loader.epochs(max_steps)

@@ -2,17 +2,21 @@
 
 At a live regroup these travel from the member that keeps the agreed state to the members that have none
 (a joining or restarted worker) or that roll back (a member a step ahead), together with the model and the
-optimizer (:func:`elastrain.live.transfer.send_state`): the Trainer's own state (global step, epoch,
-log history, best metric), the learning-rate scheduler's state, elastrain's data position, and an iterable
-training set's own place at it. Every value is a plain number, string, list or dict: nothing here is code.
+optimizer (:func:`elastrain.live.transfer.send_state`): the Trainer's own state (global step, epoch, log history,
+best metric) with the state its callbacks export (an early stop's patience), the learning-rate scheduler's state,
+elastrain's data position, and an iterable training set's own place at it. Every value is a plain number, string,
+list or dict: nothing here is code.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
+
+from elastrain.log import lifecycle
 
 
 @dataclasses.dataclass
@@ -65,12 +69,15 @@ class Progress:
     def __init__(self) -> None:
         self.values: dict[str, Any] | None = None
         self._source: Any = None
+        self._callbacks: list[Any] = []
         self._tokens_at: tuple[int, Any] | None = None
         """``(global_step, num_input_tokens_seen)`` when the step after ``global_step`` began."""
 
-    def track(self, trainer_state: Any) -> None:
-        """Send ``trainer_state``'s progress when this member is the source."""
+    def track(self, trainer_state: Any, callbacks: list[Any]) -> None:
+        """Send ``trainer_state``'s progress, and the state of the Trainer's ``callbacks`` that export one
+        (transformers' ``ExportableState``: ``EarlyStoppingCallback``'s patience), when this member is the source."""
         self._source = trainer_state
+        self._callbacks = callbacks
 
     def step_begins(self, trainer_state: Any) -> None:
         """A step begins (the Trainer's ``on_step_begin``, before its first micro-batch): its token count so far."""
@@ -82,6 +89,7 @@ class Progress:
         values = {name: getattr(self._source, name) for name in _PROGRESS_FIELDS}
         if self._tokens_at is not None and self._tokens_at[0] == int(self._source.global_step):
             values["num_input_tokens_seen"] = self._tokens_at[1]  # not the lost step's finished micro-batches
+        values[_CALLBACKS] = callback_states(self._callbacks)
         return dict(json.loads(json.dumps(values)))  # plain values only (log_history may hold numpy scalars)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -91,11 +99,54 @@ class Progress:
         """Keep this member's own progress (it holds the agreed state): what the next train() resumes from."""
         self.values = self.state_dict() or None
 
-    def apply(self, trainer_state: Any) -> None:
-        """Write the kept progress into a fresh ``TrainerState`` (the next train() call's)."""
+    def apply(self, trainer_state: Any, callbacks: list[Any]) -> None:
+        """Write the kept progress into a fresh ``TrainerState`` (the next train() call's), and the callbacks' state
+        into the Trainer's ``callbacks``: every member of a world decides alike when to stop (an early stop)."""
         if self.values is not None:
             for name, value in self.values.items():
-                setattr(trainer_state, name, value)
+                if name == _CALLBACKS:
+                    restore_callback_states(callbacks, value)
+                else:
+                    setattr(trainer_state, name, value)
+
+
+_CALLBACKS = "callbacks"
+
+
+def callback_states(callbacks: list[Any]) -> dict[str, list[dict[str, Any]]]:
+    """The exported state (``state()``'s ``attributes``) of each callback that has one, by class name, in order."""
+    from transformers.trainer_callback import ExportableState  # not at the top: the patches import this module
+
+    out: dict[str, list[dict[str, Any]]] = {}
+    for cb in callbacks:
+        if isinstance(cb, ExportableState):
+            out.setdefault(type(cb).__name__, []).append(dict(cb.state().get("attributes", {})))
+    return out
+
+
+def restore_callback_states(callbacks: list[Any], states: dict[str, list[dict[str, Any]]]) -> None:
+    """Set each callback's attributes to the member's that sent them (the callbacks of one class, in order); a
+    callback this member lacks, or has more of, keeps its own (one line says so)."""
+    from transformers.trainer_callback import ExportableState
+
+    mine: dict[str, list[Any]] = {}
+    for cb in callbacks:
+        if isinstance(cb, ExportableState):
+            mine.setdefault(type(cb).__name__, []).append(cb)
+    for name in sorted(set(states) | set(mine)):
+        sent, here = states.get(name, []), mine.get(name, [])
+        if len(sent) != len(here):
+            lifecycle(
+                "trainer_callbacks_differ",
+                level=logging.WARNING,
+                callback=name,
+                sent=len(sent),
+                here=len(here),
+                why="the members' scripts add other callbacks: those without a peer's state keep their own",
+            )
+        for cb, attributes in zip(here, sent, strict=False):
+            for attribute, value in attributes.items():
+                setattr(cb, attribute, value)
 
 
 class Deferred:

@@ -129,7 +129,7 @@ class TrainerWorld:
         source = int(agreement.source or 0)
         if t.optimizer is None:
             t.create_optimizer()  # a new member: an optimizer to receive the state into
-        held.progress.track(t.state)
+        held.progress.track(t.state, t.callback_handler.callbacks)
         if held.holds_state:
             held.position.rebase(step)
         started = time.monotonic()
@@ -208,7 +208,7 @@ class TrainerWorld:
         (``kept``), or forget it (this node was left behind: the job trained on without it)."""
         t, held = self.trainer, self.held
         if kept and held.holds_state:
-            held.progress.track(t.state)
+            held.progress.track(t.state, t.callback_handler.callbacks)
             held.progress.snapshot()
             held.scheduler.target = t.lr_scheduler
             held.scheduler.snapshot()
