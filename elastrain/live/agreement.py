@@ -14,7 +14,6 @@ the world loads the newest checkpoint.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +29,8 @@ class Ballot:
     world_size: int = 0
     """The world size the held state's last step was trained at (0: unknown, or no state)."""
     training: int = 0
-    """Which training the member is in (a script may train one model after another: :func:`training_id` of what
-    tells them apart, the Trainer's output directory; 0: unknown)."""
+    """Which of the script's trainings the member is in (a script may train one model after another: the Trainer's
+    count of its ``train()`` calls; 0: unknown)."""
 
 
 @dataclass(frozen=True)
@@ -103,8 +102,3 @@ def vote(mine: Ballot, device: torch.device) -> Agreement:
     gathered = [torch.zeros(len(fields), dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(gathered, local)
     return decide([Ballot(bool(int(t[0])), int(t[1]), int(t[2]), int(t[3])) for t in gathered])
-
-
-def training_id(name: str) -> int:
-    """A training's number in a :class:`Ballot` (never 0): the same ``name`` gives the same number in every process."""
-    return zlib.crc32(name.encode()) & 0x7FFFFFFF or 1

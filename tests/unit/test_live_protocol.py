@@ -12,7 +12,7 @@ import pytest
 from elastrain.control import RegroupChannel, RegroupNotice
 from elastrain.env import LaunchContext, StartReason, WorkerEnv, regrouped_environ, to_environ
 from elastrain.launcher.options import build_parser, options_from_args
-from elastrain.live.agreement import Agreement, Ballot, decide, training_id
+from elastrain.live.agreement import Agreement, Ballot, decide
 
 
 @pytest.mark.parametrize(
@@ -99,11 +99,6 @@ def test_the_agreement_says_at_what_world_size_its_step_was_trained(
 )
 def test_the_world_continues_the_training_of_its_source(ballots: list[Ballot], training: int) -> None:
     assert decide(ballots).training == training
-
-
-def test_a_training_is_numbered_alike_in_every_process_and_never_0() -> None:
-    assert training_id("/out/fold-0") == training_id("/out/fold-0") != training_id("/out/fold-1")
-    assert all(training_id(name) > 0 for name in ("", "a", "/out/fold-0"))
 
 
 def _notice(round_: int = 3, **over: object) -> RegroupNotice:

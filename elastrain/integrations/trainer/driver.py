@@ -165,6 +165,8 @@ class ElasticTrainer:
         args = self.trainer.args
         eval_on_start = args.eval_on_start
         announce_training(self.env, over=False)  # a Trainer before this one may have said its training was over
+        if self.membership is not None:
+            self.membership.trainings += 1
         try:
             path = self._enter_world(first=True, asked=asked)
         except Exception as exc:  # a peer lost as the world is entered: a joiner's, or a script's next train()

@@ -90,6 +90,8 @@ class TrainerMembership:
         self.member: LiveMember | None = None
         self.flags = StepFlags()
         self.warm = env.warm
+        self.trainings = 0
+        """How many ``train()`` calls this worker began: a script may train one model after another."""
         """True until a warm worker is given its first round."""
 
     @classmethod

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import time
 import weakref
@@ -31,7 +30,7 @@ from elastrain.integrations.trainer.forward_stop import forward_stops
 from elastrain.integrations.trainer.membership import TrainerMembership, backend_for
 from elastrain.integrations.trainer.memory import Held
 from elastrain.live import heap
-from elastrain.live.agreement import Ballot, training_id, vote
+from elastrain.live.agreement import Ballot, vote
 from elastrain.live.receive_pool import ReceivePool
 from elastrain.live.transfer import send_state
 from elastrain.log import lifecycle
@@ -116,11 +115,10 @@ class TrainerWorld:
         t, held = self.trainer, self.held
         step = int(t.state.global_step) if held.holds_state else 0
         device = t.args.device
-        output_dir = t.args.output_dir
-        mine = training_id(os.path.abspath(output_dir)) if output_dir else 0  # a script may train one after another
+        mine = self.membership.trainings  # which of the script's train() calls (it may train one model, then another)
         agreement = vote(Ballot(held.holds_state, step, training=mine), device)
         if agreement.training and mine and agreement.training != mine:
-            _another_training(output_dir)
+            _another_training(t.args.output_dir, mine, agreement.training)
         pool, self._pool = self._pool, None
         if agreement.from_checkpoint:
             if pool is not None:
@@ -233,19 +231,22 @@ def unwrapped(optimizer: Any) -> Any:
     return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
 
 
-def _another_training(output_dir: str) -> None:
-    """This worker's Trainer is not the one its world trains: the script trains one model after another and this
-    worker, which joined the job, runs one the others are past (or not at yet). It cannot take their state, nor they
-    its: its node leaves (EX_CONFIG: no restart can help; the others train on without it)."""
+def _another_training(output_dir: str, mine: int, theirs: int) -> None:
+    """This worker's ``train()`` is not the one its world is in: the script trains one model after another and this
+    worker, which joined the job (and so ran the script from the top), is at another one. It cannot take their state,
+    nor they its: its node leaves (EX_CONFIG: no restart can help; the others train on without it)."""
     lifecycle(
         "trainer_other_training",
         level=logging.ERROR,
         output_dir=output_dir,
-        why="the job trains a Trainer with another output_dir: this node leaves",
+        train_call=mine,
+        job_train_call=theirs,
+        why="the job is in another of the script's train() calls: this node leaves",
     )
     sys.stderr.write(
-        f"elastrain-run: this node joined a job that trains another model than its Trainer (output_dir {output_dir}):"
-        " a script that trains one model after another takes joining nodes only with --live false\n"
+        f"elastrain-run: this node joined a job that is in the script's train() call {theirs}, this worker in its "
+        f"call {mine} (output_dir {output_dir}): a script that trains one model after another takes joining nodes "
+        "only with --live false\n"
     )
     sys.stderr.flush()
     raise SystemExit(EX_CONFIG)
