@@ -170,10 +170,7 @@ class ElasticTrainer:
         try:
             path = self._enter_world(first=True, asked=asked)
         except Exception as exc:  # a peer lost as the world is entered: a joiner's, or a script's next train()
-            if not self._is_regroup_cause(exc):
-                raise
-            traceback.clear_frames(exc.__traceback__)
-            path = self._regroup(exc)
+            path = self._regroup(self._regroup_cause(exc))
         try:
             while True:
                 cause: BaseException | None = None
@@ -184,12 +181,7 @@ class ElasticTrainer:
                 except RegroupNow:
                     pass
                 except Exception as exc:
-                    if not self._is_regroup_cause(exc):
-                        raise
-                    # The finished frames of train() let go of what they held (the old DDP wrapper, so the move
-                    # collects it at once); the traceback keeps its lines for a re-raise.
-                    traceback.clear_frames(exc.__traceback__)
-                    cause = exc
+                    cause = self._regroup_cause(exc)
                 else:  # a change now waits for this worker to end, unless the script trains again
                     announce_training(self.env, over=True)
                     return result
@@ -220,8 +212,14 @@ class ElasticTrainer:
             self.log("trainer_resume_found", path=choice.path, why="the script asked for none: " + choice.why)
         return choice.path
 
-    def _is_regroup_cause(self, exc: BaseException) -> bool:
-        return self.world is not None and self.world.broken_by(exc)
+    def _regroup_cause(self, exc: Exception) -> Exception:
+        """``exc`` when it is this world breaking (a regroup follows), else raised again. The finished frames of its
+        traceback let go of what they held (the old DDP wrapper, so the move collects it at once); the traceback
+        keeps its lines for a re-raise."""
+        if self.world is None or not self.world.broken_by(exc):
+            raise exc
+        traceback.clear_frames(exc.__traceback__)
+        return exc
 
     # -- entering and leaving a world --------------------------------------------------------------
     def _enter_world(self, first: bool, asked: str | None = None) -> str | None:

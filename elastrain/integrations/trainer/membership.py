@@ -90,9 +90,9 @@ class TrainerMembership:
         self.member: LiveMember | None = None
         self.flags = StepFlags()
         self.warm = env.warm
+        """True until a warm worker is given its first round."""
         self.trainings = 0
         """How many ``train()`` calls this worker began: a script may train one model after another."""
-        """True until a warm worker is given its first round."""
 
     @classmethod
     def of_process(cls) -> TrainerMembership | None:
