@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import sys
 import time
 import weakref
 from typing import Any
@@ -29,13 +30,20 @@ p.add_argument("--fold-pause", type=float, default=float(os.environ.get("SEQ_FOL
 args = p.parse_args()
 
 
+def say(line: str) -> None:
+    """One write per line: under ``python -u`` a print of several arguments writes each apart, and the two ranks,
+    which print to one stream at the same moment, would interleave their words."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 class Progress(TrainerCallback):
     def __init__(self, fold: int) -> None:
         self.fold = fold
 
     def on_step_end(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
         time.sleep(args.step_sleep)
-        print(f"FOLD_STEP fold={self.fold} step={state.global_step} world={targs.world_size}", flush=True)
+        say(f"FOLD_STEP fold={self.fold} step={state.global_step} world={targs.world_size}")
 
 
 class Samples(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -83,8 +91,8 @@ def fold(k: int) -> tuple[int, weakref.ref[Tiny]]:
 
 steps0, model0 = fold(0)
 gc.collect()
-print("FOLD_FREED", model0() is None, flush=True)
+say(f"FOLD_FREED {model0() is None}")
 time.sleep(args.fold_pause)
 steps1, _ = fold(1)
 rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-print("DONE", rank, steps0, steps1, flush=True)
+say(f"DONE {rank} {steps0} {steps1}")
