@@ -17,10 +17,14 @@ STEP, CURSOR, GLOBAL = 5, 60, 12
 PLAN = plan(ScalingConfig(global_batch=GLOBAL, micro_batch=2), 3)
 
 
+class Trainer(SimpleNamespace):
+    """A Trainer's stand-in (elastrain refers to a Trainer weakly: a plain namespace cannot be)."""
+
+
 def rank_zero_of_three() -> tuple[KeptWork, Any, torch.nn.Module]:
     model = torch.nn.Linear(3, 1)
     p = PLAN  # rank 0: positions 0-1, then 2-3
-    trainer = SimpleNamespace(
+    trainer = Trainer(
         model=model,
         state=SimpleNamespace(global_step=STEP),
         accelerator=SimpleNamespace(gradient_state=SimpleNamespace(sync_gradients=False), num_processes=3),

@@ -124,6 +124,10 @@ def test_the_trainer_runs_the_epochs_its_steps_read(
     assert epochs_left(next_cursor, end_cursor, n) == expected
 
 
+class Stand:
+    """A Trainer's stand-in for what reads nothing of it."""
+
+
 @pytest.mark.parametrize(("strategy", "warned"), [("group_by_length", True), ("random", False), ("sequential", False)])
 def test_a_sampling_strategy_the_stream_does_not_follow_is_said_once(
     strategy: str, warned: bool, caplog: pytest.LogCaptureFixture
@@ -131,7 +135,8 @@ def test_a_sampling_strategy_the_stream_does_not_follow_is_said_once(
     from elastrain.integrations.trainer.dataloader import StreamLoader
 
     caplog.set_level(logging.INFO, logger="elastrain")
-    loader = StreamLoader(trainer=None, batch=None, held=None)  # type: ignore[arg-type]
+    trainer = Stand()  # elastrain refers to a Trainer weakly: the test holds it
+    loader = StreamLoader(trainer=trainer, batch=None, held=None)  # type: ignore[arg-type]
     loader._warn_sampling(strategy)
     loader._warn_sampling(strategy)
     said = caplog.text.count("event=trainer_sampling_replaced")
@@ -151,12 +156,14 @@ def test_a_trainer_subclass_dataloader_of_its_own_is_said_once(caplog: pytest.Lo
             return []
 
     caplog.set_level(logging.INFO, logger="elastrain")
-    loader = StreamLoader(trainer=object.__new__(OwnLoader), batch=None, held=None)  # type: ignore[arg-type]
+    trainer = object.__new__(OwnLoader)
+    loader = StreamLoader(trainer=trainer, batch=None, held=None)  # type: ignore[arg-type]
     loader.check_own()
     loader.check_own()
     assert caplog.text.count("event=trainer_dataloader_own trainer=OwnLoader") == 1, caplog.text
     caplog.clear()
-    loader = StreamLoader(trainer=object.__new__(OwnLoader), batch=None, held=None)  # type: ignore[arg-type]
+    trainer = object.__new__(OwnLoader)
+    loader = StreamLoader(trainer=trainer, batch=None, held=None)  # type: ignore[arg-type]
     loader.sampler = StreamBatches(8, plan(ScalingConfig(global_batch=4, micro_batch=4), 1), 0, 0, 2, seed=0)
     loader.check_own()  # the Trainer's own get_train_dataloader ran: the stream
     assert "trainer_dataloader_own" not in caplog.text
@@ -177,7 +184,8 @@ def test_a_trainer_subclass_sampler_the_stream_does_not_call_is_said_once(
                 return None
 
     caplog.set_level(logging.INFO, logger="elastrain")
-    loader = StreamLoader(trainer=object.__new__(Sampled), batch=None, held=None)  # type: ignore[arg-type]
+    trainer = object.__new__(Sampled)
+    loader = StreamLoader(trainer=trainer, batch=None, held=None)  # type: ignore[arg-type]
     loader._warn_sampler()
     loader._warn_sampler()
     assert caplog.text.count("event=trainer_sampler_unused trainer=Sampled") == (1 if own else 0), caplog.text

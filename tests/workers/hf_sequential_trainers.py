@@ -1,18 +1,20 @@
 """Two Trainers, one after the other, in one process (as a k-fold or a sweep script does), their training
 DataLoaders with persistent worker processes; it imports nothing from elastrain.
 
-After the first fold it drops its Trainer and model and prints ``FOLD_FREED <bool>``: whether the model was freed
-(by the garbage collector, as a script that trains the next fold expects of its memory), then pauses ``--fold-pause``
+After the first fold it drops its Trainer and model and prints ``FOLD_FREED <bool> <n>``: whether the model was
+freed at once, by its reference count (as under torchrun, and as a script that trains the next fold expects of its
+memory), and how many child processes (the DataLoader's persistent workers) are left; then pauses ``--fold-pause``
 seconds. Each rank prints ``FOLD_STEP fold=<k> step=<n> world=<size>`` after every step (each step sleeps
 ``--step-sleep`` seconds first, for a test to act during a fold), and at the end ``DONE <rank> <steps of fold 0>
-<steps of fold 1>``. The arguments' defaults come from ``SEQ_OUTPUT_DIR``, ``SEQ_MAX_STEPS``, ``SEQ_STEP_SLEEP`` and
-``SEQ_FOLD_PAUSE``.
+<steps of fold 1>``. While the file ``--hold-file`` exists, a rank that trains alone (world size 1) waits after
+its step's line: a test holds the job in a fold while a node starts. The arguments' defaults come from
+``SEQ_OUTPUT_DIR``, ``SEQ_MAX_STEPS``, ``SEQ_STEP_SLEEP``, ``SEQ_FOLD_PAUSE`` and ``SEQ_HOLD_FILE``.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import multiprocessing
 import os
 import sys
 import time
@@ -27,6 +29,7 @@ p.add_argument("--output-dir", default=os.environ.get("SEQ_OUTPUT_DIR"))
 p.add_argument("--max-steps", type=int, default=int(os.environ.get("SEQ_MAX_STEPS", "6")))
 p.add_argument("--step-sleep", type=float, default=float(os.environ.get("SEQ_STEP_SLEEP", "0")))
 p.add_argument("--fold-pause", type=float, default=float(os.environ.get("SEQ_FOLD_PAUSE", "0")))
+p.add_argument("--hold-file", default=os.environ.get("SEQ_HOLD_FILE"))
 args = p.parse_args()
 
 
@@ -44,6 +47,8 @@ class Progress(TrainerCallback):
     def on_step_end(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
         time.sleep(args.step_sleep)
         say(f"FOLD_STEP fold={self.fold} step={state.global_step} world={targs.world_size}")
+        while args.hold_file and targs.world_size == 1 and os.path.exists(args.hold_file):
+            time.sleep(0.05)
 
 
 class Samples(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -90,8 +95,7 @@ def fold(k: int) -> tuple[int, weakref.ref[Tiny]]:
 
 
 steps0, model0 = fold(0)
-gc.collect()
-say(f"FOLD_FREED {model0() is None}")
+say(f"FOLD_FREED {model0() is None} {len(multiprocessing.active_children())}")
 time.sleep(args.fold_pause)
 steps1, _ = fold(1)
 rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

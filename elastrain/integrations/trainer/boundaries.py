@@ -18,6 +18,7 @@ import torch.distributed as dist
 from elastrain.control import RegroupNotice
 from elastrain.integrations.trainer.kept_grads import BucketWatch
 from elastrain.integrations.trainer.membership import TrainerMembership
+from elastrain.integrations.trainer.weak_trainer import WeakTrainer
 from elastrain.log import lifecycle
 from elastrain.session.regroup import regroup_due
 from elastrain.step_flags import StepFlags, flagged_allreduce
@@ -29,6 +30,8 @@ class RegroupNow(Exception):
 
 class StepBoundaries:
     """Agrees one Trainer's step flags and decides, at each step boundary, whether to regroup now."""
+
+    trainer = WeakTrainer()
 
     def __init__(self, trainer: Any, membership: TrainerMembership | None, flags: StepFlags, live_ok: bool) -> None:
         self.trainer = trainer

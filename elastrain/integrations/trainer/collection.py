@@ -12,10 +12,11 @@ constructor) does one full collection run, before anything is frozen again. What
 once the new world's model is wrapped (:meth:`MoveCollection.wrapped`). When something still holds the old wrapper
 (a collective failure's traceback), nothing is frozen: the Trainer's collection then frees it, as before.
 
-When the worker exits, a Trainer is in a reference cycle with elastrain's side of it, so its end of life waits for a
-collection, where under torchrun its reference count frees it as the script's ``main()`` returns. Its training
-DataLoader's persistent workers (``dataloader_persistent_workers``) would then still run when multiprocessing's
-exit hook terminates them, which torch reports as a failed worker: :func:`collect_at_exit` collects first.
+elastrain's side of a Trainer refers to it weakly (:mod:`~elastrain.integrations.trainer.weak_trainer`), so a Trainer
+the script drops is freed by its reference count, as under torchrun. One that a reference cycle of the script's (or
+a library's) keeps until a collection would still hold its training DataLoader's persistent workers
+(``dataloader_persistent_workers``) when multiprocessing's exit hook terminates them, which torch reports as a failed
+worker: :func:`collect_at_exit` collects first.
 """
 
 from __future__ import annotations

@@ -17,11 +17,14 @@ from elastrain.integrations.trainer.iterable import IterableStream
 from elastrain.integrations.trainer.memory import Held
 from elastrain.integrations.trainer.rescale import TrainerBatch
 from elastrain.integrations.trainer.stream import StreamBatches, ends_epoch, epochs_left
+from elastrain.integrations.trainer.weak_trainer import WeakTrainer
 from elastrain.log import lifecycle
 
 
 class StreamLoader:
     """Builds the DataLoader the Trainer trains on, for the batch plan and data position of this world."""
+
+    trainer = WeakTrainer()
 
     def __init__(self, trainer: Any, batch: TrainerBatch, held: Held) -> None:
         self.trainer = trainer
@@ -188,7 +191,7 @@ class StreamLoader:
             seed=seed,
             shuffle=shuffle,
             first=first,
-            progress=lambda: int(t.state.global_step) - start_step,
+            progress=lambda: int(self.trainer.state.global_step) - start_step,  # the Trainer weakly: see weak_trainer
         )
         self.sampler, self.start_step = sampler, start_step
         workers = int(args.dataloader_num_workers)

@@ -60,6 +60,7 @@ from elastrain.integrations.trainer.membership import TrainerMembership, restart
 from elastrain.integrations.trainer.memory import DataPosition, Held
 from elastrain.integrations.trainer.placement import canonical_cpu_device
 from elastrain.integrations.trainer.rescale import TrainerBatch
+from elastrain.integrations.trainer.weak_trainer import WeakTrainer
 from elastrain.integrations.trainer.world import TrainerWorld
 from elastrain.log import lifecycle
 from elastrain.step_flags import StepFlags
@@ -79,6 +80,8 @@ def driver_of(trainer: Any) -> ElasticTrainer | None:
 class ElasticTrainer:
     """elastrain's side of one Trainer: batch plan, data stream, checkpoints, resume and live regroup."""
 
+    trainer = WeakTrainer()
+
     def __init__(self, trainer: Any, membership: TrainerMembership | None) -> None:
         args = trainer.args
         self.trainer = trainer
@@ -90,7 +93,7 @@ class ElasticTrainer:
             args.output_dir,
             self.env,
             int(limit) if limit else NO_LIMIT,
-            best=lambda: trainer.state.best_model_checkpoint,  # the state of the current train() call
+            best=lambda: self.trainer.state.best_model_checkpoint,  # the state of the current train() call
         )
         # The Trainer's rotation may delete the last complete checkpoint before the new one is committed, and its
         # skip-ahead replays the old world's per-rank batches: elastrain does both (see the module docstring).

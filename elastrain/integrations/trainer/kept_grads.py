@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastrain.integrations.trainer.dataloader import StreamLoader
 from elastrain.integrations.trainer.kept_split import LossScale, Offer, StepSplit, rescale, split_step
 from elastrain.integrations.trainer.memory import DataPosition
+from elastrain.integrations.trainer.weak_trainer import WeakTrainer
 from elastrain.live.group import GroupBrokenError, TrainingGroup
 from elastrain.log import lifecycle
 from elastrain.scaling import BatchPlan
@@ -129,6 +130,8 @@ class BucketWatch:
 
 class KeptWork:
     """One Trainer's finished micro-batches of the step in flight, kept across a broken world."""
+
+    trainer = WeakTrainer()
 
     def __init__(self, trainer: Any, loader: StreamLoader) -> None:
         self.trainer = trainer

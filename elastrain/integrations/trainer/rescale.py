@@ -18,11 +18,14 @@ from elastrain.integrations.trainer.batch import TrainerSettings, device_batch, 
 from elastrain.integrations.trainer.checkpoints import rank_zero_log
 from elastrain.integrations.trainer.errors import TrainerIntegrationError
 from elastrain.integrations.trainer.memory import Held
+from elastrain.integrations.trainer.weak_trainer import WeakTrainer
 from elastrain.scaling import BatchPlan
 
 
 class TrainerBatch:
     """One Trainer's batch plan: the per-device batch and accumulation that keep the global batch at this size."""
+
+    trainer = WeakTrainer()
 
     def __init__(self, trainer: Any, settings: TrainerSettings | None, held: Held) -> None:
         args = trainer.args

@@ -29,6 +29,7 @@ from elastrain.integrations.trainer.collection import MoveCollection
 from elastrain.integrations.trainer.forward_stop import forward_stops
 from elastrain.integrations.trainer.membership import TrainerMembership, backend_for
 from elastrain.integrations.trainer.memory import Held
+from elastrain.integrations.trainer.weak_trainer import WeakTrainer
 from elastrain.live import heap
 from elastrain.live.agreement import Ballot, vote
 from elastrain.live.receive_pool import ReceivePool
@@ -38,6 +39,8 @@ from elastrain.log import lifecycle
 
 class TrainerWorld:
     """One Trainer's live membership: the process's round and group, and the state it keeps or receives."""
+
+    trainer = WeakTrainer()
 
     def __init__(self, trainer: Any, membership: TrainerMembership, held: Held) -> None:
         self.trainer = trainer
