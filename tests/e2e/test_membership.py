@@ -22,6 +22,7 @@ from support.processes import (
     free_port,
     kill_tree,
     printed_fields,
+    readable,
     reaped,
     spawn,
     wait_for,
@@ -87,7 +88,8 @@ class Node:
         return [p for p in descendants(self.proc.pid) if p != self.proc.pid]
 
     def dump(self) -> str:
-        return f"--- {self.name} ---\n" + (self.log.read_text(errors="replace")[-8000:] if self.log.exists() else "")
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return f"--- {self.name} ---\n" + readable(text, 8000)
 
 
 def _wait_training(nodes: list[Node], ws: int, after: float, what: str) -> None:

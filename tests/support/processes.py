@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,6 +90,16 @@ def events_in(text: str, name: str) -> list[dict[str, str]]:
 
     found = [parse_event_line(line) for line in text.splitlines()]
     return [e for e in found if e is not None and e.get("event") == name]
+
+
+_CXX_TRACE = re.compile(r"^(frame #\d+: |Exception raised from |<omitting python frames>)")
+
+
+def readable(text: str, tail: int) -> str:
+    """The last ``tail`` characters of a node's output without torch's C++ stack traces (a c10d warning prints ~20
+    frames, and a few of them filled a failure's whole dump, hiding the events before them)."""
+    kept = "\n".join(line for line in text.splitlines() if not _CXX_TRACE.match(line))
+    return kept[-tail:]
 
 
 def descendants(pid: int) -> list[int]:
@@ -253,4 +264,4 @@ class LiveNode:
         return events_in(self.text(), name)
 
     def dump(self) -> str:
-        return f"--- {self.name} ---\n" + self.text()[-6000:]
+        return f"--- {self.name} ---\n" + readable(self.text(), 6000)
