@@ -2,9 +2,13 @@
 
 The agent removes its own when it ends. One that an agent killed outright left behind (SIGKILL, the OOM killer: no
 code runs) is removed by the next agent that starts on the machine: each directory names its owner (``agent.json``:
-its PID, the process's start time and its PID namespace), and a directory whose owner is gone is swept. A directory
-with no owner recorded, another user's, or one made in another PID namespace (a container sharing the folder) is
-never judged.
+its PID, the process's start in clock ticks since boot and as a time, and its PID namespace), and a directory whose
+owner is gone is swept. The start is compared in ticks, which no clock change moves: the start as a time (psutil's
+``create_time``: the boot time, which each process reads from the wall clock, plus the ticks) differs between two
+processes' reads once the clock was stepped, and an exact comparison of it judged a live agent gone (a full test
+suite saw agents' control directories swept under them; their workers' save acks failed on the missing folder).
+A directory with no owner recorded, another user's, or one made in another PID namespace (a container sharing the
+folder) is never judged.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from elastrain.control.files import write_atomic
 from elastrain.log import lifecycle
 
 PREFIX = "elastrain-control-"
+START_TOLERANCE_S = 2.0
+"""Without ticks: how far two reads of one process's start time may differ (a stepped clock moves them)."""
 OWNER = "agent.json"
 
 
@@ -81,12 +87,26 @@ def gone(owner: dict[str, Any]) -> bool:
         return False
     if namespace != _pid_namespace() or namespace == 0:
         return False
+    ticks = owner.get("start_ticks")
     try:
-        return bool(psutil.Process(pid).create_time() != started)
+        process = psutil.Process(pid)
+        if isinstance(ticks, int) and (now := _start_ticks(pid)) is not None:
+            return bool(now != ticks)
+        # No ticks (another system, an older owner): a start more than the clock's plausible step away.
+        return bool(abs(process.create_time() - started) > START_TOLERANCE_S)
     except psutil.NoSuchProcess:
         return True
     except psutil.Error:
         return False  # not ours to look at (access denied): not proved gone
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start in clock ticks since boot (``/proc/<pid>/stat``, field 22); None off Linux or unreadable."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _owner(directory: Path) -> dict[str, Any] | None:
@@ -101,7 +121,12 @@ def _owner(directory: Path) -> dict[str, Any] | None:
 
 
 def _identity(pid: int) -> dict[str, Any]:
-    return {"pid": pid, "started": psutil.Process(pid).create_time(), "pid_namespace": _pid_namespace()}
+    return {
+        "pid": pid,
+        "started": psutil.Process(pid).create_time(),
+        "start_ticks": _start_ticks(pid),
+        "pid_namespace": _pid_namespace(),
+    }
 
 
 def _pid_namespace() -> int:

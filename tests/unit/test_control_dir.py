@@ -1,5 +1,5 @@
 """Whether a control directory's owner is proved gone (elastrain.launcher.control_dir): by its PID, its process's
-start time and its PID namespace, never on a guess."""
+start (in ticks since boot, which no clock step moves) and its PID namespace, never on a guess."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from elastrain.launcher import control_dir
 
 ME = psutil.Process()
 NS = os.stat("/proc/self/ns/pid").st_ino
+TICKS = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # start, ticks since boot
 NO_SUCH_PID = 4_194_304 + 17  # above Linux's largest PID (pid_max is at most 2^22)
 
 
@@ -22,6 +23,9 @@ NO_SUCH_PID = 4_194_304 + 17  # above Linux's largest PID (pid_max is at most 2^
     [
         ({"pid": ME.pid, "started": ME.create_time(), "pid_namespace": NS}, False),  # alive: this process
         ({"pid": ME.pid, "started": ME.create_time() - 60, "pid_namespace": NS}, True),  # its PID, another process
+        ({"pid": ME.pid, "started": ME.create_time() + 0.6, "pid_namespace": NS}, False),  # read after a clock step
+        ({"pid": ME.pid, "started": ME.create_time() + 60, "start_ticks": TICKS, "pid_namespace": NS}, False),
+        ({"pid": ME.pid, "started": ME.create_time(), "start_ticks": TICKS - 1, "pid_namespace": NS}, True),
         ({"pid": NO_SUCH_PID, "started": 1.0, "pid_namespace": NS}, True),  # no such process
         ({"pid": NO_SUCH_PID, "started": 1.0, "pid_namespace": NS + 1}, False),  # another namespace: not judged
         ({"pid": NO_SUCH_PID, "started": 1.0}, False),  # no namespace recorded
