@@ -88,12 +88,11 @@ def gone(owner: dict[str, Any]) -> bool:
     if namespace != _pid_namespace() or namespace == 0:
         return False
     ticks = owner.get("start_ticks")
+    if isinstance(ticks, int) and (now := _start_ticks(pid)) is not None:
+        return bool(now != ticks)
+    # No ticks (another system, an older owner, or no such process): a start more than a clock step away.
     try:
-        process = psutil.Process(pid)
-        if isinstance(ticks, int) and (now := _start_ticks(pid)) is not None:
-            return bool(now != ticks)
-        # No ticks (another system, an older owner): a start more than the clock's plausible step away.
-        return bool(abs(process.create_time() - started) > START_TOLERANCE_S)
+        return bool(abs(psutil.Process(pid).create_time() - started) > START_TOLERANCE_S)
     except psutil.NoSuchProcess:
         return True
     except psutil.Error:
