@@ -34,17 +34,18 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
 from elastrain.control import ControlChannel, RegroupChannel, SaveCause
 from elastrain.env import ZYGOTE, LaunchContext, start_reason, to_environ
-from elastrain.launcher import control_dir, zygote
+from elastrain.launcher import control_dir, exit_barrier, zygote
 from elastrain.launcher.context import ContextBuilder
 from elastrain.launcher.leave import NodeLeave
 from elastrain.launcher.options import ElastrainOptions
 from elastrain.launcher.phase import Phase
 from elastrain.launcher.regroup import LiveCoordination, tell_warm
 from elastrain.launcher.save_request import checkpoint_before_change
-from elastrain.launcher.verdict import FailureVerdict, fatal_exit, killed_outright
+from elastrain.launcher.verdict import FailureVerdict, fatal_exit, killed_outright, static_rendezvous_failed
 from elastrain.log import lifecycle
 from elastrain.rendezvous.api import membership_of
 from elastrain.rendezvous.state import ChangeKind, Departure
@@ -129,8 +130,14 @@ class ElastrainAgent(LocalElasticAgent):
         return result
 
     def _exit_barrier(self) -> None:
-        if self._leave.reason is None:
-            super()._exit_barrier()  # type: ignore[no-untyped-call]
+        """torch's wait for the round's other nodes once this node's workers succeeded, elastic (:mod:`exit_barrier`):
+        it never holds the store client the heartbeat shares, and ends once the round is over without them."""
+        if self._leave.reason is None and self._store is not None:
+            nodes = int(self._worker_group.group_world_size or 1)
+            exit_barrier.wait(self._store, nodes, self._membership, self._exit_barrier_timeout, self._leaving)
+
+    def _leaving(self) -> bool:
+        return self._leave.reason is not None
 
     @property
     def context(self) -> LaunchContext | None:
@@ -190,6 +197,9 @@ class ElastrainAgent(LocalElasticAgent):
                 super()._rendezvous(worker_group)
                 break
             except DistError as exc:
+                handler = worker_group.spec.rdzv_handler
+                if isinstance(handler, StaticTCPRendezvous):  # one round only: no next one to form
+                    raise static_rendezvous_failed(handler, exc) from exc
                 # torch's rank assignment waits (store timeout) for every member's worker info: a member that
                 # froze or died right after the round formed never writes it. Form the next round without it
                 # rather than end this node (it is evicted by its heartbeat meanwhile).

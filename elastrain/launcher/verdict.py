@@ -16,11 +16,12 @@ from collections.abc import Callable
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
 from elastrain.collective_failure import names_collective_failure
 from elastrain.control import RegroupChannel
 from elastrain.env import LaunchContext
-from elastrain.errors import FATAL_EXIT_CODES
+from elastrain.errors import FATAL_EXIT_CODES, UsageError
 from elastrain.log import lifecycle
 from elastrain.rendezvous.api import Membership
 from elastrain.rendezvous.state import Change
@@ -38,6 +39,21 @@ def fatal_exit(result: RunResult) -> bool:
             why="a worker exited with EX_USAGE (64) or EX_CONFIG (78): restarting cannot help, this node leaves",
         )
     return bool(fatal)
+
+
+def static_rendezvous_failed(handler: StaticTCPRendezvous, exc: BaseException) -> UsageError:
+    """torch's static rendezvous (``--nnodes N`` without ``--rdzv-backend``, torchrun's default) failed at its store:
+    most often two nodes were given one ``--node-rank`` (both host the store: the second one's port is taken), or
+    node 0 is not up at the address the others were given. One line naming the flags, not torch's traceback and
+    no retry: that rendezvous has one round only."""
+    endpoint = f"{handler.master_addr}:{handler.master_port}"
+    return UsageError(
+        "--node-rank",
+        f"the static rendezvous (--nnodes {handler.world_size} without --rdzv-backend) failed as node "
+        f"{handler.rank} at {endpoint}: {str(exc).splitlines()[0][:200]}; give each node its own --node-rank "
+        f"(0 to {handler.world_size - 1}; node 0 hosts the store at --master-addr/--master-port), or use "
+        "--rdzv-backend c10d, where no node needs a rank",
+    )
 
 
 def failed_on_their_own(result: RunResult) -> list[ProcessFailure]:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from support.processes import REPO, elastrain_cmd, free_port, reaped, run, spawn, torchrun_cmd
+from support.processes import REPO, elastrain_cmd, free_port, reaped, run, spawn, torchrun_cmd, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -182,3 +183,30 @@ def test_two_agents_nnodes_1_2(tmp_path: Path) -> None:
         assert sorted(int(r["env"]["RANK"]) for r in recs) == [0, 1], name
         assert {r["env"]["WORLD_SIZE"] for r in recs} == {"2"}, name
         assert sorted(r["env"]["GROUP_RANK"] for r in recs) == ["0", "1"], name
+
+
+def _listens(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_two_static_nodes_given_one_node_rank_get_one_line_naming_the_flag(tmp_path: Path) -> None:
+    """``--nnodes 2`` without ``--rdzv-backend`` is torch's static rendezvous: each node needs its own
+    ``--node-rank``. Two nodes left at the default rank 0 both host its store; the second one's port is taken.
+    torchrun prints torch's traceback; elastrain-run said nothing useful and retried the round 20 times."""
+    port = free_port()
+    cmd = elastrain_cmd(
+        "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+        str(PROBE), str(tmp_path / "probe"),
+    )  # fmt: skip
+    first = spawn(cmd, tmp_path / "first.log", cwd=tmp_path)
+    with reaped(first):
+        wait_for(lambda: _listens(port), 60, what="node 0's store")
+        second = run(cmd, timeout=120, cwd=tmp_path)
+    assert second.returncode == 2, second.stderr[-4000:]
+    lines = [line for line in second.stderr.splitlines() if line.startswith("elastrain-run: error:")]
+    assert len(lines) == 1 and "--node-rank" in lines[0] and "--rdzv-backend c10d" in lines[0], second.stderr[-4000:]
+    assert "rendezvous_incomplete" not in second.stderr and "Traceback" not in second.stderr, second.stderr[-4000:]
