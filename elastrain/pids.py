@@ -1,8 +1,9 @@
-"""Whether a process lives, by its PID (a worker asks after its agent)."""
+"""Whether a process lives, by its PID (a worker asks after its agent), and which process a PID names now."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def alive(pid: int) -> bool:
@@ -14,3 +15,15 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start in clock ticks since boot (``/proc/<pid>/stat``, field 22); None off Linux or unreadable.
+
+    What tells a process from a later one that reuses its PID. Not psutil's ``create_time``: that adds the boot
+    time, which each process reads off the wall clock, so two reads of one process differ after a clock step."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None

@@ -23,6 +23,7 @@ from typing import Any
 
 import psutil
 
+from elastrain import pids
 from elastrain.control.files import write_atomic
 from elastrain.log import lifecycle
 
@@ -88,7 +89,7 @@ def gone(owner: dict[str, Any]) -> bool:
     if namespace != _pid_namespace() or namespace == 0:
         return False
     ticks = owner.get("start_ticks")
-    if isinstance(ticks, int) and (now := _start_ticks(pid)) is not None:
+    if isinstance(ticks, int) and (now := pids.start_ticks(pid)) is not None:
         return bool(now != ticks)
     # No ticks (another system, an older owner, or no such process): a start more than a clock step away.
     try:
@@ -97,15 +98,6 @@ def gone(owner: dict[str, Any]) -> bool:
         return True
     except psutil.Error:
         return False  # not ours to look at (access denied): not proved gone
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The process's start in clock ticks since boot (``/proc/<pid>/stat``, field 22); None off Linux or unreadable."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat[stat.rindex(")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _owner(directory: Path) -> dict[str, Any] | None:
@@ -123,7 +115,7 @@ def _identity(pid: int) -> dict[str, Any]:
     return {
         "pid": pid,
         "started": psutil.Process(pid).create_time(),
-        "start_ticks": _start_ticks(pid),
+        "start_ticks": pids.start_ticks(pid),
         "pid_namespace": _pid_namespace(),
     }
 
