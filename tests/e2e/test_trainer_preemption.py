@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from support.processes import events_in
 from support.trainer_trace import (
+    TEST_TIMEOUT_S,
     Event,
     References,
     Run,
@@ -32,7 +33,7 @@ from support.trainer_trace import (
 
 from elastrain.integrations.trainer.checkpoints import is_committed
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT_S)]
 SEED = int(os.environ.get("TRAINER_TRACE_SEED", random.randrange(1 << 20)))
 
 

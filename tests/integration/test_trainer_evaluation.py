@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 from support.processes import REPO, elastrain_cmd, events_in, run, torchrun_cmd
-from support.trainer_trace import Event, Workload, trace
+from support.trainer_trace import TEST_TIMEOUT_S, Event, Workload, trace
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT_S)]
 
 SCRIPT = REPO / "tests" / "workers" / "hf_evaluate_first.py"
 SETTINGS = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--seed", "0"]

@@ -19,6 +19,7 @@ from support.trainer_trace import (
     COMMON,
     LEDGER,
     SCRIPTS,
+    TEST_TIMEOUT_S,
     Event,
     Ledger,
     References,
@@ -29,7 +30,7 @@ from support.trainer_trace import (
     trace,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT_S)]
 
 
 @pytest.fixture
