@@ -130,14 +130,10 @@ class ElastrainAgent(LocalElasticAgent):
         return result
 
     def _exit_barrier(self) -> None:
-        """torch's wait for the round's other nodes once this node's workers succeeded, elastic (:mod:`exit_barrier`):
-        it never holds the store client the heartbeat shares, and ends once the round is over without them."""
+        """torch's wait for the round's other nodes, elastic (:mod:`elastrain.launcher.exit_barrier`)."""
         if self._leave.reason is None and self._store is not None:
             nodes = int(self._worker_group.group_world_size or 1)
-            exit_barrier.wait(self._store, nodes, self._membership, self._exit_barrier_timeout, self._leaving)
-
-    def _leaving(self) -> bool:
-        return self._leave.reason is not None
+            exit_barrier.wait(self._store, nodes, self._membership, self._exit_barrier_timeout, self._leave.leaving)
 
     @property
     def context(self) -> LaunchContext | None:

@@ -100,6 +100,10 @@ class NodeLeave:
         """Why this node leaves; ``None`` while no leave was asked for."""
         return self._leave.reason
 
+    def leaving(self) -> bool:
+        """Whether a leave was asked for."""
+        return self._leave.reason is not None
+
     def request(self, reason: str, deadline_s: float) -> None:
         """Leave the job within ``deadline_s``: checkpoint (if enabled), announce, stop the workers, end.
 
