@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from torch._C._distributed_c10d import Store
 
+from elastrain.errors import RendezvousError
 from elastrain.log import lifecycle
 from elastrain.rendezvous.api import Membership
 from elastrain.rendezvous.connection import STORE_ERRORS
@@ -80,5 +81,5 @@ def wait(
                 return ended(Outcome.TIMED_OUT, logging.WARNING, arrived=arrived, timeout_s=timeout_s)
             sleep(poll_s)
             arrived = int(store.add(KEY, 0))
-    except STORE_ERRORS as exc:
+    except (*STORE_ERRORS, RendezvousError) as exc:  # the workers succeeded: the wait ends, never the node's success
         return ended(Outcome.STORE_FAILED, logging.WARNING, error=repr(exc)[:200])

@@ -10,7 +10,7 @@ import pytest
 from torch._C._distributed_c10d import HashStore
 from torch.distributed import DistStoreError
 
-from elastrain.errors import RendezvousStoreLostError
+from elastrain.errors import RendezvousStateCorruptError, RendezvousStoreLostError
 from elastrain.launcher import exit_barrier
 from elastrain.launcher.exit_barrier import KEY, Outcome
 from elastrain.rendezvous.state import Change, ChangeKind
@@ -138,3 +138,11 @@ def test_the_wait_is_bounded_by_its_timeout() -> None:
     store.set_timeout(timedelta(seconds=1))
     assert _wait(store, 2, ScriptedMembership(), clock) is Outcome.TIMED_OUT
     assert 300.0 <= clock.now < 301.0
+
+
+def test_a_membership_that_cannot_read_the_round_ends_the_wait_not_the_node() -> None:
+    class Unreadable(ScriptedMembership):
+        def membership_change(self) -> Change | None:
+            raise RendezvousStateCorruptError("the state key holds garbage")
+
+    assert _wait(NoWaitStore(), 2, Unreadable(), Clock()) is Outcome.STORE_FAILED
