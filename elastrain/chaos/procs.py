@@ -4,7 +4,7 @@ torch starts workers in their own session (``start_new_session=True``), so signa
 process group misses them, and once the agent is dead they are re-parented and invisible from it.
 A :class:`ProcessTree` therefore remembers every descendant it has ever seen (PID and start, so a reused
 PID is never signalled) and kills by that list. The start is in clock ticks since boot where Linux tells it
-(:func:`elastrain.pids.start_ticks`): psutil's creation time moves when the wall clock is stepped, and the
+(:func:`elastrain.pids.started_as`): psutil's creation time moves when the wall clock is stepped, and the
 tree then took its live processes for gone (a kill missed them; the soak's orphan check passed over them).
 """
 
@@ -13,33 +13,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from dataclasses import dataclass
 
 import psutil
 
 from elastrain import pids
 from elastrain.env import CHAOS_TAG
-
-START_TOLERANCE_S = 2.0
-"""Without ticks: how far two reads of one process's creation time may differ (a stepped clock moves them)."""
-
-
-@dataclass(frozen=True)
-class _Start:
-    """When a process started: in clock ticks since boot (``ticks``), else psutil's creation time."""
-
-    ticks: bool
-    value: float
-
-    @classmethod
-    def of(cls, pid: int) -> _Start:
-        ticks = pids.start_ticks(pid)
-        return cls(True, float(ticks)) if ticks is not None else cls(False, psutil.Process(pid).create_time())
-
-    def same(self, other: _Start) -> bool:
-        if self.ticks != other.ticks:
-            return False
-        return self.value == other.value if self.ticks else abs(self.value - other.value) <= START_TOLERANCE_S
 
 
 class ProcessTree:
@@ -47,14 +25,14 @@ class ProcessTree:
 
     def __init__(self, root_pid: int) -> None:
         self.root_pid = root_pid
-        self._seen: dict[int, _Start] = {}
+        self._seen: dict[int, tuple[int | None, float]] = {}  # pid -> its start: ticks, creation time
         self._remember(root_pid)
         self.refresh()
 
     def _remember(self, pid: int) -> None:
         with contextlib.suppress(psutil.Error):
             if pid not in self._seen:
-                self._seen[pid] = _Start.of(pid)
+                self._seen[pid] = (pids.start_ticks(pid), psutil.Process(pid).create_time())
 
     def refresh(self) -> None:
         """Record the descendants that exist now (call it often: a dead agent's workers are no longer its children)."""
@@ -68,7 +46,7 @@ class ProcessTree:
         out = []
         for pid, started in self._seen.items():
             try:
-                if _Start.of(pid).same(started) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                if pids.started_as(pid, *started) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
                     out.append(pid)
             except psutil.Error:
                 pass

@@ -28,8 +28,6 @@ from elastrain.control.files import write_atomic
 from elastrain.log import lifecycle
 
 PREFIX = "elastrain-control-"
-START_TOLERANCE_S = 2.0
-"""Without ticks: how far two reads of one process's start time may differ (a stepped clock moves them)."""
 OWNER = "agent.json"
 
 
@@ -89,11 +87,9 @@ def gone(owner: dict[str, Any]) -> bool:
     if namespace != _pid_namespace() or namespace == 0:
         return False
     ticks = owner.get("start_ticks")
-    if isinstance(ticks, int) and (now := pids.start_ticks(pid)) is not None:
-        return bool(now != ticks)
-    # No ticks (another system, an older owner, or no such process): a start more than a clock step away.
+    # Without ticks (another system, an older owner, or no such process): a start more than a clock step away.
     try:
-        return bool(abs(psutil.Process(pid).create_time() - started) > START_TOLERANCE_S)
+        return not pids.started_as(pid, ticks if isinstance(ticks, int) else None, started)
     except psutil.NoSuchProcess:
         return True
     except psutil.Error:
