@@ -133,7 +133,8 @@ class ElastrainAgent(LocalElasticAgent):
         """torch's wait for the round's other nodes, elastic (:mod:`elastrain.launcher.exit_barrier`)."""
         if self._leave.reason is None and self._store is not None:
             nodes = int(self._worker_group.group_world_size or 1)
-            exit_barrier.wait(self._store, nodes, self._membership, self._exit_barrier_timeout, self._leave.leaving)
+            timeout_s, unjoined = self._exit_barrier_timeout, self._live.ended_before_round()
+            exit_barrier.wait(self._store, nodes, self._membership, timeout_s, self._leave.leaving, unjoined)
 
     @property
     def context(self) -> LaunchContext | None:

@@ -41,6 +41,7 @@ class Outcome(str, enum.Enum):
     LEFT = "left"  # this node leaves (SIGTERM, a preemption notice)
     STORE_FAILED = "store_failed"  # the store is gone: nothing is held for anyone
     TIMED_OUT = "timed_out"
+    SKIPPED = "skipped"  # this node's workers ended before they joined the round: it never trained
 
 
 def wait(
@@ -49,12 +50,16 @@ def wait(
     membership: Membership,
     timeout_s: float,
     leaving: Callable[[], bool] = lambda: False,
+    unjoined: bool = False,
     poll_s: float = POLL_S,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Outcome:
     """Count this node in at ``store`` (the round's) and wait, bounded by ``timeout_s``, for its ``nodes`` nodes; one
-    log line says how the wait ended."""
+    log line says how the wait ended. ``unjoined``: this node's workers ended before they joined this round (they
+    finished training as it formed, a joiner in it): nothing is waited for. The round never trained, its joiners'
+    workers wait in it for ours until this node's close reaches them (they then find the job finished), and the
+    other nodes that finished with ours are in the same case."""
     started = clock()
 
     def ended(outcome: Outcome, level: int = logging.INFO, **fields: object) -> Outcome:
@@ -63,6 +68,8 @@ def wait(
         )
         return outcome
 
+    if unjoined:
+        return ended(Outcome.SKIPPED, why="its workers finished training before they joined this round")
     try:
         arrived = int(store.add(KEY, 1))
         if arrived < nodes:

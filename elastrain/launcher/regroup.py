@@ -127,6 +127,7 @@ class LiveCoordination:
         """Whether no round had formed when the warm workers started (they may found the job)."""
         self._deferred_since: float | None = None  # when a membership change began to wait for closing workers
         self._probed_round: int | None = None  # the last broken round whose peers were probed
+        self._unjoined_round: int | None = None  # a round this node's workers ended before they joined
 
     # -- a change while the workers finish ---------------------------------------------------------
     def finishing(self, worker_group: WorkerGroup) -> bool:
@@ -151,6 +152,12 @@ class LiveCoordination:
             return True
         lifecycle("finishing_slow", level=logging.WARNING, waited_s=round(bound, 3), why="restarting for the change")
         return False
+
+    def ended_before_round(self) -> bool:
+        """Whether this node's workers ended before they joined its current round (they finished training as it
+        formed): that round never trained, and its other members wait in it for workers that never come."""
+        ctx = self._host.context
+        return ctx is not None and self._unjoined_round == ctx.round
 
     # -- live regroup ------------------------------------------------------------------------------
     def probe_if_a_worker_broke(self) -> None:
@@ -291,6 +298,8 @@ class LiveCoordination:
                 return missing
             result = self._host.poll_workers(worker_group)
             if result.state is not WorkerState.HEALTHY:
+                if result.state is WorkerState.SUCCEEDED:  # a failure restarts them into another round
+                    self._unjoined_round = notice.round
                 lifecycle(
                     "regroup_unanswered",
                     level=logging.WARNING,

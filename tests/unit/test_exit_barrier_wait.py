@@ -146,3 +146,11 @@ def test_a_membership_that_cannot_read_the_round_ends_the_wait_not_the_node() ->
             raise RendezvousStateCorruptError("the state key holds garbage")
 
     assert _wait(NoWaitStore(), 2, Unreadable(), Clock()) is Outcome.STORE_FAILED
+
+
+def test_a_node_whose_workers_ended_before_joining_the_round_waits_for_nobody() -> None:
+    """Its workers finished training as a round with a joiner formed: the joiner's workers wait in that round for
+    ours, which never come; the node closes the job at once, and the joiner finds it finished."""
+    clock, store = Clock(), NoWaitStore()
+    assert _wait(store, 3, ScriptedMembership(), clock, unjoined=True) is Outcome.SKIPPED
+    assert clock.sleeps == [] and store.add(KEY, 0) == 0  # not even counted in
