@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from elastrain import wire
+from elastrain.group_pins import pin_default_group
 
 log = logging.getLogger(__name__)
 _exit_hook_registered = False
@@ -69,6 +70,7 @@ class Group:
             self.rank, self.world_size = 0, 1
             return
         _register_exit_hook()
+        pin_default_group()  # the group the model syncs over, freed at exit and never by DDP (elastrain.group_pins)
         ranks = None if parent is None else dist.get_process_group_ranks(parent)
         timeout = timedelta(seconds=timeout_s) if timeout_s else None
         self.pg = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)

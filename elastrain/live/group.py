@@ -38,6 +38,7 @@ from torch._C._distributed_c10d import GradBucket, PrefixStore, TCPStore
 from elastrain.binding import tcp_store_server
 from elastrain.bucket_allreduce import all_reduce_pieces, completion
 from elastrain.errors import ElastrainError
+from elastrain.group_pins import pin_default_group
 from elastrain.live.sever import Connection, sever, tcp_sockets
 from elastrain.log import lifecycle
 from elastrain.step_flags import StepFlags, carries_flags
@@ -176,6 +177,7 @@ class TrainingGroup:
         )
         if self.timeout is not None:
             dist.distributed_c10d._set_pg_timeout(self.timeout)  # collectives: --collective-timeout
+        pin_default_group()  # never freed by DDP's Reducer once the script destroyed it (elastrain.group_pins)
         self._store = store
         self._connections = tcp_sockets() - before
         self.round = round_

@@ -6,9 +6,10 @@ freed at once, by its reference count (as under torchrun, and as a script that t
 memory), and how many child processes (the DataLoader's persistent workers) are left; then pauses ``--fold-pause``
 seconds. Each rank prints ``FOLD_STEP fold=<k> step=<n> world=<size>`` after every step (each step sleeps
 ``--step-sleep`` seconds first, for a test to act during a fold), and at the end ``DONE <rank> <steps of fold 0>
-<steps of fold 1>``. While the file ``--hold-file`` exists, a rank that trains alone (world size 1) waits after
-its step's line: a test holds the job in a fold while a node starts. The arguments' defaults come from
-``SEQ_OUTPUT_DIR``, ``SEQ_MAX_STEPS``, ``SEQ_STEP_SLEEP``, ``SEQ_FOLD_PAUSE`` and ``SEQ_HOLD_FILE``.
+<steps of fold 1>`` (the second fold ends with ``trainer.end()``, as TRL's scripts do). While the file
+``--hold-file`` exists, a rank that trains alone (world size 1) waits after its step's line: a test holds the job
+in a fold while a node starts. The arguments' defaults come from ``SEQ_OUTPUT_DIR``, ``SEQ_MAX_STEPS``,
+``SEQ_STEP_SLEEP``, ``SEQ_FOLD_PAUSE`` and ``SEQ_HOLD_FILE``.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class Tiny(torch.nn.Module):
         return {"loss": ((self.net(x) - labels) ** 2).mean()}
 
 
-def fold(k: int) -> tuple[int, weakref.ref[Tiny]]:
+def fold(k: int, end: bool = False) -> tuple[int, weakref.ref[Tiny], int]:
     torch.manual_seed(k)
     model = Tiny()
     targs = TrainingArguments(
@@ -91,12 +92,14 @@ def fold(k: int) -> tuple[int, weakref.ref[Tiny]]:
     )
     trainer = Trainer(model=model, args=targs, train_dataset=Samples(k), callbacks=[Progress(k)])
     trainer.train()
-    return trainer.state.global_step, weakref.ref(model)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if end:
+        trainer.end()  # as TRL's scripts end: the process group destroyed while DDP's model still holds it
+    return trainer.state.global_step, weakref.ref(model), rank
 
 
-steps0, model0 = fold(0)
+steps0, model0, _ = fold(0)
 say(f"FOLD_FREED {model0() is None} {len(multiprocessing.active_children())}")
 time.sleep(args.fold_pause)
-steps1, _ = fold(1)
-rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+steps1, _, rank = fold(1, end=True)
 say(f"DONE {rank} {steps0} {steps1}")
