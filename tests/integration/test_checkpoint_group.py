@@ -21,12 +21,18 @@ print("ALL_MAX", g.all_max([3, 4]), flush=True)
 """
 
 
-def test_process_groups_are_destroyed_at_exit_while_the_interpreter_is_whole() -> None:
+def _python(script: str) -> subprocess.CompletedProcess[str]:
+    """``script`` (its ``{port}`` a free one) run to its end by a fresh interpreter, which must exit 0."""
     out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT.format(port=free_port()))],
+        [sys.executable, "-c", textwrap.dedent(script.format(port=free_port()))],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+def test_process_groups_are_destroyed_at_exit_while_the_interpreter_is_whole() -> None:
+    out = _python(SCRIPT)
     assert "ALL_MAX [3, 4]" in out.stdout, out.stdout + out.stderr
     assert "AT_EXIT initialized=False" in out.stdout, out.stdout + out.stderr
 
@@ -55,12 +61,8 @@ print("MODEL_FREED", flush=True)
 def test_the_default_group_outlives_a_model_whose_script_destroyed_it_and_goes_at_exit() -> None:
     """A DDP model freed after the script destroyed its group does not free the group (a gloo group freed by DDP's
     Reducer is freed with the GIL held, which can hang the worker: elastrain.group_pins); the pin goes at exit."""
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(PINNED_SCRIPT.format(port=free_port()))],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    out = _python(PINNED_SCRIPT)
     text = out.stdout + out.stderr
-    assert out.returncode == 0, text
     assert "AFTER_DESTROY pinned=1" in out.stdout, text
     assert "MODEL_FREED" in out.stdout, text
     assert "AT_EXIT pinned=1" in out.stdout, text
