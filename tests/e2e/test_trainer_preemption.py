@@ -62,8 +62,8 @@ def check(run: Run, ref: Run, w: Workload, sigkills: int, where: str, restarted:
     # The loss the Trainer logs averages the steps of a logging window; a window in which the world changed logs
     # the steps since the change. The log of a window's last step s is written after s, so a world that changed at
     # s + 1 may write it too: a member killed between step s and its log takes its share of the window along, and
-    # the new world logs the survivors' mean (elastrain/integrations/trainer/lost_log.py). Every other window, and
-    # the last, match the uninterrupted run's within 3%: the worlds sum the same gradients in another order, and
+    # the new world logs the survivors' mean (elastrain/integrations/trainer/lost_log.py). Every other window
+    # matches the uninterrupted run's within 3%: the worlds sum the same gradients in another order, and
     # AdamW lets that drift (measured here: 0.1-1.5% after a few hundred steps).
     got_loss, want_loss = run.losses(), ref.losses()
     assert sorted(got_loss) == sorted(want_loss), detail
@@ -72,8 +72,11 @@ def check(run: Run, ref: Run, w: Workload, sigkills: int, where: str, restarted:
     clean = [s for s in want_loss if not any(s - window < c <= s + 1 for c in changed)]
     differ = [(s, got_loss[s], want_loss[s]) for s in clean if got_loss[s] != pytest.approx(want_loss[s], rel=3e-2)]
     assert not differ, f"logged losses differ (step, elastic, uninterrupted): {differ[:8]}\n{detail}"
-    last = max(want_loss)
-    final = f"final loss {got_loss[last]} vs {want_loss[last]}"
+    # The run ends as the uninterrupted one does: a window near its end is untouched by a change, and matched above (a
+    # change in the last window, a joiner late on a loaded box, logs the steps since the change alone).
+    last = max(clean, default=0)
+    assert last >= max(want_loss) - 2 * window, f"no logged window near the end untouched by a change\n{detail}"
+    final = f"final loss {got_loss[last]} vs {want_loss[last]} (step {last})"
     assert got_loss[last] == pytest.approx(want_loss[last], rel=3e-2), final
 
 
@@ -174,7 +177,8 @@ def test_a_trainer_worker_that_dies_beside_another_on_its_node_is_replaced_alone
 
 @pytest.mark.parametrize(
     ("hold", "kept_samples"),
-    [("", ("8/24", "12/24", "16/24")), (":3:forward", ("8/24",)), (":3:backward", ("16/24",))],
+    # Held 10 s before the forward: the loss's notice must reach the survivors in the hold (3.2 s on a loaded run).
+    [("", ("8/24", "12/24", "16/24")), (":10:forward", ("8/24",)), (":3:backward", ("16/24",))],
     ids=["survivors-in-the-all-reduce", "survivors-in-the-next-forward", "survivors-in-the-next-backward"],
 )
 def test_a_node_lost_in_a_step_leaves_the_survivors_finished_micro_batches_to_count(

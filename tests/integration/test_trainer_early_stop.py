@@ -33,7 +33,7 @@ def test_a_joiner_stops_early_at_the_same_step_as_the_members_it_joins(tmp_path:
     a = node("a")
     with reaped(a.proc):
         wait_for(lambda: 10 in evals(a) or a.proc.poll() is not None, BOUND, what="a's second evaluation")
-        hold.touch()  # a waits 2 s a step until b trains with it
+        hold.touch()  # a waits 5 s a step until b trains with it (b must join before the stop at step 20)
         b = node("b")
         with reaped(b.proc):
             wait_for(lambda: bool(b.lines("ES_STEP")) or b.proc.poll() is not None, BOUND, what="b to train")

@@ -3,7 +3,7 @@
 It evaluates and saves every 5 steps; its metric never improves after the first evaluation (a constant), so the
 patience counter grows by one at each evaluation and training stops at the evaluation that makes it 3 (step 20),
 whatever the world size. Each rank prints ``ES_STEP step=<n> world=<size>`` after each step (after sleeping
-``ES_STEP_SLEEP`` seconds, 2 s more while the file ``ES_HOLD`` exists), ``ES_EVAL step=<n> patience=<counter>
+``ES_STEP_SLEEP`` seconds, ``HOLD_S`` more while the file ``ES_HOLD`` exists), ``ES_EVAL step=<n> patience=<counter>
 world=<size>`` after each evaluation, and ``ES_DONE rank=<r> step=<n>`` at the end.
 """
 
@@ -18,6 +18,7 @@ from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, Traini
 
 STEP_SLEEP = float(os.environ.get("ES_STEP_SLEEP", "0"))
 HOLD = os.environ.get("ES_HOLD", "")
+HOLD_S = 5.0  # 10 steps held (the second evaluation to the stop at step 20) outlast a joiner's start on a loaded box
 
 
 class Samples(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -48,7 +49,7 @@ class Report(TrainerCallback):
         self.stopper = stopper
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        time.sleep(STEP_SLEEP + (2.0 if HOLD and os.path.exists(HOLD) else 0.0))
+        time.sleep(STEP_SLEEP + (HOLD_S if HOLD and os.path.exists(HOLD) else 0.0))
         print(f"ES_STEP step={state.global_step} world={args.world_size}", flush=True)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
