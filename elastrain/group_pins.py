@@ -7,7 +7,7 @@ group's last reference, and freeing the model (the script's ``main`` returning) 
 ``Reducer``'s destructor, which pybind runs with the GIL held. gloo's destructor joins its threads; a thread still
 freeing the script's last collective (an all-gather's tensors, whose Python objects need the GIL) then waits for the
 GIL forever, and the worker hangs after its script returned, deaf to SIGTERM (seen here: TRL's DPO and SFT scripts,
-which end with ``trainer.end()``, in 2 runs of 7 on a loaded box; pytorch#56297 describes the destructor).
+which end with ``trainer.end()``, in 3 runs of 11 on a loaded box; pytorch#56297 describes the destructor).
 
 A group pinned here outlives the model: its last reference goes when the pins are released at exit, from Python,
 whose ``ProcessGroup`` releases the GIL before its destructor runs; gloo's threads then finish what they hold.
