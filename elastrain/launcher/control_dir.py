@@ -87,7 +87,8 @@ def gone(owner: dict[str, Any]) -> bool:
     if namespace != _pid_namespace() or namespace == 0:
         return False
     ticks = owner.get("start_ticks")
-    # Without ticks (another system, an older owner, or no such process): a start more than a clock step away.
+    # By clock ticks where both sides have them; without (another system, an older owner, or no such process), a
+    # creation time more than a clock step away.
     try:
         return not pids.started_as(pid, ticks if isinstance(ticks, int) else None, started)
     except psutil.NoSuchProcess:

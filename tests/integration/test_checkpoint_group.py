@@ -39,6 +39,9 @@ def test_process_groups_are_destroyed_at_exit_while_the_interpreter_is_whole() -
 
 PINNED_SCRIPT = """
 import atexit, os
+# Registered before elastrain is imported, so it runs after group_pins' hook: the pins are gone by then.
+atexit.register(lambda: print("AFTER_RELEASE pinned=" + str(sys.modules["elastrain.group_pins"].pinned()), flush=True))
+import sys
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -66,3 +69,4 @@ def test_the_default_group_outlives_a_model_whose_script_destroyed_it_and_goes_a
     assert "AFTER_DESTROY pinned=1" in out.stdout, text
     assert "MODEL_FREED" in out.stdout, text
     assert "AT_EXIT pinned=1" in out.stdout, text
+    assert "AFTER_RELEASE pinned=0" in out.stdout, text
