@@ -332,7 +332,10 @@ def test_a_trainer_by_epochs_evaluates_and_saves_at_each_epochs_end_through_a_ki
     w = Workload(base.script, (*args, *epochs), 200)  # 1600 samples, 16 a step
     where = f"node of group rank 1 SIGKILLed {lost_in} of step {step}"
     events = [Event("start", "b", at=step, world=1), Event("wait", "b", at=step, world=2)] if step < 200 else []
-    run = trace(w, tmp_path / "trace", events, env={"LEDGER_KILL_AFTER": f"{step}:1:2:{lost_in}"})
+    # Its loss is logged every 30 steps: the node that comes back must join by step 150, or no logged window near the
+    # end is untouched by a change (check(); it joined at 151 on a loaded box, 17 s after its start at 102 at the
+    # default pace). The steps wait 2 s each while it warms up: the trace lasts as long as its start either way.
+    run = trace(w, tmp_path / "trace", events, pace=(0.03, 2.0), env={"LEDGER_KILL_AFTER": f"{step}:1:2:{lost_in}"})
     ref = hf_references.get(w)
     check(run, ref, w, sigkills=1, where=where)
     codes = list(run.codes.values())  # the node of group rank 1 is a or b
