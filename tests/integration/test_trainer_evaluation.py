@@ -21,6 +21,7 @@ from support.trainer_trace import TEST_TIMEOUT_S, Event, Workload, trace
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT_S)]
 
 SCRIPT = REPO / "tests" / "workers" / "hf_evaluate_first.py"
+SUBCLASS = REPO / "tests" / "workers" / "hf_evaluate_subclass.py"
 SETTINGS = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--seed", "0"]
 
 
@@ -71,6 +72,43 @@ def test_an_evaluation_only_script_evaluates_once_over_the_first_round_as_under_
     mine, reference = _results(tmp_path / "ours"), _results(tmp_path / "theirs")
     for key in ("base_loss", "eval_loss"):
         assert mine[key] == pytest.approx(reference[key], rel=1e-5), (mine, reference)
+
+
+def test_a_trainer_subclass_that_evaluates_and_predicts_its_own_way_does_so_once_over_the_first_round(
+    hf_assets: Path, tmp_path: Path
+) -> None:
+    """tests/workers/hf_evaluate_subclass.py: ``evaluate()`` and ``predict()`` overridden as transformers'
+    QuestionAnsweringTrainer overrides them (their own DataLoader and ``evaluation_loop``, never the Trainer's
+    ``evaluate()``). Before, the warm workers evaluated and predicted alone, each over the whole set and each as the
+    writer, ended, and the agent ran the script again after the rendezvous."""
+    args = [
+        str(SUBCLASS), "--model_name_or_path", str(hf_assets / "gpt2"),
+        "--validation_file", str(hf_assets / "text" / "validation.txt"), "--per_device_eval_batch_size", "4",
+        "--do_eval", "--do_predict", *SETTINGS,
+    ]  # fmt: skip
+    ours = run(
+        elastrain_cmd("--standalone", "--nproc-per-node", "2", *args, "--output_dir", str(tmp_path / "ours")),
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert ours.returncode == 0, ours.stderr[-6000:]
+    theirs = run(
+        torchrun_cmd("--standalone", "--nproc-per-node", "2", *args, "--output_dir", str(tmp_path / "theirs")),
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert theirs.returncode == 0, theirs.stderr[-6000:]
+    log = ours.stderr + ours.stdout
+    assert len(events_in(log, "workers_started")) == 1, log[-6000:]  # the script ran once
+    assert not events_in(log, "warm_start_unsupported") and not events_in(log, "trainer_loop_alone"), log[-6000:]
+    joined = events_in(log, "trainer_group_joined")
+    assert sorted(int(e["rank"]) for e in joined) == [0, 1] and {e["world"] for e in joined} == {"2"}, log[-6000:]
+    printed = [line for line in ours.stdout.splitlines() if line.startswith("PREDICTED")]
+    assert printed == [line for line in theirs.stdout.splitlines() if line.startswith("PREDICTED")], ours.stdout
+    assert len(printed) == 1, ours.stdout[-6000:]  # one writer, as under torchrun
+    mine, reference = _results(tmp_path / "ours"), _results(tmp_path / "theirs")
+    for key in ("eval_loss", "eval_accuracy", "eval_samples", "predict_accuracy", "predict_samples"):
+        assert mine[key] == pytest.approx(reference[key], rel=1e-5), (key, mine, reference)
 
 
 def test_a_script_that_evaluates_first_does_so_over_the_first_round_and_a_joiner_alone_without_losing_a_step(

@@ -8,8 +8,10 @@ trainer.hook.TESTED` only:
   joins its round's training group and accelerate's view is made again over it (a Trainer that cannot regroup in
   place joins here, as in restart mode);
 * ``Trainer.__init__``: attaches the :class:`~elastrain.integrations.trainer.driver.ElasticTrainer`;
-* ``Trainer.train``: the driver's loop (resume, regroups); ``Trainer.evaluate`` and ``Trainer.predict`` before it:
-  the job's first round joined there (:meth:`~elastrain.integrations.trainer.driver.ElasticTrainer.before_evaluation`);
+* ``Trainer.train``: the driver's loop (resume, regroups); ``Trainer.evaluate`` and ``Trainer.predict`` before it,
+  and the DataLoaders they build (``get_eval_dataloader``, ``get_test_dataloader``: a subclass's own evaluation calls
+  them): the job's first round joined there
+  (:meth:`~elastrain.integrations.trainer.driver.ElasticTrainer.before_evaluation`);
 * ``Trainer.get_train_dataloader``: the stream's batches for this rank; ``Trainer.set_initial_training_values``:
   the stream's epochs;
 * ``Trainer._init_training_state``: the state in memory after a regroup;
@@ -155,15 +157,17 @@ def patch_trainer(module: Any) -> None:
 
         return training_step
 
-    def make_loop(original: Any) -> Any:
+    def make_loop(original: Any, loop: str = "") -> Any:
+        name = loop or original.__name__
+
         @functools.wraps(original)
-        def loop(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
             driver = driver_of(self)
             if driver is not None:
-                driver.before_evaluation(original.__name__)
+                driver.before_evaluation(name)
             return original(self, *args, **kwargs)
 
-        return loop
+        return wrapped
 
     def make_compute_loss(original: Any) -> Any:
         @functools.wraps(original)
@@ -233,6 +237,10 @@ def patch_trainer(module: Any) -> None:
     _wrap(cls, "compute_loss", make_compute_loss)
     _wrap(cls, "evaluate", make_loop)
     _wrap(cls, "predict", make_loop)
+    # A subclass that evaluates its own way (transformers' QuestionAnsweringTrainer) builds its DataLoader before
+    # its loop, and never calls the two above: the world is joined there too, before the DataLoader is sharded.
+    _wrap(cls, "get_eval_dataloader", functools.partial(make_loop, loop="evaluate"))
+    _wrap(cls, "get_test_dataloader", functools.partial(make_loop, loop="predict"))
 
 
 def patch_trainer_utils(module: Any) -> None:
