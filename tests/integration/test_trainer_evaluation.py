@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import pytest
 from support.processes import REPO, elastrain_cmd, events_in, run, torchrun_cmd
@@ -47,10 +48,9 @@ def _results(folder: Path) -> dict[str, float]:
     return json.loads((folder / "all_results.json").read_text())
 
 
-def test_an_evaluation_only_script_evaluates_once_over_the_first_round_as_under_torchrun(
-    hf_assets: Path, tmp_path: Path
-) -> None:
-    args = [str(SCRIPT), *_data(hf_assets), *SETTINGS]
+def _once_over_the_first_round(args: list[str], tmp_path: Path) -> tuple[CompletedProcess[str], CompletedProcess[str]]:
+    """The script under elastrain-run and under torchrun, one node of two workers each (output in ``ours`` and
+    ``theirs``); checks that elastrain ran it once, over the first round's two ranks."""
     ours = run(
         elastrain_cmd("--standalone", "--nproc-per-node", "2", *args, "--output_dir", str(tmp_path / "ours")),
         timeout=240,
@@ -68,6 +68,14 @@ def test_an_evaluation_only_script_evaluates_once_over_the_first_round_as_under_
     assert not events_in(log, "warm_start_unsupported") and not events_in(log, "trainer_loop_alone"), log[-6000:]
     joined = events_in(log, "trainer_group_joined")
     assert sorted(int(e["rank"]) for e in joined) == [0, 1] and {e["world"] for e in joined} == {"2"}, log[-6000:]
+    return ours, theirs
+
+
+def test_an_evaluation_only_script_evaluates_once_over_the_first_round_as_under_torchrun(
+    hf_assets: Path, tmp_path: Path
+) -> None:
+    args = [str(SCRIPT), *_data(hf_assets), *SETTINGS]
+    ours, _ = _once_over_the_first_round(args, tmp_path)
     assert ours.stdout.count("PERPLEXITY") == 1, ours.stdout[-6000:]  # one writer, as under torchrun
     mine, reference = _results(tmp_path / "ours"), _results(tmp_path / "theirs")
     for key in ("base_loss", "eval_loss"):
@@ -86,23 +94,7 @@ def test_a_trainer_subclass_that_evaluates_and_predicts_its_own_way_does_so_once
         "--validation_file", str(hf_assets / "text" / "validation.txt"), "--per_device_eval_batch_size", "4",
         "--do_eval", "--do_predict", *SETTINGS,
     ]  # fmt: skip
-    ours = run(
-        elastrain_cmd("--standalone", "--nproc-per-node", "2", *args, "--output_dir", str(tmp_path / "ours")),
-        timeout=240,
-        cwd=tmp_path,
-    )
-    assert ours.returncode == 0, ours.stderr[-6000:]
-    theirs = run(
-        torchrun_cmd("--standalone", "--nproc-per-node", "2", *args, "--output_dir", str(tmp_path / "theirs")),
-        timeout=240,
-        cwd=tmp_path,
-    )
-    assert theirs.returncode == 0, theirs.stderr[-6000:]
-    log = ours.stderr + ours.stdout
-    assert len(events_in(log, "workers_started")) == 1, log[-6000:]  # the script ran once
-    assert not events_in(log, "warm_start_unsupported") and not events_in(log, "trainer_loop_alone"), log[-6000:]
-    joined = events_in(log, "trainer_group_joined")
-    assert sorted(int(e["rank"]) for e in joined) == [0, 1] and {e["world"] for e in joined} == {"2"}, log[-6000:]
+    ours, theirs = _once_over_the_first_round(args, tmp_path)
     printed = [line for line in ours.stdout.splitlines() if line.startswith("PREDICTED")]
     assert printed == [line for line in theirs.stdout.splitlines() if line.startswith("PREDICTED")], ours.stdout
     assert len(printed) == 1, ours.stdout[-6000:]  # one writer, as under torchrun
