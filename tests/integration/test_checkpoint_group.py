@@ -38,10 +38,9 @@ def test_process_groups_are_destroyed_at_exit_while_the_interpreter_is_whole() -
 
 
 PINNED_SCRIPT = """
-import atexit, os
+import atexit, os, sys
 # Registered before elastrain is imported, so it runs after group_pins' hook: the pins are gone by then.
 atexit.register(lambda: print("AFTER_RELEASE pinned=" + str(sys.modules["elastrain.group_pins"].pinned()), flush=True))
-import sys
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
