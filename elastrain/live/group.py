@@ -77,6 +77,14 @@ def _abandon_if(abandon: Callable[[], bool], round_: int, why: str) -> None:
 _PRESENT = "present"
 _PRESENCE_POLL_S = 0.005
 
+FIRST_STEP_TIMEOUT_S = 600.0
+"""How long a new world's collectives wait until its first step has ended (then: --collective-timeout). That step
+compiles a ``torch.compile``d model: from nothing on a joiner (measured here: 32-51 s for a tiny GPT-2 on CPU, minutes
+for a large model), and again on every member for the micro-batch's new shape. The others wait for the slowest in the
+step's collectives, as long as torch's own default for NCCL's (10 minutes). A member that dies meanwhile ends them at
+once all the same (its agent's notice, :mod:`elastrain.live.watchdog`); only a worker that hangs with its agent alive
+is found later in that step than in any other."""
+
 
 class GroupBrokenError(ElastrainError):
     """A collective of the training group failed or was given up: the worker regroups."""
@@ -140,6 +148,7 @@ class TrainingGroup:
         self._store: Any = None
         self._connections: frozenset[Connection] = frozenset()  # the current round's (see elastrain.live.sever)
         self._severed: int | None = None  # the last round whose connections were shut down
+        self._first_step = False  # the current world's collectives still wait FIRST_STEP_TIMEOUT_S (see step_ended)
 
     # -- joining and leaving ----------------------------------------------------------------------
     def join(
@@ -175,8 +184,9 @@ class TrainingGroup:
             world_size=world_size,
             timeout=join,
         )
-        if self.timeout is not None:
-            dist.distributed_c10d._set_pg_timeout(self.timeout)  # collectives: --collective-timeout
+        self._first_step = self.timeout is not None
+        if self.timeout is not None:  # the world's first step: see FIRST_STEP_TIMEOUT_S; then --collective-timeout
+            dist.distributed_c10d._set_pg_timeout(max(self.timeout, timedelta(seconds=FIRST_STEP_TIMEOUT_S)))
         pin_default_group()  # never freed by DDP's Reducer once the script destroyed it (elastrain.group_pins)
         self._store = store
         self._connections = tcp_sockets() - before
@@ -190,6 +200,15 @@ class TrainingGroup:
             master=f"{master_addr}:{master_port}",
             took_s=round(time.monotonic() - started, 3),
         )
+
+    def step_ended(self) -> None:
+        """A step in which every member of the current world trained has ended on this rank: from now on its
+        collectives wait --collective-timeout (the first one waited ``FIRST_STEP_TIMEOUT_S``)."""
+        if not self._first_step or self.timeout is None or not dist.is_initialized():
+            return
+        self._first_step = False
+        dist.distributed_c10d._set_pg_timeout(self.timeout)
+        lifecycle("group_settled", round=self.round, collective_timeout_s=self.timeout.total_seconds())
 
     @contextlib.contextmanager
     def owning_new_connections(self) -> Iterator[None]:

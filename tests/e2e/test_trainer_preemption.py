@@ -31,6 +31,7 @@ from support.trainer_trace import (
     trace,
 )
 
+from bench.support.trainer_ledger import longest_stalls
 from elastrain.integrations.trainer.checkpoints import is_committed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT_S)]
@@ -381,3 +382,27 @@ def test_the_best_checkpoint_outlives_retention_so_the_run_ends_with_the_best_mo
     assert all(is_committed(str(ref.out / "model" / name)) for name in kept)
     final = (ref.out / "model" / "model.safetensors").read_bytes()
     assert final == (ref.out / "model" / "checkpoint-20" / "model.safetensors").read_bytes()
+
+
+def test_a_worker_that_compiles_its_model_as_it_joins_is_waited_for_past_the_collective_timeout(
+    assets: Path, hf_references: References, tmp_path: Path
+) -> None:
+    """b's worker is SIGKILLed and its agent starts a new one, whose first forward pass takes 15 s (as a
+    ``torch.compile``d model's does: ``LEDGER_JOINER_FORWARD_S``), under ``--collective-timeout 4``. a waits for it
+    in the new world's first step instead of giving that step up after 4 s and failing (before: it found b alive,
+    waited for a regroup notice that never came, and its node left the job); from the next step on, 4 s holds."""
+    w = causal_lm(assets)
+    rng = random.Random(SEED)
+    crash_at = _random_step(rng, w, 0.15, 0.35)
+    where = f"seed {SEED} (TRAINER_TRACE_SEED): SIGKILL b's worker at step {crash_at}, its new one compiles 15 s"
+    events = [Event("crash", "b", at=crash_at, world=2), Event("wait", "b", at=crash_at, world=2)]
+    extra = ("--max-restarts", "3", "--collective-timeout", "4")
+    run = trace(w, tmp_path / "trace", events, extra=extra, env={"LEDGER_JOINER_FORWARD_S": "15"})
+    check(run, hf_references.get(w), w, sigkills=1, where=where, restarted="b")
+    assert run.codes["a"] == 0 and run.codes["b"] == 0, run.dump()
+    for name, log in run.logs.items():
+        for failed in ("regroup_notice_missing", "node_failed"):
+            assert not events_in(log, failed), f"{where}: {name}: {failed}\n{run.dump()}"
+    settled = events_in(run.logs["a"], "group_settled")
+    assert len(settled) >= 2 and {float(e["collective_timeout_s"]) for e in settled} == {4.0}, f"{where}\n{run.dump()}"
+    assert longest_stalls(run.ledger.step_times(), 1, 10.0), f"{where}: no step waited for the joiner\n{run.dump()}"

@@ -15,6 +15,8 @@ middle of step N's backward (from the gradient hook of layer LW_DIE_LAYER: 0, 2 
 all-reduces.
 With LW_DIE_RANK=<rank> (instead of LW_DIE_NODE): the worker of that rank in round 0 SIGKILLs itself alone, as
 above (its node's agent and other workers live on).
+With LW_FIRST_FORWARD_S=s: the worker's first forward pass (of its life: a joiner's after it sat its catch-up out)
+takes s seconds longer, as the first call of a ``torch.compile``d model does (it compiles).
 With LW_DIE_JOINING=1: the worker SIGKILLs its whole node (agent, zygote, itself) as it starts to join its first
 round's process group: a member that died after its round formed and before it joined.
 """
@@ -65,6 +67,7 @@ def main() -> None:
     hang_node = int(os.environ.get("LW_HANG_NODE", "-1"))
     hang_at = int(os.environ.get("LW_HANG_AT_STEP", "0"))
     hang_s = float(os.environ.get("LW_HANG_S", "60"))
+    first_forward_s = float(os.environ.get("LW_FIRST_FORWARD_S", "0"))
     if os.environ.get("LW_DIE_JOINING"):
         from elastrain.live.group import TrainingGroup
 
@@ -145,6 +148,10 @@ def main() -> None:
             dying["armed"] = step.number == die_at and (group_rank == die_node or alone)
             for mb in step:
                 x, y = mb.data
+                if first_forward_s:
+                    say(f"LW_COMPILING rank={session.rank} step={step.number} s={first_forward_s:g}")
+                    time.sleep(first_forward_s)
+                    first_forward_s = 0.0
                 step.backward(torch.nn.functional.mse_loss(session.model(x), y), mb)
             if die_layer < 0 and dying["armed"]:
                 die(torch.zeros(1))

@@ -1,0 +1,67 @@
+"""A new world's first step waits for its slowest member longer than --collective-timeout: a joiner whose model is
+``torch.compile``d compiles it in its first forward pass (tens of seconds, minutes for a large model), while the
+members already training wait for it in that step's gradient all-reduce. Before, they gave the step up after
+--collective-timeout, found every peer alive, waited for a regroup notice that never came and failed: the node that
+had trained the job left it. From the world's second step on, --collective-timeout holds again.
+
+The joiner sits the world's first step out while the state streams to it (a catch-up): its first forward pass is
+in the world's second step, so the longer wait lasts until a step every member trained has ended.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+from support.processes import LiveNode, free_port, reaped, wait_for
+
+SCRIPT = str(Path(__file__).resolve().parents[1] / "workers" / "live_worker.py")
+BOUND = 120.0  # only stops hangs
+TIMEOUT_S = 3.0  # --collective-timeout
+COMPILE_S = 12.0  # the joiner's first forward pass: four times --collective-timeout
+
+
+def test_the_running_member_waits_for_a_joiner_whose_first_forward_outlasts_the_collective_timeout(
+    tmp_path: Path,
+) -> None:
+    env = {"LW_MAX_STEPS": "100000", "LW_SLEEP": "0.05", "LW_STOP_AT_WS": "2", "LW_EXTRA_STEPS": "12"}
+    port = free_port()
+
+    def node(name: str, **more: str) -> LiveNode:
+        return LiveNode(
+            name, tmp_path, port, SCRIPT, {**env, **more}, rdzv_id="first-step", nnodes="1:2", last_call_s=1,
+            collective_timeout=TIMEOUT_S,
+        )  # fmt: skip
+
+    a = node("a")
+    with reaped(a.proc):
+        wait_for(lambda: len(a.lines("LW_STEP")) >= 3 or a.proc.poll() is not None, BOUND, what="a training")
+        b = node("b", LW_FIRST_FORWARD_S=f"{COMPILE_S:g}")
+        with reaped(b.proc):
+            try:
+                wait_for(lambda: a.proc.poll() is not None and b.proc.poll() is not None, BOUND, what="the job's end")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n{a.dump()}\n{b.dump()}") from None
+    nodes = [a, b]
+    detail = "\n".join(n.dump() for n in nodes)
+    for n in nodes:
+        assert n.proc.returncode == 0, detail
+        assert len(n.lines("LW_START")) == 1, "a worker was restarted\n" + detail
+        for failed in ("workers_restarting", "collectives_given_up", "regroup_notice_missing", "node_failed"):
+            assert not n.events(failed), f"{n.name}: {failed}\n{detail}"
+    assert b.lines("LW_COMPILING") and a.events("workers_regrouped"), detail
+    # a waited in the step b compiled in, longer than --collective-timeout, and trained on in the same world.
+    times = [float(s["t"]) for s in a.lines("LW_STEP")]
+    longest = max(later - earlier for earlier, later in itertools.pairwise(times))
+    assert longest > TIMEOUT_S + 2, f"a's longest step gap {longest:.2f} s\n{detail}"
+    # Each world's collectives wait --collective-timeout from the end of a step every member trained: b's after its
+    # first forward pass, not after the step it sat out.
+    for n in nodes:
+        settled = n.events("group_settled")
+        assert settled and {float(e["collective_timeout_s"]) for e in settled} == {TIMEOUT_S}, detail
+    lines = b.text().splitlines()
+    compiled = next(i for i, line in enumerate(lines) if line.startswith("LW_COMPILING"))
+    assert all(i > compiled for i, line in enumerate(lines) if "group_settled" in line), detail
+    assert len(a.events("group_settled")) == 2, detail  # alone, then with b
+    done = [line for n in nodes for line in n.lines("LW_DONE")]
+    assert len(done) == 2 and len({d["hash"] for d in done}) == 1 and len({d["step"] for d in done}) == 1, detail
