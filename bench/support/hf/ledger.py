@@ -14,10 +14,6 @@ the step in the same world. Reads of a step that never ended (given up when a pe
 bench's trace plays, each step also waits the seconds written in ``LEDGER_DIR/pace`` (long while a node warms up to
 join), so the job outlasts the trace on a slow machine without burning CPU.
 
-With ``LEDGER_JOINER_FORWARD_S=<s>``, a worker whose first step is in a round after the job's first (a node that
-joins, or comes back) takes ``s`` seconds longer in its first forward pass, as the first call of a
-``torch.compile``d model does: its peers wait for it in that step's gradient all-reduce.
-
 An iterable training set (``--streaming``: no index to note) is noted by content instead, as each micro-batch is
 collated (the training DataLoader's ``collate_fn``, wrapped as ``train()`` begins): one id per sample, a CRC of its
 ``input_ids``.
@@ -51,7 +47,6 @@ from torch.utils.data import Dataset
 from transformers import TrainerCallback
 
 _batches: deque[list[int]] = deque()  # micro-batches read and not yet accounted to a step, oldest first
-_stepped: list[bool] = []  # [True] once this process began a step
 _by_content: list[bool] = []  # [True] once wrap() met an iterable training set: noted as it is collated
 
 
@@ -151,10 +146,10 @@ def _kill_at() -> tuple[int, str, int, float, str] | None:
 
 
 class _Hold:
-    """In the model's ``nth`` forward (or backward) pass from now (default: the second): sleep ``seconds``, once."""
+    """In the model's second forward (or backward) pass from now: sleep ``seconds``, once."""
 
-    def __init__(self, model: Any, seconds: float, where: str, nth: int = 2) -> None:
-        self.seconds, self.calls, self.nth = seconds, 0, nth
+    def __init__(self, model: Any, seconds: float, where: str) -> None:
+        self.seconds, self.calls = seconds, 0
         if where == "forward":
             self.handle = model.register_forward_pre_hook(lambda module, args: self._tick())
         else:  # the last parameter's gradient comes early in a backward pass, before any of DDP's buckets is ready
@@ -162,7 +157,7 @@ class _Hold:
 
     def _tick(self) -> None:
         self.calls += 1
-        if self.calls == self.nth:
+        if self.calls == 2:
             self.handle.remove()
             time.sleep(self.seconds)
 
@@ -196,10 +191,6 @@ class Callback(TrainerCallback):
         ids = [i for k in range(count) for i in _batches[k]]
         row = _row(int(state.global_step) + 1, ids)
         _write({**row, "phase": "begin"})
-        joiner_s = float(os.environ.get("LEDGER_JOINER_FORWARD_S", "0") or 0)
-        if joiner_s and not _stepped and row["round"] > 0:
-            _Hold(kwargs["model"], joiner_s, "forward", nth=1)
-        _stepped.append(True)
         kill = _kill_at()
         if kill is not None and (row["step"], row["world"]) == (kill[0], kill[2]):
             if os.environ.get("GROUP_RANK") == kill[1]:

@@ -24,6 +24,16 @@ from elastrain.session.regroup import regroup_due
 from elastrain.step_flags import StepFlags, flagged_allreduce
 
 
+def ddp_of(model: Any) -> torch.nn.parallel.DistributedDataParallel | None:
+    """The DDP module accelerate prepared: ``model`` itself, or what ``torch.compile`` wrapped (``--torch_compile``:
+    accelerate compiles DDP's module; DDP's reducer, and so its comm hook, still runs each bucket's all-reduce)."""
+    from accelerate.utils import is_compiled_module
+
+    if is_compiled_module(model):
+        model = model._orig_mod
+    return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+
+
 class RegroupNow(Exception):
     """Raised at a step boundary to leave ``Trainer.train`` for the next round (caught by the driver)."""
 
@@ -46,7 +56,8 @@ class StepBoundaries:
     def sync_on(self, model: Any, watch: BucketWatch) -> None:
         """After accelerate wrapped the model: the step flags ride on DDP's gradient sync; in live mode through
         ``watch`` (:class:`~elastrain.integrations.trainer.kept_grads.BucketWatch`), which sees each bucket."""
-        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = ddp_of(model)
+        if model is None:
             return
         flags = self.flags
         m = self.membership
