@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -42,6 +41,7 @@ from bench.support.trainer_ledger import PACE_FILE, Ledger  # noqa: E402
 from bench.support.trainer_workload import clm_script, make_assets, trainer_env  # noqa: E402
 from elastrain import binding  # noqa: E402
 from elastrain.chaos import elastrain_node_command  # noqa: E402
+from elastrain.log import parse_event_line  # noqa: E402
 
 WARMING_PACE_S = 0.4
 FAILURES = ("node_failed", "regroup_notice_missing", "workers_restarting")
@@ -56,6 +56,12 @@ class Result:
     worlds: list[int]
     failures: list[str]
     codes: list[int | None]
+
+
+def _event_names(log: Path) -> set[str]:
+    """The names of the lifecycle events in a node's log (agent's and worker's)."""
+    parsed = (parse_event_line(line) for line in log.read_text(errors="replace").splitlines())
+    return {e["event"] for e in parsed if e is not None and "event" in e}
 
 
 def _wait(what: str, ok: Callable[[], bool], procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
@@ -96,8 +102,7 @@ def run_mode(mode: str, out: Path, assets: Path, args: argparse.Namespace) -> Re
         _wait("a training alone", lambda: Ledger.read(ledger).last_step() >= args.steps_alone, procs, args.timeout)
         started = time.time()
         start("b")
-        in_round = re.compile(r"event=rendezvous_done\b")
-        _wait("b in a round", lambda: bool(in_round.search(logs[1].read_text(errors="replace"))), procs, args.timeout)
+        _wait("b in a round", lambda: "rendezvous_done" in _event_names(logs[1]), procs, args.timeout)
         (ledger / PACE_FILE).unlink(missing_ok=True)  # unpaced from the join on
         _wait("the world of two", lambda: Ledger.read(ledger).world_now() == 2, procs, args.timeout)
         for p in procs:
@@ -115,9 +120,7 @@ def run_mode(mode: str, out: Path, assets: Path, args: argparse.Namespace) -> Re
     gaps = [b - a for a, b in itertools.pairwise(before[-1:] + after)]
     steps_before = [b - a for a, b in itertools.pairwise(before)]
     steps = read.steps()
-    texts = [log.read_text(errors="replace") for log in logs]
-    failures = [f"{log.stem}: {name}" for log, text in zip(logs, texts, strict=True) for name in FAILURES
-                if re.search(rf"event={name}\b", text)]  # fmt: skip
+    failures = [f"{log.stem}: {name}" for log in logs for name in sorted(set(FAILURES) & _event_names(log))]
     return Result(
         mode=mode,
         longest_gap_s=round(max(gaps), 2) if gaps else None,
