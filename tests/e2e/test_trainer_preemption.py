@@ -42,8 +42,16 @@ def assets(hf_assets: Path) -> Path:
     return hf_assets
 
 
-def check(run: Run, ref: Run, w: Workload, sigkills: int, where: str, restarted: str = "") -> None:
-    """``restarted``: the node whose workers are killed alone (its agent restarts them)."""
+def grad_norms(r: Run) -> dict[int, float]:
+    """The gradient norm the Trainer logged at each step (``--logging_steps 1``)."""
+    return {int(h["step"]): float(h["grad_norm"]) for h in r.state()["log_history"] if "grad_norm" in h}
+
+
+def check(
+    run: Run, ref: Run, w: Workload, sigkills: int, where: str, restarted: str = "", loss_rel: float = 3e-2
+) -> None:
+    """``restarted``: the node whose workers are killed alone (its agent restarts them). ``loss_rel``: how far a
+    logged loss outside the world's changes may drift from the uninterrupted run's."""
     detail = f"{where}\nevents: {run.events}\n{run.dump()}"
     ledger, want = run.ledger, ref.ledger.steps()
     assert ledger.last_step() == w.max_steps, detail
@@ -70,7 +78,7 @@ def check(run: Run, ref: Run, w: Workload, sigkills: int, where: str, restarted:
     changed = {s for s in ledger.world_change_steps()}
     window = int(sorted(want_loss)[0])
     clean = [s for s in want_loss if not any(s - window < c <= s + 1 for c in changed)]
-    differ = [(s, got_loss[s], want_loss[s]) for s in clean if got_loss[s] != pytest.approx(want_loss[s], rel=3e-2)]
+    differ = [(s, got_loss[s], want_loss[s]) for s in clean if got_loss[s] != pytest.approx(want_loss[s], rel=loss_rel)]
     assert not differ, f"logged losses differ (step, elastic, uninterrupted): {differ[:8]}\n{detail}"
     # The run ends as the uninterrupted one does: a window near its end is untouched by a change, and matched above (a
     # change in the last window, a joiner late on a loaded box, logs the steps since the change alone).
@@ -209,10 +217,7 @@ def test_a_node_lost_in_a_step_leaves_the_survivors_finished_micro_batches_to_co
     sizes = run.ledger.world_sizes()
     assert sizes == [3] * (kill_at - 1) + [2] * (w.max_steps - kill_at + 1), f"{where}: world sizes {sizes}"
 
-    def norms(r: Run) -> dict[int, float]:
-        return {int(h["step"]): float(h["grad_norm"]) for h in r.state()["log_history"] if "grad_norm" in h}
-
-    got, want = norms(run), norms(ref)
+    got, want = grad_norms(run), grad_norms(ref)
     for step in range(1, kill_at + 1):
         assert got[step] == pytest.approx(want[step], rel=1e-4), f"{where}: step {step}: {got[step]} vs {want[step]}"
 
@@ -401,7 +406,16 @@ def test_a_compiled_model_keeps_a_lost_steps_micro_batch_and_waits_for_a_joiner_
     events = [Event("start", "c", at=kill_at), Event("wait", "c", at=kill_at, world=2)]
     env = {"LEDGER_KILL": f"{kill_at}:1:2"}
     run = trace(w, tmp_path / "trace", events, nnodes="1:3", extra=("--collective-timeout", "5"), env=env)
-    check(run, hf_references.get(eager), w, sigkills=1, where=where)  # compiled or not: the same samples and losses
+    # Compiled or not: the same samples, and the lost step's gradient is the uninterrupted run's (its norm, within the
+    # float error of inductor's kernels: a kept micro-batch counted at the wrong scale, twice or not at all moves it by
+    # a percent or more). A loss logged per step drifts further: one step's loss is one batch's, and the run's step 38
+    # moved by 0.5-1% after a join at step 28-31 here, by 3.4% in CI after a join at step 35 (the 30 steps before were
+    # a world of one, its micro-batch twice the size, in other kernels); a 10-step window averages that out elsewhere.
+    ref = hf_references.get(eager)
+    check(run, ref, w, sigkills=1, where=where, loss_rel=0.1)
+    got_norm, want_norm = grad_norms(run), grad_norms(ref)
+    for step in range(1, kill_at + 1):
+        assert got_norm[step] == pytest.approx(want_norm[step], rel=1e-3), f"{where}: step {step}'s gradient norm"
     survivor = next((n for n in ("a", "b") if run.codes[n] == 0), "")
     assert survivor and sorted(run.codes.values()) == [-9, 0, 0], f"{where}: {run.codes}\n{run.dump()}"
     for name, log in run.logs.items():
