@@ -78,12 +78,21 @@ _PRESENT = "present"
 _PRESENCE_POLL_S = 0.005
 
 FIRST_STEP_TIMEOUT_S = 600.0
-"""How long a new world's collectives wait until its first step has ended (then: --collective-timeout). That step
-compiles a ``torch.compile``d model: from nothing on a joiner (measured here: 32-51 s for a tiny GPT-2 on CPU, minutes
-for a large model), and again on every member for the micro-batch's new shape. The others wait for the slowest in the
-step's collectives, as long as torch's own default for NCCL's (10 minutes). A member that dies meanwhile ends them at
-once all the same (its agent's notice, :mod:`elastrain.live.watchdog`); only a worker that hangs with its agent alive
-is found later in that step than in any other."""
+"""How long a new world's collectives wait until its first step has ended (then: --collective-timeout), when the script
+compiles its model (:func:`is_compiled`, or the Trainer's ``--torch_compile``). That step compiles it: from nothing on
+a joiner (measured here: 32-51 s for a tiny GPT-2 on CPU, minutes for a large model), and again on every member for
+the micro-batch's new shape. The others wait for the slowest in the step's collectives, as long as torch's own default
+for NCCL's (10 minutes). A member that dies meanwhile ends them at once all the same (its agent's notice,
+:mod:`elastrain.live.watchdog`); only a worker that hangs with its agent alive is found later in that step than in any
+other. An eager model's first step waits --collective-timeout, as every other step."""
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or one of its submodules runs through ``torch.compile`` (wrapped, or compiled in place by
+    ``Module.compile``): its first forward pass in a new world compiles."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(isinstance(m, OptimizedModule) or m._compiled_call_impl is not None for m in module.modules())
 
 
 class GroupBrokenError(ElastrainError):
@@ -149,6 +158,8 @@ class TrainingGroup:
         self._connections: frozenset[Connection] = frozenset()  # the current round's (see elastrain.live.sever)
         self._severed: int | None = None  # the last round whose connections were shut down
         self._first_step = False  # the current world's collectives still wait FIRST_STEP_TIMEOUT_S (see step_ended)
+        self.compiles = False
+        """The script compiles its model: a new world's first step waits ``FIRST_STEP_TIMEOUT_S``."""
 
     # -- joining and leaving ----------------------------------------------------------------------
     def join(
@@ -184,9 +195,10 @@ class TrainingGroup:
             world_size=world_size,
             timeout=join,
         )
-        self._first_step = self.timeout is not None
-        if self.timeout is not None:  # the world's first step: see FIRST_STEP_TIMEOUT_S; then --collective-timeout
-            dist.distributed_c10d._set_pg_timeout(max(self.timeout, timedelta(seconds=FIRST_STEP_TIMEOUT_S)))
+        first_step = self.first_step_timeout()  # the join's bound until then
+        self._first_step = first_step != self.timeout
+        if first_step is not None:  # longer for a compiled model's first step: see FIRST_STEP_TIMEOUT_S
+            dist.distributed_c10d._set_pg_timeout(first_step)
         pin_default_group()  # never freed by DDP's Reducer once the script destroyed it (elastrain.group_pins)
         self._store = store
         self._connections = tcp_sockets() - before
@@ -199,7 +211,15 @@ class TrainingGroup:
             world_size=world_size,
             master=f"{master_addr}:{master_port}",
             took_s=round(time.monotonic() - started, 3),
+            first_step_timeout_s=first_step.total_seconds() if self._first_step and first_step else None,
         )
+
+    def first_step_timeout(self) -> timedelta | None:
+        """How long the collectives of a new world's first step wait: ``FIRST_STEP_TIMEOUT_S`` when the script
+        compiles and --collective-timeout is shorter, else --collective-timeout (None: torch's default)."""
+        if self.timeout is None or not self.compiles:
+            return self.timeout
+        return max(self.timeout, timedelta(seconds=FIRST_STEP_TIMEOUT_S))
 
     def step_ended(self) -> None:
         """A step in which every member of the current world trained has ended on this rank: from now on its

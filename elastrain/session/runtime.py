@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from elastrain.env import WorkerEnv
+from elastrain.live.group import is_compiled
 from elastrain.live.member import LiveMember
 from elastrain.live.receive_pool import ReceivePool
 from elastrain.live.sharded import ShardedModel, parameter_names, repoint_optimizer
@@ -82,6 +83,7 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.live = LiveMember(env, self.backend)
+        self.live.group.compiles = is_compiled(self.module)
         if env.warm:  # built while the job trained without this node: now it may join a round
             env = self.live.await_round(prepare=prepare)
         self.live.join_first()

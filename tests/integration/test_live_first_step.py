@@ -5,7 +5,9 @@ members already training wait for it in that step's gradient all-reduce. Before,
 had trained the job left it. From the world's second step on, --collective-timeout holds again.
 
 The joiner sits the world's first step out while the state streams to it (a catch-up): its first forward pass is
-in the world's second step, so the longer wait lasts until a step every member trained has ended.
+in the world's second step, so the longer wait lasts until a step every member trained has ended. Both nodes' models
+are compiled (``Module.compile``; the compile's time is a sleep in the joiner's first forward pass): an eager model's
+first step waits --collective-timeout, as any other (tests/unit/test_live_first_step_bound.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import itertools
 from pathlib import Path
 
 from support.processes import LiveNode, free_port, reaped, wait_for
+
+from elastrain.live.group import FIRST_STEP_TIMEOUT_S
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "workers" / "live_worker.py")
 BOUND = 120.0  # only stops hangs
@@ -25,6 +29,7 @@ def test_the_running_member_waits_for_a_joiner_whose_first_forward_outlasts_the_
     tmp_path: Path,
 ) -> None:
     env = {"LW_MAX_STEPS": "100000", "LW_SLEEP": "0.05", "LW_STOP_AT_WS": "2", "LW_EXTRA_STEPS": "12"}
+    env["LW_COMPILE"] = "1"
     port = free_port()
 
     def node(name: str, **more: str) -> LiveNode:
@@ -63,5 +68,7 @@ def test_the_running_member_waits_for_a_joiner_whose_first_forward_outlasts_the_
     compiled = next(i for i, line in enumerate(lines) if line.startswith("LW_COMPILING"))
     assert all(i > compiled for i, line in enumerate(lines) if "group_settled" in line), detail
     assert len(a.events("group_settled")) == 2, detail  # alone, then with b
+    joined = [e.get("first_step_timeout_s") for n in nodes for e in n.events("group_joined")]
+    assert joined and all(s == f"{FIRST_STEP_TIMEOUT_S:.3f}" for s in joined), joined
     done = [line for n in nodes for line in n.lines("LW_DONE")]
     assert len(done) == 2 and len({d["hash"] for d in done}) == 1 and len({d["step"] for d in done}) == 1, detail

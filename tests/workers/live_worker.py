@@ -17,6 +17,7 @@ With LW_DIE_RANK=<rank> (instead of LW_DIE_NODE): the worker of that rank in rou
 above (its node's agent and other workers live on).
 With LW_FIRST_FORWARD_S=s: the worker's first forward pass (of its life: a joiner's after it sat its catch-up out)
 takes s seconds longer, as the first call of a ``torch.compile``d model does (it compiles).
+With LW_COMPILE=1: the model is compiled in place (``Module.compile``, dynamo's eager backend: no C++ compiler).
 With LW_DIE_JOINING=1: the worker SIGKILLs its whole node (agent, zygote, itself) as it starts to join its first
 round's process group: a member that died after its round formed and before it joined.
 """
@@ -89,6 +90,8 @@ def main() -> None:
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)
     )
+    if os.environ.get("LW_COMPILE"):
+        model.compile(backend="eager")
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(4096, 16, generator=g), torch.randn(4096, 1, generator=g))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -135,9 +135,13 @@ class TrainerMembership:
             atexit.register(member.close)
         return self.member
 
-    def join(self, backend: str, prepare: Callable[[], ReceivePool | None] | None = None) -> None:
-        """Join the round this worker was started into (collective over its members); no-op once joined."""
+    def join(
+        self, backend: str, prepare: Callable[[], ReceivePool | None] | None = None, compiles: bool = False
+    ) -> None:
+        """Join the round this worker was started into (collective over its members); no-op once joined.
+        ``compiles``: the model is compiled (``--torch_compile``): each new world's first step waits longer."""
         member = self.await_round(backend, prepare)
+        member.group.compiles = compiles
         if member.group.round is None:
             member.join_first()
             lifecycle("trainer_group_joined", round=member.round, rank=self.env.rank, world=self.env.world_size)

@@ -78,7 +78,7 @@ def patch_training_args(module: Any) -> None:
                     why=f"{why_not_live}: the Trainer restarts at every change; its workers start after the rendezvous",
                 )
                 raise SystemExit(WARM_UNSUPPORTED_EXIT)
-            membership.join(backend_for(self))
+            membership.join(backend_for(self), compiles=bool(self.torch_compile))
             return original(self)
         # Until train(): a warm worker has no round yet, and a cold one (a restarted worker) would meet the members
         # that train on in the script's own setup collectives (main_process_first's barriers), which they never run.

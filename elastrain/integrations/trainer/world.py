@@ -32,6 +32,7 @@ from elastrain.integrations.trainer.memory import Held
 from elastrain.integrations.trainer.weak_trainer import WeakTrainer
 from elastrain.live import heap
 from elastrain.live.agreement import Ballot, vote
+from elastrain.live.group import is_compiled
 from elastrain.live.receive_pool import ReceivePool
 from elastrain.live.transfer import send_state
 from elastrain.log import lifecycle
@@ -66,7 +67,8 @@ class TrainerWorld:
         m = self.membership
         provisional = not m.joined
         backend = self.backend
-        m.join(backend, prepare=self._prepare_to_receive if backend == "gloo" and receive else None)
+        compiles = bool(self.trainer.args.torch_compile) or is_compiled(self.trainer.model)
+        m.join(backend, prepare=self._prepare_to_receive if backend == "gloo" and receive else None, compiles=compiles)
         if provisional or not first:
             self.reset_devices()
         return m.require().env
