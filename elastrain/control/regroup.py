@@ -24,6 +24,7 @@ _LIVE = "live-{local_rank}.json"
 _BROKEN = "broken-{local_rank}.json"
 _WARM = "warm-{local_rank}.json"
 _FINISHING = "finishing-{local_rank}.json"
+_FIRST_STEP = "first-step-{local_rank}.json"
 _JOB_FORMING = "job-forming.json"
 
 
@@ -99,6 +100,10 @@ def _forming(f: Fields) -> bool:
     return f.flag("forming", default=False)
 
 
+def _until(f: Fields) -> float:
+    return f.number("until")
+
+
 class RegroupChannel:
     """The regroup side of one node's control directory (``--live``): notices, acks, and who can regroup.
 
@@ -148,7 +153,7 @@ class RegroupChannel:
         """Before new workers start: the old workers' live announcements and acks no longer hold (only those of
         ``local_ranks`` when given: the others keep running)."""
         names = ["*"] if local_ranks is None else [str(r) for r in local_ranks]
-        for pattern in (_LIVE, _REGROUP_ACK, _BROKEN, _WARM, _FINISHING):
+        for pattern in (_LIVE, _REGROUP_ACK, _BROKEN, _WARM, _FINISHING, _FIRST_STEP):
             for name in names:
                 for path in self.directory.glob(pattern.format(local_rank=name)):
                     path.unlink(missing_ok=True)
@@ -170,6 +175,11 @@ class RegroupChannel:
     def finishing_pids(self) -> dict[int, int]:
         """The workers whose training is over and that are closing (:meth:`announce_finishing`)."""
         return self._pids(_FINISHING)
+
+    def first_step_until(self, local_rank: int) -> float | None:
+        """Until when (wall clock) a worker in a new world's first step with a compiled model may take to reach its
+        next step boundary (:meth:`announce_first_step`); None if it is not in one."""
+        return self._reader.read(self.directory / _FIRST_STEP.format(local_rank=local_rank), _until)
 
     def _pids(self, pattern: str, deciding: bool | None = None) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -205,6 +215,15 @@ class RegroupChannel:
     def withdraw_finishing(self, local_rank: int) -> None:
         """The worker trains again (a script that trains a second model): a change moves it again."""
         (self.directory / _FINISHING.format(local_rank=local_rank)).unlink(missing_ok=True)
+
+    def announce_first_step(self, local_rank: int, pid: int, until: float) -> None:
+        """The worker is in a new world's first step with a compiled model (it compiles there, for minutes on a large
+        model): it reaches its next step boundary, and so answers a notice, as late as ``until`` (wall clock)."""
+        self._announce(_FIRST_STEP, local_rank, pid, until=until)
+
+    def withdraw_first_step(self, local_rank: int) -> None:
+        """The worker's first step in its world has ended: it answers a notice within --collective-timeout again."""
+        (self.directory / _FIRST_STEP.format(local_rank=local_rank)).unlink(missing_ok=True)
 
     def _announce(self, pattern: str, local_rank: int, pid: int, **more: object) -> None:
         path = self.directory / pattern.format(local_rank=local_rank)

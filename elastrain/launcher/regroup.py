@@ -56,6 +56,18 @@ def ack_wait_s(options: ElastrainOptions) -> float:
     return options.collective_timeout_s + REGROUP_ACK_MARGIN_S
 
 
+COMPILING = "a worker compiles in its world's first step: it answers at the step's end"
+
+
+def compiling_until(regroup: RegroupChannel, missing: list[int]) -> float | None:
+    """When (monotonic) to stop waiting for the ``missing`` workers that are in a new world's first step with a
+    compiled model: they compile there, and answer a notice at the step's end (``FIRST_STEP_TIMEOUT_S`` in
+    elastrain/live/group.py, plus the margin); None if none is."""
+    now_wall = time.time()
+    until = [u for r in missing if (u := regroup.first_step_until(r)) is not None and u > now_wall]
+    return time.monotonic() + max(until) - now_wall + REGROUP_ACK_MARGIN_S if until else None
+
+
 def regroup_timeout_s(options: ElastrainOptions) -> float:
     """How long a live worker waits for a regroup notice after its collective broke, and for the members
     of a new round to join it: the agent's wait for acknowledgements, plus a restarted worker's cold start."""
@@ -128,6 +140,7 @@ class LiveCoordination:
         self._deferred_since: float | None = None  # when a membership change began to wait for closing workers
         self._probed_round: int | None = None  # the last broken round whose peers were probed
         self._unjoined_round: int | None = None  # a round this node's workers ended before they joined
+        self._compiling_told: int | None = None  # the last round whose ack wait a compiling worker extended
 
     # -- a change while the workers finish ---------------------------------------------------------
     def finishing(self, worker_group: WorkerGroup) -> bool:
@@ -294,6 +307,12 @@ class LiveCoordination:
         asked = sorted(set(notice.ranks) - replaced)
         while True:
             missing = self._regroup.wait_acks(asked, notice.round, min(0.5, max(0.0, deadline - time.monotonic())))
+            if missing and time.monotonic() >= deadline and (until := compiling_until(self._regroup, missing)):
+                if self._compiling_told != notice.round:
+                    self._compiling_told = notice.round
+                    up_to = round(until - time.monotonic(), 1)
+                    lifecycle("regroup_ack_extended", round=notice.round, up_to_s=up_to, why=COMPILING)
+                deadline = max(deadline, until)
             if not missing or time.monotonic() >= deadline:
                 return missing
             result = self._host.poll_workers(worker_group)

@@ -160,6 +160,8 @@ class TrainingGroup:
         self._first_step = False  # the current world's collectives still wait FIRST_STEP_TIMEOUT_S (see step_ended)
         self.compiles = False
         """The script compiles its model: a new world's first step waits ``FIRST_STEP_TIMEOUT_S``."""
+        self.first_step_until: float | None = None
+        """Wall clock: the end of the current world's first step's bound, while it lasts (a compiled model)."""
 
     # -- joining and leaving ----------------------------------------------------------------------
     def join(
@@ -176,6 +178,8 @@ class TrainingGroup:
         (:class:`JoinAbandonedError`) rather than waiting ``join_timeout`` for that member."""
         started = time.monotonic()
         join = self.join_timeout or timedelta(minutes=30)
+        if self.compiles:  # a member answers the notice of this round at the end of its compile (see step_ended)
+            join = max(join, timedelta(seconds=FIRST_STEP_TIMEOUT_S))
         deadline = started + join.total_seconds()
         if rank != 0:
             # The new rank 0 starts the round's store while the others start to connect: a client that
@@ -197,6 +201,7 @@ class TrainingGroup:
         )
         first_step = self.first_step_timeout()  # the join's bound until then
         self._first_step = first_step != self.timeout
+        self.first_step_until = time.time() + first_step.total_seconds() if self._first_step and first_step else None
         if first_step is not None:  # longer for a compiled model's first step: see FIRST_STEP_TIMEOUT_S
             dist.distributed_c10d._set_pg_timeout(first_step)
         pin_default_group()  # never freed by DDP's Reducer once the script destroyed it (elastrain.group_pins)
@@ -221,14 +226,16 @@ class TrainingGroup:
             return self.timeout
         return max(self.timeout, timedelta(seconds=FIRST_STEP_TIMEOUT_S))
 
-    def step_ended(self) -> None:
+    def step_ended(self) -> bool:
         """A step in which every member of the current world trained has ended on this rank: from now on its
-        collectives wait --collective-timeout (the first one waited ``FIRST_STEP_TIMEOUT_S``)."""
+        collectives wait --collective-timeout (the first one waited ``FIRST_STEP_TIMEOUT_S``). Whether that is new."""
         if not self._first_step or self.timeout is None or not dist.is_initialized():
-            return
+            return False
         self._first_step = False
+        self.first_step_until = None
         dist.distributed_c10d._set_pg_timeout(self.timeout)
         lifecycle("group_settled", round=self.round, collective_timeout_s=self.timeout.total_seconds())
+        return True
 
     @contextlib.contextmanager
     def owning_new_connections(self) -> Iterator[None]:

@@ -87,6 +87,7 @@ class LiveMember:
                 self._adopt(notice)
         else:
             raise LiveError(f"no first round formed in {FIRST_JOIN_ROUNDS} rounds in a row")
+        self._announce_first_step()
         self._watchdog = Watchdog(self.channel, self.group, self.round)
 
     def _superseded(self, round_: int) -> Callable[[], bool]:
@@ -179,9 +180,22 @@ class LiveMember:
         rank = self.env.rank
         superseded = self._superseded(notice.round)
         self.group.join(notice.round, rank, notice.world_size, notice.master_addr, notice.master_port, superseded)
+        self._announce_first_step()
         self.regroups += 1
         lifecycle("group_moved", round=notice.round, rank=rank, took_s=round(time.monotonic() - started, 3))
         return self.env
+
+    def step_ended(self) -> None:
+        """A step every member of the current world trained has ended (:meth:`TrainingGroup.step_ended`): a compiled
+        model's first step in the world is over, and the agent waits --collective-timeout for this worker again."""
+        if self.group.step_ended():
+            self.channel.withdraw_first_step(self.env.local_rank)
+
+    def _announce_first_step(self) -> None:
+        """A compiled model's first step in a new world may take minutes (it compiles): tell the agent, which waits
+        that long for this worker to answer a notice meanwhile rather than restart it."""
+        if self.group.first_step_until is not None:
+            self.channel.announce_first_step(self.env.local_rank, os.getpid(), self.group.first_step_until)
 
     def _adopt(self, notice: RegroupNotice) -> None:
         """Acknowledge ``notice`` and make it this process's environment (rank, world size, round, store)."""

@@ -294,7 +294,7 @@ class Session:
                 self.collective_broke(exc, None, group_error=True)  # the step stands or falls by the vote
                 return
         if self.live is not None and self.runtime.catch_up is None:  # every member trained it (not a catch-up's)
-            self.live.group.step_ended()
+            self.live.step_ended()
         self.world.save_step(
             lambda exc: self.moves.superseded(self.env, exc),
             # The step is applied on this rank; the regroup's vote decides whether the world keeps it.

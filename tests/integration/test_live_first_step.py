@@ -72,3 +72,48 @@ def test_the_running_member_waits_for_a_joiner_whose_first_forward_outlasts_the_
     assert joined and all(s == f"{FIRST_STEP_TIMEOUT_S:.3f}" for s in joined), joined
     done = [line for n in nodes for line in n.lines("LW_DONE")]
     assert len(done) == 2 and len({d["hash"] for d in done}) == 1 and len({d["step"] for d in done}) == 1, detail
+
+
+def test_a_node_that_joins_while_a_member_compiles_leaves_that_member_to_finish_without_a_restart(
+    tmp_path: Path,
+) -> None:
+    """Nodes come back in bursts: c joins while b, which joined just before, compiles in its first forward pass. The
+    agents ask their workers to regroup, and a worker answers at a step boundary, so b answers once its compile is
+    over, far past the agent's usual wait for an answer (--collective-timeout + 10 s). Before, b's agent gave up on it
+    and restarted it (``regroup_fallback``): a cold start, a compile again, the world waiting for both. Now a worker
+    in a compiled model's first step in its world says so, and its agent waits for it as long as that step may take
+    (``regroup_ack_extended``)."""
+    compile_s = 30.0  # b's first forward pass: longer than the agents' usual wait (2 + 10 s)
+    env = {"LW_MAX_STEPS": "100000", "LW_SLEEP": "0.05", "LW_STOP_AT_WS": "3", "LW_EXTRA_STEPS": "12"}
+    env["LW_COMPILE"] = "1"
+    port = free_port()
+
+    def node(name: str, **more: str) -> LiveNode:
+        return LiveNode(
+            name, tmp_path, port, SCRIPT, {**env, **more}, rdzv_id="first-step-burst", nnodes="1:3", last_call_s=1,
+            collective_timeout=2.0,
+        )  # fmt: skip
+
+    a = node("a")
+    with reaped(a.proc):
+        wait_for(lambda: len(a.lines("LW_STEP")) >= 3 or a.proc.poll() is not None, BOUND, what="a training")
+        b = node("b", LW_FIRST_FORWARD_S=f"{compile_s:g}")
+        with reaped(b.proc):
+            wait_for(lambda: b.lines("LW_COMPILING") or b.proc.poll() is not None, BOUND, what="b compiling")
+            c = node("c")
+            with reaped(c.proc):
+                nodes = [a, b, c]
+                try:
+                    wait_for(lambda: all(n.proc.poll() is not None for n in nodes), 2 * BOUND, what="the job's end")
+                except AssertionError as exc:
+                    raise AssertionError(f"{exc}\n" + "\n".join(n.dump() for n in nodes)) from None
+    detail = "\n".join(n.dump() for n in nodes)
+    for n in nodes:
+        assert n.proc.returncode == 0, detail
+        assert len(n.lines("LW_START")) == 1, "a worker was restarted\n" + detail
+        for failed in ("workers_restarting", "regroup_fallback", "regroup_notice_missing", "node_failed"):
+            assert not n.events(failed), f"{n.name}: {failed}\n{detail}"
+    # c's round was announced while b compiled: b's agent waited past its usual bound for b's answer.
+    assert b.events("regroup_ack_extended"), detail
+    done = [line for n in nodes for line in n.lines("LW_DONE")]
+    assert len(done) == 3 and len({d["hash"] for d in done}) == 1 and len({d["step"] for d in done}) == 1, detail

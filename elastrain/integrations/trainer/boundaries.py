@@ -87,6 +87,6 @@ class StepBoundaries:
         m = self.membership
         if m is not None and self.live_ok and m.member is not None:
             self.flags.agree(m.member.group.all_reduce, self.trainer.args.device)
-            m.member.group.step_ended()  # the world's first step is over: --collective-timeout from here
+            m.member.step_ended()  # the world's first step is over: --collective-timeout from here
         else:
             self.flags.agree(lambda t: dist.all_reduce(t), self.trainer.args.device)
