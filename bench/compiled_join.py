@@ -3,6 +3,7 @@
 
     python bench/compiled_join.py                               # --collective-timeout 5, 300 steps, both modes
     python bench/compiled_join.py --collective-timeout 30 --modes compiled
+    python bench/compiled_join.py --second-joiner     # a third node joins while the second compiles
 
 Per mode, one node trains alone (``--nnodes 1:2``, live mode, the defaults); once it has trained ``--steps-alone``
 steps, a second node starts, warms up and joins. A warm joiner has built its model, but torch compiles lazily: its
@@ -11,6 +12,10 @@ another machine), and the running worker waits for it in that step's gradient al
 once, for the micro-batch's new shape. A new world's first step therefore waits up to 10 minutes, not
 ``--collective-timeout`` (``FIRST_STEP_TIMEOUT_S`` in elastrain/live/group.py): with a short timeout (the default
 here: 5 s) the compile would otherwise break the world, and the node that trained the job would leave it.
+
+With ``--second-joiner``, a third node starts as soon as the second is in a round: its round is announced while the
+second compiles in its first step, and that worker answers its agent's notice only at the step's end (its agent waits
+for it: ``regroup_ack_extended``; before, it restarted it: ``regroup_fallback``).
 
 Per mode it prints, from the sample ledger every rank writes (bench/support/hf/ledger.py): the running worker's
 longest gap between two completed steps from the joiner's start on (its start-up shares this box's two cores with
