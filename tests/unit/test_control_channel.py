@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 from elastrain.control import ControlChannel, RegroupChannel, RegroupNotice, SaveCause
 from elastrain.control.files import Fields, MessageReader
 from elastrain.errors import ControlMessageError
+from elastrain.launcher.regroup import REGROUP_ACK_MARGIN_S, compiling_until
 
 # Each file a reader decodes: a valid message, the kind of each field it reads, and what "no message" reads as.
 # Kinds: int, int? (an int or null), number (finite), text, text= (a text with a default), flag= (a bool with
@@ -169,3 +171,18 @@ def test_a_request_to_a_removed_directory_raises_oserror_and_leaves_nothing(tmp_
     with pytest.raises(OSError):
         agent.request_save(SaveCause.LEAVE, "SIGTERM")
     assert not directory.exists()
+
+
+def test_a_worker_in_a_compiled_first_step_extends_its_agent_s_wait_until_it_withdraws(tmp_path: Path) -> None:
+    channel = RegroupChannel(tmp_path)
+    assert channel.first_step_until(0) is None and compiling_until(channel, [0, 1]) is None
+    channel.announce_first_step(1, pid=123, until=time.time() + 100.0)
+    channel.announce_first_step(0, pid=124, until=time.time() - 1.0)  # its bound is over: no reason to wait
+    until = compiling_until(channel, [0, 1])
+    assert until is not None and 99.0 < until - time.monotonic() - REGROUP_ACK_MARGIN_S <= 100.0
+    assert compiling_until(channel, [0]) is None  # only the missing workers count
+    channel.withdraw_first_step(1)
+    assert compiling_until(channel, [0, 1]) is None
+    channel.announce_first_step(1, pid=125, until=time.time() + 100.0)
+    channel.forget_workers([1])  # a restarted worker's word no longer holds
+    assert channel.first_step_until(1) is None
