@@ -7,8 +7,9 @@ arrives while a rank waits in a collective that a live-but-departed peer will ne
 watchdog (:mod:`elastrain.live.watchdog`) fails those futures and the training thread gets out at
 once. gloo cannot be aborted (pytorch#130345): the abandoned operation would stay in gloo's thread until
 its timeout, so a round a member left has its connections shut down (:mod:`elastrain.live.sever`), and
-:meth:`TrainingGroup.drain` waits (bounded) for what is left before the process ends (gloo aborts a
-process that exits with an operation pending).
+:meth:`TrainingGroup.drain` waits (bounded) for what is left before the process ends (a gloo group destructed with
+an operation pending waits for it, or aborts the process): a group whose operation outlives that wait is kept,
+never destructed, and the process exits at once all the same.
 
 NCCL (CUDA): a left round's group is aborted, never destroyed (``destroy_process_group`` waits for
 in-flight work since pytorch#141510, which a dead peer never completes), and on a departure the
@@ -21,6 +22,7 @@ has no GPU; ``python bench/nccl_live.py`` checks it where one is.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import logging
 import os
@@ -85,6 +87,21 @@ the micro-batch's new shape. The others wait for the slowest in the step's colle
 for NCCL's (10 minutes). A member that dies meanwhile ends them at once all the same (its agent's notice,
 :mod:`elastrain.live.watchdog`); only a worker that hangs with its agent alive is found later in that step than in any
 other. An eager model's first step waits --collective-timeout, as every other step."""
+
+DRAIN_LIMIT_S = 5.0
+"""How long a worker about to exit waits for gloo to end the collectives it gave up. Severing their round ends them
+within milliseconds; one still pending after this would hold on until its own timeout (--collective-timeout, up to
+10 minutes: one CI run saw a survivor wait there at its exit). Its group is then kept, never destructed, until the
+process ends (:func:`keep_until_exit`)."""
+
+
+def keep_until_exit(objects: list[Any]) -> None:
+    """Never destruct ``objects`` (process groups, stores): each gets a reference no one holds, so the interpreter's
+    finalisation leaves them to the process's end. A gloo group destructed with a collective in flight joins its
+    thread, which waits for that collective's timeout (or aborts the process, pytorch#179291); one left alone lets the
+    process exit at once, with its own exit code."""
+    for obj in objects:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def is_compiled(module: torch.nn.Module) -> bool:
@@ -304,8 +321,9 @@ class TrainingGroup:
             return
         lifecycle("round_severed", round=round_, pending=pending, connections=sever(connections))
 
-    def drain(self, timeout_s: float) -> None:
-        """Before the process exits: wait (bounded) for gloo to finish the collectives given up on."""
+    def drain(self, timeout_s: float = DRAIN_LIMIT_S) -> None:
+        """Before the process exits: wait (bounded) for gloo to end the collectives given up on; the left rounds'
+        groups are then freed, or, if one is still pending, kept until the process ends (:func:`keep_until_exit`)."""
         deadline = time.monotonic() + timeout_s
         left = [p for p in self._abandoned if not p.work.done()]
         if left:
@@ -313,14 +331,20 @@ class TrainingGroup:
         while left and time.monotonic() < deadline:
             time.sleep(0.05)
             left = [p for p in left if not p.work.done()]
-        if left:
-            lifecycle("group_drain_timeout", level=logging.WARNING, pending=len(left))
         self._abandoned = left
-        if not left:
-            # Free the left rounds' groups now, on this thread, while the interpreter is whole (a gloo group
-            # freed during interpreter finalisation can abort the process, pytorch#179291).
-            self._graveyard.clear()
-            gc.collect()
+        if left:
+            lifecycle(
+                "group_drain_timeout",
+                level=logging.WARNING,
+                pending=len(left),
+                action="the left rounds' groups are kept, never destructed, until the process ends",
+            )
+            keep_until_exit(self._graveyard)
+            return
+        # Free the left rounds' groups now, on this thread, while the interpreter is whole (a gloo group freed
+        # during interpreter finalisation can abort the process, pytorch#179291).
+        self._graveyard.clear()
+        gc.collect()
 
     # -- collectives ------------------------------------------------------------------------------
     def _hand_out(self, works: list[dist.Work], result: Any) -> torch.futures.Future[Any]:

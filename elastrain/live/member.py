@@ -245,4 +245,4 @@ class LiveMember:
         if self._watchdog is not None:
             self._watchdog.close()
             self._watchdog = None
-        self.group.drain((self.env.collective_timeout_s or 30.0) + 5.0)
+        self.group.drain()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
-from support.processes import free_port, printed_fields, run_ranks
+from support.processes import PYTHON, free_port, printed_fields, reaped, run_ranks, worker_env
 
 WORKER = str(Path(__file__).resolve().parents[1] / "workers" / "live_agreement_worker.py")
 
@@ -31,3 +32,26 @@ def test_a_collective_a_departed_peer_never_joins_is_given_up_and_the_process_ex
     assert [g["result"] for g in given_up] == ["given_up"], outs
     assert {r["sum"] for r in _lines(outs, "ROUND1")} == {"3"}, outs  # the next round's group works
     assert len(_lines(outs, "EXIT")) == 2, outs  # and both exit 0 (checked in _run_ranks)
+
+
+def test_a_worker_whose_given_up_collective_never_ends_still_exits_at_once_with_its_own_code(tmp_path: Path) -> None:
+    """Without the kept group, rank 0 would wait in its group's destructor for the collective's 10-minute timeout
+    (a CI run saw a survivor's worker wait there at its exit, its job's nodes with it)."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [PYTHON, WORKER, "stuck", str(rank), "2", port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=worker_env({"STUCK_PID_FILE": str(tmp_path / "rank0.pid")}),
+            start_new_session=True,
+        )
+        for rank in range(2)
+    ]
+    with reaped(*procs):
+        outs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    detail = "\n".join(outs)
+    assert [p.returncode for p in procs] == [3, 0], detail
+    assert "ABORT rank=0 result=given_up" in outs[0], detail
+    assert "event=group_drain_timeout pending=1" in outs[0], detail  # the collective was still pending
+    assert _lines(outs, "EXIT") and "PEER_GONE rank=1" in outs[1], detail

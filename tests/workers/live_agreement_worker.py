@@ -8,15 +8,22 @@ prints the hash it had at step K.
 ``abort``: 2 ranks; rank 1 never joins rank 0's all-reduce (as a peer that already left for the next
 round); rank 0's watchdog-style abort gets it out at once; both join a new round's group and train on,
 and rank 0 exits normally although gloo still holds the abandoned collective (TrainingGroup.drain).
+
+``stuck``: 2 ranks, collectives that wait 10 minutes; rank 1 stays in the group but never joins rank 0's all-reduce,
+which rank 0 gives up; its round is left without severing its connections (as if severing had missed the one gloo
+uses), so the collective stays pending in gloo. Rank 0 still frees its group and exits at once, with its own exit
+code (3), after ``drain``'s bounded wait; rank 1 exits once rank 0's process has ended (its pid in ``$STUCK_PID_FILE``).
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -103,10 +110,50 @@ def abort(rank: int, world: int, port: int, port2: int) -> None:
     print(f"EXIT rank={rank}", flush=True)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stuck(rank: int, world: int, port: int) -> None:
+    group = TrainingGroup("gloo", 600.0)
+    group.join(0, rank, world, "127.0.0.1", port)
+    group.all_reduce(torch.ones(4))
+    pid_file = Path(os.environ["STUCK_PID_FILE"])
+    if rank == 1:  # in the group, alive, in no collective: until rank 0's process has ended (bounded)
+        deadline = time.monotonic() + 300
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        while _alive(int(pid_file.read_text())) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("PEER_GONE rank=1", flush=True)
+        os._exit(0)
+    pid_file.write_text(str(os.getpid()))
+    threading.Timer(0.3, lambda: group.abort(GroupBrokenError("round 0 is over"), 0)).start()
+    try:
+        group.all_reduce(torch.ones(4))
+    except GroupBrokenError:
+        print("ABORT rank=0 result=given_up", flush=True)
+    group._connections = frozenset()  # nothing to sever: the given-up all-reduce stays pending in gloo
+    group.leave()
+    group.drain()  # LiveMember.close's bound
+    # What the interpreter's finalisation may do: free the group and its left rounds' (a gloo group freed with its
+    # collective pending joins the thread that runs it, for 10 minutes here).
+    group = None  # type: ignore[assignment]
+    gc.collect()
+    print("EXIT rank=0", flush=True)
+
+
 if __name__ == "__main__":
     mode, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if mode == "agree":
         agree(rank, world, port)
+    elif mode == "stuck":
+        stuck(rank, world, port)
+        sys.exit(3)
     else:
         abort(rank, world, port, int(sys.argv[5]))
