@@ -46,14 +46,20 @@ def test_live_membership_changes_train_every_sample_exactly_once_without_a_resta
     assert _events(run.node_logs["c"], "workers_warm"), detail  # c was built before it joined
 
     steps = ledger_steps(run.out / "ledger.jsonl")
-    assert sorted(steps.ids) == list(range(1, LIVE_MAX_STEPS + 1))
-    assert all(len(w) == 1 for w in steps.worlds.values())
+    missing = sorted(set(range(1, LIVE_MAX_STEPS + 1)) - set(steps.ids))
+    extra = sorted(set(steps.ids) - set(range(1, LIVE_MAX_STEPS + 1)))
+    assert not missing and not extra, f"steps missing {missing}, unexpected {extra}\n{detail}"
+    mixed = {s: sorted(w) for s, w in steps.worlds.items() if len(w) != 1}
+    assert not mixed, f"steps trained in more than one world: {mixed}\n{detail}"
     order = [next(iter(steps.worlds[s])) for s in sorted(steps.ids)]
     sizes = [w for i, w in enumerate(order) if i == 0 or w != order[i - 1]]
     # --nnodes 1:3: the first node to be ready may train alone until the second joins.
-    assert tuple(sizes[-len(LIVE_WORLD_SIZES) :]) == LIVE_WORLD_SIZES and set(sizes[: -len(LIVE_WORLD_SIZES)]) <= {1}
+    tail, head = tuple(sizes[-len(LIVE_WORLD_SIZES) :]), set(sizes[: -len(LIVE_WORLD_SIZES)])
+    assert tail == LIVE_WORLD_SIZES and head <= {1}, f"world sizes in order: {sizes}\n{detail}"
     assert_each_sample_once_per_epoch(steps)
-    assert all(len(ids) in (GLOBAL_BATCH, SAMPLES % GLOBAL_BATCH) for ids in steps.ids.values())
+    whole = (GLOBAL_BATCH, SAMPLES % GLOBAL_BATCH)
+    odd = {s: len(ids) for s, ids in steps.ids.items() if len(ids) not in whole}
+    assert not odd, f"steps of another size than the global batch: {odd}"
 
 
 def test_live_membership_changes_end_where_the_uninterrupted_run_ends() -> None:
