@@ -33,6 +33,7 @@ CHECKPOINT_DIR = "ELASTRAIN_CHECKPOINT_DIR"
 CONTROL_DIR = "ELASTRAIN_CONTROL_DIR"
 EVENTS_FILE = "ELASTRAIN_EVENTS_FILE"
 COLLECTIVE_TIMEOUT = "ELASTRAIN_COLLECTIVE_TIMEOUT"
+FIRST_STEP_TIMEOUT = "ELASTRAIN_FIRST_STEP_TIMEOUT"
 IO_TIMEOUT = "ELASTRAIN_IO_TIMEOUT"
 LOG_LEVEL = "ELASTRAIN_LOG_LEVEL"
 ZYGOTE = "ELASTRAIN_ZYGOTE"
@@ -67,6 +68,7 @@ ALL_VARIABLES: tuple[str, ...] = (
     CONTROL_DIR,
     EVENTS_FILE,
     COLLECTIVE_TIMEOUT,
+    FIRST_STEP_TIMEOUT,
     IO_TIMEOUT,
     LOG_LEVEL,
     ZYGOTE,
@@ -125,6 +127,7 @@ class LaunchContext:
     control_dir: str | None = None
     events_file: str | None = None
     collective_timeout_s: float | None = None
+    first_step_timeout_s: float | None = None
     generation: int | None = None
     io_timeout_s: float | None = None
     live: bool = False
@@ -153,6 +156,8 @@ def to_environ(ctx: LaunchContext) -> dict[str, str]:
         out[EVENTS_FILE] = ctx.events_file
     if ctx.collective_timeout_s is not None:
         out[COLLECTIVE_TIMEOUT] = repr(float(ctx.collective_timeout_s))
+    if ctx.first_step_timeout_s is not None:
+        out[FIRST_STEP_TIMEOUT] = repr(float(ctx.first_step_timeout_s))
     if ctx.generation is not None:
         out[GENERATION] = str(ctx.generation)
     if ctx.io_timeout_s is not None:
@@ -244,6 +249,8 @@ class WorkerEnv:
     live: bool = False
     # How long a live worker whose collective broke waits for the agent's regroup notice before it fails.
     regroup_timeout_s: float = DEFAULT_REGROUP_TIMEOUT_S
+    # --first-step-timeout: how long a new world's first step's collectives may wait (None: see TrainingGroup).
+    first_step_timeout_s: float | None = None
     # --live: started before its node joined a round; rank, world size and MASTER_* come with the first
     # regroup notice (the values above are placeholders until a Session has started).
     warm: bool = False
@@ -279,6 +286,7 @@ class WorkerEnv:
         generation = e.get(GENERATION)
         io_timeout = e.get(IO_TIMEOUT)
         regroup_timeout = e.get(REGROUP_TIMEOUT)
+        first_step_timeout = e.get(FIRST_STEP_TIMEOUT)
         return cls(
             rank=rank,
             local_rank=_int(e, "LOCAL_RANK", 0),
@@ -300,6 +308,7 @@ class WorkerEnv:
             io_timeout_s=_float(e, IO_TIMEOUT) if io_timeout else DEFAULT_IO_TIMEOUT_S,
             live=e.get(LIVE, "") == "1",
             regroup_timeout_s=_float(e, REGROUP_TIMEOUT) if regroup_timeout else DEFAULT_REGROUP_TIMEOUT_S,
+            first_step_timeout_s=_float(e, FIRST_STEP_TIMEOUT) if first_step_timeout else None,
             warm=e.get(WARM, "") == "1",
             first_round=e.get(FIRST_ROUND, "") == "1",
         )

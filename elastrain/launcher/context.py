@@ -63,6 +63,7 @@ class ContextBuilder:
             checkpoint_dir=opts.checkpoint_dir,
             control_dir=self._control_dir,
             collective_timeout_s=opts.collective_timeout_s,
+            first_step_timeout_s=opts.first_step_timeout_s if live else None,
             io_timeout_s=opts.io_timeout_s,
             generation=generation,
             live=live,

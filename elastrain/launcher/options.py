@@ -41,6 +41,9 @@ class ElastrainOptions:
     """How long the agent waits for that checkpoint to commit before it restarts anyway."""
     collective_timeout_s: float = 30.0
     """Timeout for workers' collectives (ELASTRAIN_COLLECTIVE_TIMEOUT); bounds a hang on a frozen peer."""
+    first_step_timeout_s: float | None = None
+    """--live: how long the collectives of a new world's first step may wait (ELASTRAIN_FIRST_STEP_TIMEOUT); None:
+    10 minutes when the script compiles its model (elastrain/live/group.py), else ``collective_timeout_s``."""
     io_timeout_s: float = DEFAULT_IO_TIMEOUT_S
     """Timeout for workers' collectives that wait on storage (ELASTRAIN_IO_TIMEOUT): checkpoint saves and loads."""
     preemption_watchers: str = "none"
@@ -59,6 +62,8 @@ class ElastrainOptions:
             raise UsageError("--save-timeout", f"must be >= 0 seconds, got {self.save_timeout_s}")
         if self.collective_timeout_s <= 0:
             raise UsageError("--collective-timeout", f"must be > 0 seconds, got {self.collective_timeout_s}")
+        if self.first_step_timeout_s is not None and not self.first_step_timeout_s > 0:
+            raise UsageError("--first-step-timeout", f"must be > 0 seconds, got {self.first_step_timeout_s}")
         if not self.io_timeout_s > 0:
             raise UsageError("--io-timeout", f"must be > 0 seconds, got {self.io_timeout_s}")
         parse_watchers(self.preemption_watchers)
@@ -112,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="Seconds a worker's collective may wait on a peer (default: 30; gloo's own is 30 min).",
+    )
+    group.add_argument(
+        "--first-step-timeout",
+        "--first_step_timeout",
+        action=env,
+        type=float,
+        default=None,
+        help="--live: seconds the collectives of a new world's first step may wait, where a joiner compiles "
+        "(default: 600 when the script torch.compile's its model, else --collective-timeout; never shorter than it).",
     )
     group.add_argument(
         "--io-timeout",
@@ -185,6 +199,7 @@ def options_from_args(args: argparse.Namespace) -> ElastrainOptions:
         save_on_change=bool(args.save_on_change),
         save_timeout_s=float(args.save_timeout),
         collective_timeout_s=float(args.collective_timeout),
+        first_step_timeout_s=float(args.first_step_timeout) if args.first_step_timeout is not None else None,
         io_timeout_s=float(args.io_timeout),
         preemption_watchers=str(args.preemption_watchers),
         metadata_endpoint=args.metadata_endpoint,

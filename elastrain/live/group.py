@@ -95,6 +95,16 @@ within milliseconds; one still pending after this would hold on until its own ti
 process ends (:func:`keep_until_exit`)."""
 
 
+def first_step_wait(collective: timedelta | None, flag_s: float | None, compiles: bool) -> timedelta | None:
+    """Pure: how long the collectives of a new world's first step wait: --first-step-timeout (``flag_s``) when given,
+    else ``FIRST_STEP_TIMEOUT_S`` when the script compiles; never shorter than --collective-timeout (``collective``;
+    None: torch's default, throughout)."""
+    wait = flag_s or (FIRST_STEP_TIMEOUT_S if compiles else None)
+    if collective is None or wait is None:
+        return collective
+    return max(collective, timedelta(seconds=wait))
+
+
 def keep_until_exit(objects: list[Any]) -> None:
     """Never destruct ``objects`` (process groups, stores): each gets a reference no one holds, so the interpreter's
     finalisation leaves them to the process's end. A gloo group destructed with a collective in flight joins its
@@ -157,7 +167,13 @@ def release_by_abort(backend: str) -> bool:
 class TrainingGroup:
     """The default process group of the current round, and the collectives handed out on it."""
 
-    def __init__(self, backend: str, timeout_s: float | None, join_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        backend: str,
+        timeout_s: float | None,
+        join_timeout_s: float | None = None,
+        first_step_timeout_s: float | None = None,
+    ) -> None:
         if release_by_abort(backend):
             os.environ.setdefault(NCCL_ERROR_HANDLING, NCCL_CLEANUP_ONLY)  # before any NCCL group exists
         self.backend = backend
@@ -165,6 +181,7 @@ class TrainingGroup:
         # Joining waits for every member of the round, which may include a worker the agent restarted
         # (the fallback): longer than a collective, as long as a cold start.
         self.join_timeout = timedelta(seconds=join_timeout_s) if join_timeout_s else self.timeout
+        self.first_step_timeout_s = first_step_timeout_s  # --first-step-timeout (None: see first_step_timeout)
         self.round: int | None = None
         self.broken = threading.Event()
         self._lock = threading.Lock()
@@ -195,8 +212,9 @@ class TrainingGroup:
         (:class:`JoinAbandonedError`) rather than waiting ``join_timeout`` for that member."""
         started = time.monotonic()
         join = self.join_timeout or timedelta(minutes=30)
-        if self.compiles:  # a member answers the notice of this round at the end of its compile (see step_ended)
-            join = max(join, timedelta(seconds=FIRST_STEP_TIMEOUT_S))
+        first_step = self.first_step_timeout()
+        if first_step is not None:  # a member answers this round's notice at the end of its first step (step_ended)
+            join = max(join, first_step)
         deadline = started + join.total_seconds()
         if rank != 0:
             # The new rank 0 starts the round's store while the others start to connect: a client that
@@ -237,11 +255,8 @@ class TrainingGroup:
         )
 
     def first_step_timeout(self) -> timedelta | None:
-        """How long the collectives of a new world's first step wait: ``FIRST_STEP_TIMEOUT_S`` when the script
-        compiles and --collective-timeout is shorter, else --collective-timeout (None: torch's default)."""
-        if self.timeout is None or not self.compiles:
-            return self.timeout
-        return max(self.timeout, timedelta(seconds=FIRST_STEP_TIMEOUT_S))
+        """How long the collectives of a new world's first step wait (:func:`first_step_wait`)."""
+        return first_step_wait(self.timeout, self.first_step_timeout_s, self.compiles)
 
     def step_ended(self) -> bool:
         """A step in which every member of the current world trained has ended on this rank: from now on its

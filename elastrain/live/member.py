@@ -60,7 +60,12 @@ class LiveMember:
             raise ValueError("live mode needs the agent's control directory (ELASTRAIN_CONTROL_DIR)")
         self.env = env
         self.channel = RegroupChannel(env.control_dir)
-        self.group = TrainingGroup(backend, env.collective_timeout_s, join_timeout_s=env.regroup_timeout_s)
+        self.group = TrainingGroup(
+            backend,
+            env.collective_timeout_s,
+            join_timeout_s=env.regroup_timeout_s,
+            first_step_timeout_s=env.first_step_timeout_s,
+        )
         self.round = env.round
         self.regroups = 0
         self._watchdog: Watchdog | None = None
@@ -211,6 +216,7 @@ class LiveMember:
             control_dir=self.env.control_dir,
             events_file=self.env.events_file,
             collective_timeout_s=self.env.collective_timeout_s,
+            first_step_timeout_s=self.env.first_step_timeout_s,
             generation=notice.generation,
             io_timeout_s=self.env.io_timeout_s,
             live=True,

@@ -132,6 +132,7 @@ def test_single_node_default_like_torchrun() -> None:
         (["--no-python", "no-such-command-xyz"], "training_script"),
         (["--save-timeout", "-1", SCRIPT], "--save-timeout"),
         (["--collective-timeout", "0", SCRIPT], "--collective-timeout"),
+        (["--first-step-timeout", "0", SCRIPT], "--first-step-timeout"),
         (["--io-timeout", "0", SCRIPT], "--io-timeout"),
         (["--nnodes", "2", "--rdzv-endpoint", "host:notaport", SCRIPT], "--rdzv-endpoint"),
         (["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "host:notaport", SCRIPT], "--rdzv-endpoint"),

@@ -42,6 +42,7 @@ def test_round_trip_through_environment() -> None:
         checkpoint_dir="/ckpt",
         control_dir="/ctl",
         collective_timeout_s=12.5,
+        first_step_timeout_s=1800.0,
         io_timeout_s=900.0,
     )
     got = WorkerEnv.from_environ({**TORCH_VARS, **to_environ(ctx)})
@@ -50,7 +51,7 @@ def test_round_trip_through_environment() -> None:
     assert got.previous_world_size == 6 and got.world_size_changed and got.is_restart
     assert (got.restart_count, got.failure_count, got.round, got.run_id) == (2, 1, 2, "job-1")
     assert (got.checkpoint_dir, got.control_dir, got.collective_timeout_s) == ("/ckpt", "/ctl", 12.5)
-    assert got.io_timeout_s == 900.0
+    assert got.io_timeout_s == 900.0 and got.first_step_timeout_s == 1800.0
     assert got.under_elastrain
     assert not got.first_round
 
