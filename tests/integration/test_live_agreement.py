@@ -35,8 +35,10 @@ def test_a_collective_a_departed_peer_never_joins_is_given_up_and_the_process_ex
 
 
 def test_a_worker_whose_given_up_collective_never_ends_still_exits_at_once_with_its_own_code(tmp_path: Path) -> None:
-    """Without the kept group, rank 0 would wait in its group's destructor for the collective's 10-minute timeout
-    (a CI run saw a survivor's worker wait there at its exit, its job's nodes with it)."""
+    """The worker's close waits a few seconds for the given-up collective, not its group's 10-minute timeout (a CI run
+    saw a survivor's worker wait there at its exit after a neighbour's SIGKILL, and its node with it); its group,
+    kept, never joins the thread that runs that collective as the process ends (a plain gloo group destroyed so
+    hangs in ``~ProcessGroupGloo``; this worker's is not destructed at finalisation either way)."""
     port = str(free_port())
     procs = [
         subprocess.Popen(
