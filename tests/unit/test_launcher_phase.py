@@ -67,9 +67,10 @@ def test_new_workers_start_with_no_change_at_hand() -> None:
 
 
 def test_one_builder_for_a_round_and_for_a_warm_start() -> None:
-    options = ElastrainOptions(checkpoint_dir="/ckpt", live=True)
+    options = ElastrainOptions(checkpoint_dir="/ckpt", live=True, first_step_timeout_s=1200.0)
     builder = ContextBuilder(options, "job", "/control")
     ctx = builder.for_round(4, 1, StartReason.SCALE_UP, 2, 7, first_round=False)
+    assert ctx.first_step_timeout_s == builder.warm().first_step_timeout_s == 1200.0
     assert (ctx.run_id, ctx.round, ctx.restart_count, ctx.failure_count) == ("job", 4, 4, 1)
     assert (ctx.start_reason, ctx.previous_world_size, ctx.generation) == (StartReason.SCALE_UP, 2, 7)
     assert (ctx.checkpoint_dir, ctx.control_dir, ctx.live) == ("/ckpt", "/control", True)
@@ -84,8 +85,9 @@ def test_one_builder_for_a_round_and_for_a_warm_start() -> None:
         True,
         ctx.regroup_timeout_s,
     )
-    restart = ContextBuilder(ElastrainOptions(live=False), "job", "/control").for_round(
+    restart = ContextBuilder(ElastrainOptions(live=False, first_step_timeout_s=1200.0), "job", "/control").for_round(
         0, 0, StartReason.FIRST_START, None, None, first_round=True
     )
     assert (restart.live, restart.regroup_timeout_s, restart.checkpoint_dir) == (False, None, None)
+    assert restart.first_step_timeout_s is None  # a live world's bound: nothing to a worker that restarts
     assert not restart.first_round  # a worker that restarts at every change joins where it sets up
