@@ -177,8 +177,9 @@ class RegroupChannel:
         return self._pids(_FINISHING)
 
     def first_step_until(self, local_rank: int) -> float | None:
-        """Until when (wall clock) a worker in a new world's first step with a compiled model may take to reach its
-        next step boundary (:meth:`announce_first_step`); None if it is not in one."""
+        """Until when (wall clock) a worker in a new world's first step, bound longer than --collective-timeout (a
+        compiled model, --first-step-timeout), may take to reach its next step boundary (:meth:`announce_first_step`);
+        None if it is not in one."""
         return self._reader.read(self.directory / _FIRST_STEP.format(local_rank=local_rank), _until)
 
     def _pids(self, pattern: str, deciding: bool | None = None) -> dict[int, int]:
@@ -217,8 +218,9 @@ class RegroupChannel:
         (self.directory / _FINISHING.format(local_rank=local_rank)).unlink(missing_ok=True)
 
     def announce_first_step(self, local_rank: int, pid: int, until: float) -> None:
-        """The worker is in a new world's first step with a compiled model (it compiles there, for minutes on a large
-        model): it reaches its next step boundary, and so answers a notice, as late as ``until`` (wall clock)."""
+        """The worker is in a new world's first step with a bound longer than --collective-timeout (a compiled model
+        compiles there, for minutes on a large one; or --first-step-timeout): it reaches its next step boundary, and so
+        answers a notice, as late as ``until`` (wall clock)."""
         self._announce(_FIRST_STEP, local_rank, pid, until=until)
 
     def withdraw_first_step(self, local_rank: int) -> None:

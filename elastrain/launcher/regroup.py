@@ -60,9 +60,10 @@ COMPILING = "a worker compiles in its world's first step: it answers at the step
 
 
 def compiling_until(regroup: RegroupChannel, missing: list[int]) -> float | None:
-    """When (monotonic) to stop waiting for the ``missing`` workers that are in a new world's first step with a
-    compiled model: they compile there, and answer a notice at the step's end (``FIRST_STEP_TIMEOUT_S`` in
-    elastrain/live/group.py, plus the margin); None if none is."""
+    """When (monotonic) to stop waiting for the ``missing`` workers that are in a new world's first step with a longer
+    bound (a compiled model compiles there: ``FIRST_STEP_TIMEOUT_S`` in elastrain/live/group.py, or
+    --first-step-timeout): they answer a notice at the step's end, as late as they announced, plus the margin; None if
+    none is."""
     now_wall = time.time()
     until = [u for r in missing if (u := regroup.first_step_until(r)) is not None and u > now_wall]
     return time.monotonic() + max(until) - now_wall + REGROUP_ACK_MARGIN_S if until else None

@@ -191,11 +191,11 @@ class TrainingGroup:
         self._store: Any = None
         self._connections: frozenset[Connection] = frozenset()  # the current round's (see elastrain.live.sever)
         self._severed: int | None = None  # the last round whose connections were shut down
-        self._first_step = False  # the current world's collectives still wait FIRST_STEP_TIMEOUT_S (see step_ended)
         self.compiles = False
         """The script compiles its model: a new world's first step waits ``FIRST_STEP_TIMEOUT_S``."""
         self.first_step_until: float | None = None
-        """Wall clock: the end of the current world's first step's bound, while it lasts (a compiled model)."""
+        """Wall clock: the end of the current world's first step's bound while it is longer than --collective-timeout
+        (a compiled model, --first-step-timeout); None once a step every member trained has ended (step_ended)."""
 
     # -- joining and leaving ----------------------------------------------------------------------
     def join(
@@ -234,10 +234,10 @@ class TrainingGroup:
             world_size=world_size,
             timeout=join,
         )
-        first_step = self.first_step_timeout()  # the join's bound until then
-        self._first_step = first_step != self.timeout
-        self.first_step_until = time.time() + first_step.total_seconds() if self._first_step and first_step else None
-        if first_step is not None:  # longer for a compiled model's first step: see FIRST_STEP_TIMEOUT_S
+        # The first step's bound when it is longer than --collective-timeout (None: it waits that, as any step).
+        longer_s = first_step.total_seconds() if first_step is not None and first_step != self.timeout else None
+        self.first_step_until = time.time() + longer_s if longer_s is not None else None
+        if first_step is not None:  # the join's bound until then; longer for a compiled model's first step
             dist.distributed_c10d._set_pg_timeout(first_step)
         pin_default_group()  # never freed by DDP's Reducer once the script destroyed it (elastrain.group_pins)
         self._store = store
@@ -251,7 +251,7 @@ class TrainingGroup:
             world_size=world_size,
             master=f"{master_addr}:{master_port}",
             took_s=round(time.monotonic() - started, 3),
-            first_step_timeout_s=first_step.total_seconds() if self._first_step and first_step else None,
+            first_step_timeout_s=longer_s,
         )
 
     def first_step_timeout(self) -> timedelta | None:
@@ -261,9 +261,8 @@ class TrainingGroup:
     def step_ended(self) -> bool:
         """A step in which every member of the current world trained has ended on this rank: from now on its
         collectives wait --collective-timeout (the first one waited ``FIRST_STEP_TIMEOUT_S``). Whether that is new."""
-        if not self._first_step or self.timeout is None or not dist.is_initialized():
+        if self.first_step_until is None or self.timeout is None or not dist.is_initialized():
             return False
-        self._first_step = False
         self.first_step_until = None
         dist.distributed_c10d._set_pg_timeout(self.timeout)
         lifecycle("group_settled", round=self.round, collective_timeout_s=self.timeout.total_seconds())

@@ -197,8 +197,9 @@ class LiveMember:
             self.channel.withdraw_first_step(self.env.local_rank)
 
     def _announce_first_step(self) -> None:
-        """A compiled model's first step in a new world may take minutes (it compiles): tell the agent, which waits
-        that long for this worker to answer a notice meanwhile rather than restart it."""
+        """A compiled model's first step in a new world may take minutes (it compiles), as long as its bound (or
+        --first-step-timeout's): tell the agent, which waits that long for this worker to answer a notice meanwhile
+        rather than restart it."""
         if self.group.first_step_until is not None:
             self.channel.announce_first_step(self.env.local_rank, os.getpid(), self.group.first_step_until)
 
