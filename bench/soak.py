@@ -3,6 +3,7 @@
     python bench/soak.py --seed 1 --events 50                  # the T5 example (tiny preset)
     python bench/soak.py --seed 311 --events 10 --job ledger   # the short CI version (tests/e2e/test_soak.py)
     python bench/soak.py --seed 3 --events 50 --job trainer    # examples/hf/run_clm.py, unchanged
+    python bench/soak.py --seed 4 --events 30 --rdzv-backend etcd-v3   # the rendezvous on an etcd of its own
 
 Every node runs the same command (``elastrain-run --nnodes 1:MAX`` on 127.0.0.1:PORT, one worker), so a node that comes
 back, a spare beyond MAX and a whole-job restart all use the original endpoint, run id and checkpoint directory. The
@@ -26,11 +27,16 @@ steps and after training: the log history holds the uninterrupted run's evaluati
 twice at most one per SIGKILL, of a node or of one worker (and ``--save-every`` + 1 per world lost whole: a whole-job
 kill, or every member of a world killed, after which the job resumes from its newest committed ``checkpoint-N``), no
 orphan processes, bounded rendezvous rounds.
+
+``--rdzv-backend etcd-v3`` runs the same trace with the rendezvous on an etcd server the soak starts on a free
+loopback port (bench/support/etcd_server.py) and stops at the end: no node hosts the store, so the nodes start
+together, and a kill of node 0 is a kill like any other.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -44,6 +50,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.support.etcd_server import EtcdServer  # noqa: E402
 from bench.support.t5_example import prepare_data  # noqa: E402
 from bench.support.trainer_ledger import Ledger, LedgerProgress, check_every_sample_once  # noqa: E402
 from bench.support.trainer_workload import (  # noqa: E402
@@ -163,7 +170,29 @@ def run_soak(args: argparse.Namespace) -> int:
     script = job.script(out, max_steps, data_dir)
     port = args.port or free_port()
     run_id = f"soak-{args.seed}-{uuid.uuid4().hex[:6]}"
-    launcher = ["--checkpoint-dir", str(job.checkpoint_dir(out)), *args.launcher_args.split()]
+    with contextlib.ExitStack() as stack:
+        launcher = ["--checkpoint-dir", str(job.checkpoint_dir(out))]
+        host_port: int | None = port
+        if args.rdzv_backend == "etcd-v3":
+            etcd = stack.enter_context(EtcdServer(out / "etcd"))
+            launcher += ["--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd.endpoint}"]
+            host_port = None  # no node hosts the store: the nodes start together
+        launcher += args.launcher_args.split()
+        return _soak(args, job, out, trace, script, max_steps, port, run_id, launcher, host_port)
+
+
+def _soak(
+    args: argparse.Namespace,
+    job: Job,
+    out: Path,
+    trace: Trace,
+    script: list[str],
+    max_steps: int,
+    port: int,
+    run_id: str,
+    launcher: list[str],
+    host_port: int | None,
+) -> int:
 
     def node_command(_: int) -> list[str]:
         return elastrain_node_command(script, trace.launcher_max, port, run_id, launcher)
@@ -186,7 +215,7 @@ def run_soak(args: argparse.Namespace) -> int:
     if job.name == "trainer":
         readers = [LedgerProgress(out / "ledger")]
     harness = ChaosHarness(
-        trace, node_command, out / "chaos", env=env, progress=lambda: max(r() for r in readers), host_port=port
+        trace, node_command, out / "chaos", env=env, progress=lambda: max(r() for r in readers), host_port=host_port
     )
     harness.run(timeout_s=timeout, stall_s=args.stall)
     return judge(out)
@@ -346,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=None, help="seconds before everything is killed (120 + 45/event)")
     p.add_argument("--stall", type=float, default=180.0, help="end the run when no step is made for this long (180)")
     p.add_argument("--port", type=int, default=None, help="rendezvous port on 127.0.0.1 (a free one)")
+    p.add_argument(
+        "--rdzv-backend", choices=["c10d", "etcd-v3"], default="c10d", help="etcd-v3: on an etcd the soak starts (c10d)"
+    )
     p.add_argument("--launcher-args", default="", help="extra elastrain-run options, one quoted string")
     p.add_argument("--output-dir", default=None, help="default: runs/soak-JOB-seedN-XXXXXX")
     p.add_argument("--data-dir", default=None, help="the job's data, built once (runs/soak-JOB-data)")

@@ -366,7 +366,7 @@ def _check_rendezvous(args: argparse.Namespace, conf: dict[str, str], min_nodes:
 
     from elastrain.rendezvous import auth, conf_keys, registry
     from elastrain.rendezvous.backends import c10d, etcd_options
-    from elastrain.rendezvous.settings import HandlerSettings
+    from elastrain.rendezvous.settings import HandlerSettings, read_timeout
 
     backend, endpoint = args.rdzv_backend, args.rdzv_endpoint or ""
     if backend == registry.ETCD_V3:
@@ -387,7 +387,7 @@ def _check_rendezvous(args: argparse.Namespace, conf: dict[str, str], min_nodes:
     params = RendezvousParameters(
         backend, endpoint, args.rdzv_id or "none", min_nodes, max_nodes, args.local_addr, **conf
     )
-    c10d.read_timeout(params)
+    read_timeout(params)
     HandlerSettings.from_params(params)
     auth.secret_from(params)
     if backend == registry.ETCD_V3:

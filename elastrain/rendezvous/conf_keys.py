@@ -19,7 +19,7 @@ ELASTRAIN = frozenset(
         # the handler's settings (elastrain.rendezvous.settings)
         "heartbeat_interval", "heartbeat_timeout", "last_call_timeout", "join_timeout", "store_lost_timeout",
         "scale_up_window", "store_op_timeout", "claim_grace", "refound_after",
-        # the job's secret (elastrain.rendezvous.auth), the c10d store, the fencing root
+        # the job's secret (elastrain.rendezvous.auth), the agents' store (c10d or etcd), the fencing root
         "secret", "secret_file", "read_timeout", "is_host", "checkpoint_root",
         # etcd (elastrain.rendezvous.backends.etcd_options), with torch's etcd names
         "key_prefix", "etcd_prefix", "ca_cert", "cacert", "client_cert", "cert", "client_key", "key", "user",

@@ -16,18 +16,40 @@ Options (``--rdzv-conf key=value``), in seconds:
 * ``scale_up_window`` (1): a running round waits this long after it first sees a newcomer before it
   re-forms, so that nodes arriving together join in one round;
 * ``claim_grace`` (2 x heartbeat_timeout): how long a round that holds no majority of the previous
-  round's voters waits before it claims the next generation (a majority side claims first).
+  round's voters waits before it claims the next generation (a majority side claims first);
+* ``read_timeout`` (5): how long one blocking read of the agents' store waits (the c10d TCPStore or the etcd
+  store): torch's agent waits that long for a member's worker information after a round forms, so a member
+  frozen or killed right then costs this much, not the store's default of minutes.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastrain import binding
 from elastrain.errors import UsageError
+
+DEFAULT_READ_TIMEOUT_S = 5.0
+"""A blocking read of the agents' store gives up after this long (a store's own default, 60-300 s, would stall
+every node of a round behind one member that froze as the round formed)."""
+
+
+def read_timeout(params: RendezvousParameters) -> timedelta:
+    """``--rdzv-conf read_timeout``: how long one blocking read of the agents' store may wait (seconds, > 0)."""
+    raw = params.get("read_timeout", None)
+    if raw is None:
+        return timedelta(seconds=DEFAULT_READ_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except (TypeError, ValueError):
+        raise UsageError("--rdzv-conf read_timeout", f"expected seconds, got {raw!r}") from None
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise UsageError("--rdzv-conf read_timeout", f"must be a finite number of seconds > 0, got {raw!r}")
+    return timedelta(seconds=seconds)
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,39 @@ def test_job_survives_every_node_in_turn_and_an_etcd_restart_over_tls(tmp_path: 
         )
 
 
+FROZEN_AS_FORMED = """
+import os, signal, sys
+from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
+endpoint, run_id, conf = sys.argv[1:4]
+conf = dict(kv.split("=", 1) for kv in conf.split(","))
+params = RendezvousParameters("etcd-v3", endpoint, run_id, 1, 2, "127.0.0.1", **conf)
+info = registry.get_rendezvous_handler(params).next_rendezvous()
+print("FORMED", info.rank, info.world_size, flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)  # frozen before it shares its worker information (torch's rank assignment)
+"""
+
+
+def test_a_member_frozen_as_its_round_forms_costs_the_others_seconds_not_the_stores_default(
+    tmp_path: Path, etcd: EtcdServer
+) -> None:
+    """A node joins a running job's next round and freezes the moment the round forms, before its agent writes
+    what torch's rank assignment reads (a VM paused, a SIGSTOP: soak seed 90003). The running node's blocking read
+    of that key gives up after ``read_timeout`` (5 s), and it forms the next round without the frozen node, which
+    its heartbeat evicts. Before, the etcd store's reads waited the store's default 300 s (the c10d store's, 5 s)."""
+    job = Job(tmp_path, etcd.endpoint, "1:2")
+    first = job.start_node()
+    with reaped(*job.nodes):
+        job.wait_training([first], 1, 0, "the first node alone")
+        log = tmp_path / "frozen.log"
+        frozen = spawn([sys.executable, "-c", FROZEN_AS_FORMED, etcd.endpoint, job.run_id, job.conf], log, cwd=tmp_path)
+        with reaped(frozen):
+            wait_for(lambda: "FORMED" in log.read_text(errors="replace"), CHANGE_S, what=f"the round\n{job.dump()}")
+            formed = time.time()
+            job.wait_training([first], 1, formed, "the first node training again without the frozen one")
+            assert "rendezvous_incomplete" in job.text(first), job.dump()
+            job.finish([first])
+
+
 def test_plain_torchrun_registry_finds_etcd_v3_and_unreachable_etcd_fails_fast(
     tmp_path: Path, etcd: EtcdServer
 ) -> None:

@@ -21,6 +21,7 @@ from elastrain.launcher.options import (
     validate_and_default,
 )
 
+ETCD = ["--nnodes", "1:2", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "h:2379"]
 SCRIPT = str(Path(__file__))
 
 
@@ -140,6 +141,8 @@ def test_single_node_default_like_torchrun() -> None:
         (["--nnodes", "2", "--rdzv-backend", "torch-c10d", "--rdzv-endpoint", "h:x", SCRIPT], "--rdzv-endpoint"),
         (["--nnodes", "2", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "h:x", SCRIPT], "--rdzv-endpoint"),
         (["--standalone", "--rdzv-conf", "read_timeout=abc", SCRIPT], "--rdzv-conf read_timeout"),
+        (["--standalone", "--rdzv-conf", "read_timeout=inf", SCRIPT], "--rdzv-conf read_timeout"),
+        ([*ETCD, "--rdzv-conf", "read_timeout=0", SCRIPT], "--rdzv-conf read_timeout"),
         (["--standalone", "--rdzv-conf", "heartbeat_interval=soon", SCRIPT], "--rdzv-conf heartbeat_interval"),
         (["--standalone", "--rdzv-conf", "secret=hunter2", SCRIPT], "--rdzv-conf secret"),
         (["--standalone", "--rdzv-conf", "secret_file=/no/such/file", SCRIPT], "--rdzv-conf secret_file"),

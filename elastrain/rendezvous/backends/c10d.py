@@ -42,11 +42,10 @@ from elastrain.rendezvous.auth import RendezvousAuth
 from elastrain.rendezvous.connection import STORE_ERRORS, caused_by
 from elastrain.rendezvous.deadline import with_deadline
 from elastrain.rendezvous.handler import ElastrainRendezvousHandler
+from elastrain.rendezvous.settings import read_timeout
 from elastrain.rendezvous.trust import host_of, split_address
 
 DEFAULT_PORT = 29400
-# Store operations on a frozen host fail after this long (torch's default, 60 s, would stall everyone).
-DEFAULT_READ_TIMEOUT_S = 5.0
 
 STORE_LOST_HINT = (
     "the node hosting the embedded c10d store (--rdzv-endpoint) is gone and no surviving node could take the "
@@ -77,20 +76,6 @@ def parse_endpoint(endpoint: str | None) -> tuple[str, int]:
     if not host or not 0 <= port < 65536:
         raise UsageError("--rdzv-endpoint", f"expected host[:port] with a port in 0-65535, got {text!r}")
     return host, port
-
-
-def read_timeout(params: RendezvousParameters) -> timedelta:
-    """``--rdzv-conf read_timeout``: how long one store operation may take (seconds, > 0)."""
-    raw = params.get("read_timeout", None)
-    if raw is None:
-        return timedelta(seconds=DEFAULT_READ_TIMEOUT_S)
-    try:
-        seconds = float(raw)
-    except (TypeError, ValueError):
-        raise UsageError("--rdzv-conf read_timeout", f"expected seconds, got {raw!r}") from None
-    if not seconds > 0:
-        raise UsageError("--rdzv-conf read_timeout", f"must be > 0 seconds, got {raw!r}")
-    return timedelta(seconds=seconds)
 
 
 class C10dStateCorruptError(RendezvousValueCorruptError, RendezvousStateError):

@@ -25,6 +25,7 @@ request_timeout    deadline of one etcd request, seconds (default 5)
 retry_timeout      seconds a request is retried through an etcd outage (default 60)
 lease_ttl          seconds the job's keys outlive its last agent (default 60)
 compact_interval   seconds between compactions of etcd's history (default 300; 0: never)
+read_timeout       seconds one blocking read of the agents' store waits (default 5, as the c10d store's)
 =================  ========================================================================
 
 Operations: the state key is written only on membership changes (join, leave, round completion,
@@ -54,6 +55,7 @@ from elastrain.errors import RendezvousValueCorruptError
 from elastrain.rendezvous.backends.etcd_client import EtcdClient
 from elastrain.rendezvous.backends.etcd_options import options_from_params
 from elastrain.rendezvous.backends.etcd_store import EtcdStore
+from elastrain.rendezvous.settings import read_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -134,4 +136,6 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
     """The etcd-v3 backend and store for ``params``; fails within ``connect_timeout`` if etcd is unreachable."""
     client = EtcdClient(options_from_params(params), params.run_id)
     client.connect()
-    return EtcdV3RendezvousBackend(client), EtcdStore(client)
+    # A blocking read waits --rdzv-conf read_timeout, as the c10d store's: torch's agent reads every member's worker
+    # information after a round forms, and a member frozen right then stalled the round for the store's default 300 s.
+    return EtcdV3RendezvousBackend(client), EtcdStore(client, timeout=read_timeout(params))
