@@ -25,7 +25,7 @@ from elastrain.launcher.options import ElastrainOptions
 from elastrain.launcher.script_kind import ScriptKind, classify
 from elastrain.log import lifecycle
 from elastrain.preemption import start_monitor
-from elastrain.rendezvous.api import membership_of
+from elastrain.rendezvous.api import Membership, membership_of
 from elastrain.rendezvous.registry import ETCD_V3
 from elastrain.rendezvous.state import Departure
 from elastrain.storage import is_url, storage_for
@@ -141,7 +141,15 @@ def launch(
         lifecycle("agent_signalled", signal=exc.sigval.name)
         events.record(agent.get_event_failed(), config.event_log_handler)
         raise
-    except Exception:
+    except Exception as exc:
+        if isinstance(spec.rdzv_handler, Membership):
+            # This node's own error (no round formed within --rdzv-conf join_timeout, a bug): it leaves the job,
+            # which goes on without it. torch's launcher closes the rendezvous here (and still does for torch's
+            # handlers); on etcd, the job's one rendezvous, that ended every other node as if the job had finished
+            # (job_finished_elsewhere, exit 0) at its next round, and every node launched later (soak seed 90007).
+            shutdown_rdzv = False
+            lifecycle("node_failed", level=logging.ERROR, error=repr(exc)[:300])
+            spec.rdzv_handler.leave(f"its agent failed: {type(exc).__name__}", Departure.FAILED)
         events.record(agent.get_event_failed(), config.event_log_handler)
         raise
     finally:

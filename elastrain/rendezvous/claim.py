@@ -140,6 +140,8 @@ class Fencing:
                 return won.generation
             winner = fence.read_claim(root, parent + 1)
             if winner is not None and winner.store == self._state.conn.address and winner.run_id == run_id:
+                if self._state.read().round != round_:
+                    raise RoundLost()  # a later round's leader claimed it: this leader woke up late, its round is gone
                 parent += 1  # our own lineage's claim, by a leader that died before recording it
                 continue
             if winner is not None and winner.run_id and winner.run_id != run_id:
@@ -187,7 +189,13 @@ class Fencing:
         moves meanwhile); the store and its address, or None once that world is
         gone whole (nothing listens there: :class:`WinnerGone`), after lifting this lineage's tombstone, so that its
         next round claims the job's next free generation afresh and trains on from the newest checkpoint (or joins a
-        store published meanwhile that answers)."""
+        store published meanwhile that answers). None as well when that world runs on this node's own rendezvous,
+        which never moves (etcd: one for the job): this node joins its next round from here."""
+        if not self._state.conn.movable and address == self._state.conn.address:
+            # A node frozen past its eviction found its world superseded (soak seed 90007): before, it raised "this
+            # backend cannot move there", and its launcher closed the job's one rendezvous on the way out.
+            lifecycle("redirected", node=self._node_id, store=address, why="the newer world runs on this rendezvous")
+            return None
         try:
             got = self.connect_winner(address, deadline)
         except WinnerGone as gone:
@@ -280,6 +288,8 @@ class Fencing:
         return ok
 
     def _running_at(self, claim: fence.Claim) -> str:
-        """The trusted store where the world of ``claim`` runs (see :func:`fence_moves.stores_of`), or "unknown"."""
+        """The trusted store where the world of ``claim`` runs (see :func:`fence_moves.stores_of`), or "unknown".
+        This node's own store needs no trust: following it sends the node nowhere (on etcd, every claim names it)."""
         stores = fence_moves.stores_of(self.root or "", claim)
-        return next((a for a, mac in stores if self._trusted(a, mac, claim)), "unknown")
+        own = self._state.conn.address
+        return next((a for a, mac in stores if a == own or self._trusted(a, mac, claim)), "unknown")

@@ -9,6 +9,7 @@ hangs.
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -38,8 +39,9 @@ def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
 class Job:
     """Agents of one job, each a node with its own log."""
 
-    def __init__(self, tmp_path: Path, endpoint: str, nnodes: str, conf: str = "") -> None:
+    def __init__(self, tmp_path: Path, endpoint: str, nnodes: str, conf: str = "", extra: tuple[str, ...] = ()) -> None:
         self.tmp = tmp_path
+        self.extra = extra
         self.endpoint = endpoint
         self.nnodes = nnodes
         self.run_id = uuid.uuid4().hex[:12]
@@ -48,19 +50,21 @@ class Job:
         self.nodes: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
 
-    def start_node(self) -> int:
+    def start_node(self, conf: str = "") -> int:
+        """Start a node (``conf``: more --rdzv-conf for it alone); its index."""
         i = len(self.nodes)
         log = self.tmp / f"node{i}.log"
         cmd = elastrain_cmd(
             "--rdzv-backend", "etcd-v3",
             "--rdzv-endpoint", self.endpoint,
             "--rdzv-id", self.run_id,
-            "--rdzv-conf", self.conf,
+            "--rdzv-conf", ",".join(filter(None, [self.conf, conf])),
             "--nnodes", self.nnodes,
             "--nproc-per-node", "1",
             "--max-restarts", "10",
             "--monitor-interval", "0.1",
             "--master-port", str(free_port()),
+            *self.extra,
             str(WORKER),
         )  # fmt: skip
         env = {"MW_STOP_FILE": str(self.stop_file), "MW_STEP_S": "0.05", "MW_TIMEOUT": "20"}
@@ -153,6 +157,47 @@ def test_job_survives_every_node_in_turn_and_an_etcd_restart_over_tls(tmp_path: 
             interval=0.5,
             what="the finished job's keys to expire",
         )
+
+
+def test_a_node_that_fails_on_its_own_leaves_the_job_open_for_the_nodes_that_come_later(
+    tmp_path: Path, etcd: EtcdServer
+) -> None:
+    """A node whose agent fails on its own (here: alone, no round forms within ``join_timeout``; a pod started before
+    the others were scheduled) leaves the job; the nodes launched after it form the job and train. Before, its
+    launcher closed the rendezvous on the way out (torch's launcher does), and on etcd that is the job's one
+    rendezvous: the later nodes ended at once with exit 0, as if the job had finished, having trained nothing."""
+    job = Job(tmp_path, etcd.endpoint, "2:2")
+    early = job.start_node("join_timeout=3")
+    with reaped(*job.nodes):
+        assert job.nodes[early].wait(timeout=CHANGE_S) != 0, job.dump()
+        second, third = job.start_node(), job.start_node()
+        with reaped(job.nodes[second], job.nodes[third]):
+            job.wait_training([second, third], 2, 0, "the two later nodes training")
+            job.finish([second, third])
+        assert "job_finished_elsewhere" not in job.text(second) + job.text(third), job.dump()
+        assert "event=node_failed" in job.text(early) and "job_close" not in job.text(early), job.dump()
+
+
+def test_a_node_frozen_past_its_eviction_joins_the_world_that_superseded_it(tmp_path: Path, etcd: EtcdServer) -> None:
+    """A node frozen (SIGSTOP: a VM paused) until the other one evicted it and claimed the next fencing generation
+    wakes up, finds its world superseded, and joins the newer world's next round on the same etcd: the job trains
+    on two nodes again. Before, it raised "this backend cannot move there" (a c10d store can move; etcd's
+    rendezvous is the job's one) and exited, closing the job's rendezvous: the other node ended as if the job had
+    finished at its next round (soak seed 90007)."""
+    job = Job(tmp_path, etcd.endpoint, "1:2", extra=("--checkpoint-dir", str(tmp_path / "ckpt")))
+    first, second = job.start_node(), job.start_node()
+    with reaped(*job.nodes):
+        job.wait_training([first, second], 2, 0, "two nodes training")
+        kill_tree(job.nodes[second].pid, signal.SIGSTOP)
+        t = time.time()
+        job.wait_training([first], 1, t, "the first node alone, the frozen one evicted")
+        kill_tree(job.nodes[second].pid, signal.SIGCONT)
+        t = time.time()
+        job.wait_training([first, second], 2, t, "both nodes training again")
+        woke = job.text(second)
+        assert "event=world_superseded" in woke and "event=redirected" in woke, job.dump()
+        job.finish([first, second])
+        assert "job_close_recorded generation=0" not in woke, job.dump()
 
 
 FROZEN_AS_FORMED = """

@@ -303,6 +303,49 @@ def test_a_world_that_loses_the_generation_claim_joins_the_winner(tmp_path: Path
         a.shutdown()
 
 
+def test_a_world_superseded_by_a_claim_on_its_own_rendezvous_joins_the_newer_worlds_next_round(tmp_path: Path) -> None:
+    """A rendezvous that never moves (etcd: every claim names it) has no store to follow: a node whose world was
+    superseded there (it was frozen past its eviction) joins the newer world's next round from where it is. Before,
+    it raised "this backend cannot move there" and left the job."""
+    from elastrain import fence
+
+    root = str(tmp_path)
+    (a,) = make_nodes(1, checkpoint_root=root)
+    try:
+        rendezvous_all([a])
+        fence.claim_after(root, "unit", 3, "127.0.0.1:0", ("x",), parent=0)  # a later world, on this same store
+        eventually(lambda: a.membership_change() is not None)
+        assert a.membership_change().kind is st.ChangeKind.FENCED  # type: ignore[union-attr]
+        a.next_rendezvous()
+        assert a.generation == 2 and fence.newest(root).generation == 2  # type: ignore[union-attr]
+    finally:
+        a.shutdown()
+
+
+def test_a_leader_whose_round_is_gone_when_it_claims_never_claims_past_the_later_rounds(tmp_path: Path) -> None:
+    """A round's leader frozen between forming its round and claiming its generation wakes up after a later round's
+    leader claimed the next generation on the same store: its round is gone, and it claims nothing. Before, it took
+    that claim for its own lineage's (a leader that died before recording it), claimed the one after, and fenced the
+    world that had just started."""
+    from dataclasses import replace
+
+    from elastrain import fence
+    from elastrain.rendezvous.rounds import RoundLost
+
+    root = str(tmp_path)
+    (a,) = make_nodes(1, checkpoint_root=root)
+    try:
+        rendezvous_all([a])  # round 0, generation 0
+        formed = replace(a._read(), round=a._read().round + 1)  # a's next round, formed; its claim still to make
+        a._state.update(lambda cur: replace(cur, round=cur.round + 2))  # the job went on without it meanwhile
+        fence.claim_after(root, "unit", formed.round + 1, "127.0.0.1:0", ("x",), parent=0)  # that round's claim
+        with pytest.raises(RoundLost):
+            a._fencing.settle(formed, time.monotonic() + 10)
+        assert fence.newest(root).generation == 1  # type: ignore[union-attr]
+    finally:
+        a.shutdown()
+
+
 def test_a_claim_whose_store_names_no_member_of_the_job_is_not_followed(tmp_path: Path) -> None:
     from elastrain import fence
 
