@@ -140,8 +140,8 @@ class Fencing:
                 return won.generation
             winner = fence.read_claim(root, parent + 1)
             if winner is not None and winner.store == self._state.conn.address and winner.run_id == run_id:
-                if self._state.read().round != round_:
-                    raise RoundLost()  # a later round's leader claimed it: this leader woke up late, its round is gone
+                if self._state.read().round != round_:  # a later round's leader claimed it: this one woke up late
+                    raise RoundLost()
                 parent += 1  # our own lineage's claim, by a leader that died before recording it
                 continue
             if winner is not None and winner.run_id and winner.run_id != run_id:
@@ -190,10 +190,8 @@ class Fencing:
         gone whole (nothing listens there: :class:`WinnerGone`), after lifting this lineage's tombstone, so that its
         next round claims the job's next free generation afresh and trains on from the newest checkpoint (or joins a
         store published meanwhile that answers). None as well when that world runs on this node's own rendezvous,
-        which never moves (etcd: one for the job): this node joins its next round from here."""
+        which never moves (etcd: one for the job; a node frozen past its eviction): it joins the next round here."""
         if not self._state.conn.movable and address == self._state.conn.address:
-            # A node frozen past its eviction found its world superseded (soak seed 90007): before, it raised "this
-            # backend cannot move there", and its launcher closed the job's one rendezvous on the way out.
             lifecycle("redirected", node=self._node_id, store=address, why="the newer world runs on this rendezvous")
             return None
         try:
@@ -218,10 +216,8 @@ class Fencing:
         return got
 
     def mark_closed(self) -> None:
-        """The job finished in this node's world (its workers succeeded): record it beside the claims (every member
-        writes the same mark; the first stays), before the rendezvous is closed and the store's host leaves with the
-        close, so that a node that came to join and whose store then falls silent learns that the job is over (see
-        ``StoreFactory.finished``)."""
+        """The job finished in this node's world: record it beside the claims (the first mark stays) before the
+        close, so that a joiner whose store then falls silent learns the job is over (``StoreFactory.finished``)."""
         if self.root and self.generation is not None:
             g = self.generation
             self._record("job_close", fence.Closed(g, self._run_id, time.time(), self._auth.close_mac(g)))
@@ -288,8 +284,7 @@ class Fencing:
         return ok
 
     def _running_at(self, claim: fence.Claim) -> str:
-        """The trusted store where the world of ``claim`` runs (see :func:`fence_moves.stores_of`), or "unknown".
-        This node's own store needs no trust: following it sends the node nowhere (on etcd, every claim names it)."""
-        stores = fence_moves.stores_of(self.root or "", claim)
-        own = self._state.conn.address
+        """The trusted store where the world of ``claim`` runs (see :func:`fence_moves.stores_of`), or "unknown"; this
+        node's own needs no trust (following it sends the node nowhere; on etcd, every claim names it)."""
+        own, stores = self._state.conn.address, fence_moves.stores_of(self.root or "", claim)
         return next((a for a, mac in stores if a == own or self._trusted(a, mac, claim)), "unknown")

@@ -319,7 +319,9 @@ def test_spare_waits_without_restarting_the_job_and_takes_over_from_a_node_that_
                 wait_for(lambda: bool(d.events("standby")), BOUND, what="d to wait as a spare\n" + d.dump())
                 if store_host == "b":  # the store moved to a or c, which recorded it; d found it there
                     moved = [e["store"] for n in (a, c) for e in n.events("store_move_recorded")]
-                    assert moved and d.events("published_store_found")[-1]["store"] == moved[-1], d.dump()
+                    found = [e["store"] for e in d.events("published_store_found")]
+                    logs = a.dump() + c.dump() + d.dump()
+                    assert moved and found and found[-1] == moved[-1], f"moved {moved}, found {found}\n{logs}"
                 stop.touch()
                 assert a.proc.wait(timeout=BOUND) == 0, a.dump()
                 assert c.proc.wait(timeout=BOUND) == 0, c.dump()
