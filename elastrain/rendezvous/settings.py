@@ -38,18 +38,28 @@ DEFAULT_READ_TIMEOUT_S = 5.0
 every node of a round behind one member that froze as the round formed)."""
 
 
+def seconds(params: RendezvousParameters, key: str) -> float | None:
+    """``--rdzv-conf KEY``: a finite number of seconds, or None when not given (UsageError naming the key)."""
+    raw = params.get(key, None)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise UsageError(f"--rdzv-conf {key}", f"expected seconds, got {raw!r}") from None
+    if not math.isfinite(value):
+        raise UsageError(f"--rdzv-conf {key}", f"expected a finite number of seconds, got {raw!r}")
+    return value
+
+
 def read_timeout(params: RendezvousParameters) -> timedelta:
     """``--rdzv-conf read_timeout``: how long one blocking read of the agents' store may wait (seconds, > 0)."""
-    raw = params.get("read_timeout", None)
-    if raw is None:
+    value = seconds(params, "read_timeout")
+    if value is None:
         return timedelta(seconds=DEFAULT_READ_TIMEOUT_S)
-    try:
-        seconds = float(raw)
-    except (TypeError, ValueError):
-        raise UsageError("--rdzv-conf read_timeout", f"expected seconds, got {raw!r}") from None
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise UsageError("--rdzv-conf read_timeout", f"must be a finite number of seconds > 0, got {raw!r}")
-    return timedelta(seconds=seconds)
+    if not value > 0:
+        raise UsageError("--rdzv-conf read_timeout", f"must be > 0 seconds, got {value}")
+    return timedelta(seconds=value)
 
 
 @dataclass(frozen=True)
@@ -124,22 +134,10 @@ class HandlerSettings:
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> HandlerSettings:
-        def num(key: str, default: float | None) -> float | None:
-            raw = params.get(key, None)
-            if raw is None:
-                return default
-            try:
-                value = float(raw)
-            except (TypeError, ValueError):
-                raise UsageError(f"--rdzv-conf {key}", f"expected seconds, got {raw!r}") from None
-            if not math.isfinite(value):
-                raise UsageError(f"--rdzv-conf {key}", f"expected a finite number of seconds, got {raw!r}")
-            return value
-
         d = cls()
 
         def req(key: str, default: float) -> float:
-            value = num(key, default)
+            value = seconds(params, key)
             return default if value is None else value
 
         return cls(
@@ -150,7 +148,7 @@ class HandlerSettings:
             store_lost_timeout_s=req("store_lost_timeout", d.store_lost_timeout_s),
             scale_up_window_s=req("scale_up_window", d.scale_up_window_s),
             store_op_timeout_s=req("store_op_timeout", d.store_op_timeout_s),
-            claim_grace_s=num("claim_grace", None),
+            claim_grace_s=seconds(params, "claim_grace"),
             refound_after_s=req("refound_after", d.refound_after_s),
         )
 
