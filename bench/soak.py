@@ -43,6 +43,7 @@ import os
 import signal
 import sys
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -170,33 +171,7 @@ def run_soak(args: argparse.Namespace) -> int:
     script = job.script(out, max_steps, data_dir)
     port = args.port or free_port()
     run_id = f"soak-{args.seed}-{uuid.uuid4().hex[:6]}"
-    with contextlib.ExitStack() as stack:
-        launcher = ["--checkpoint-dir", str(job.checkpoint_dir(out))]
-        host_port: int | None = port
-        if args.rdzv_backend == "etcd-v3":
-            etcd = stack.enter_context(EtcdServer(out / "etcd"))
-            launcher += ["--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd.endpoint}"]
-            host_port = None  # no node hosts the store: the nodes start together
-        launcher += args.launcher_args.split()
-        return _soak(args, job, out, trace, script, max_steps, port, run_id, launcher, host_port)
-
-
-def _soak(
-    args: argparse.Namespace,
-    job: Job,
-    out: Path,
-    trace: Trace,
-    script: list[str],
-    max_steps: int,
-    port: int,
-    run_id: str,
-    launcher: list[str],
-    host_port: int | None,
-) -> int:
-
-    def node_command(_: int) -> list[str]:
-        return elastrain_node_command(script, trace.launcher_max, port, run_id, launcher)
-
+    launcher = ["--checkpoint-dir", str(job.checkpoint_dir(out)), *args.launcher_args.split()]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -214,11 +189,29 @@ def _soak(
     readers = [MetricsProgress(metrics_dir / "metrics.jsonl"), MetricsProgress(metrics_dir / "events.jsonl")]
     if job.name == "trainer":
         readers = [LedgerProgress(out / "ledger")]
-    harness = ChaosHarness(
-        trace, node_command, out / "chaos", env=env, progress=lambda: max(r() for r in readers), host_port=host_port
-    )
-    harness.run(timeout_s=timeout, stall_s=args.stall)
+    with rendezvous(args.rdzv_backend, out) as rdzv:
+
+        def node_command(_: int) -> list[str]:
+            return elastrain_node_command(script, trace.launcher_max, port, run_id, [*rdzv, *launcher])
+
+        # With etcd no node hosts the store: the nodes start together.
+        host_port = port if args.rdzv_backend == "c10d" else None
+        harness = ChaosHarness(
+            trace, node_command, out / "chaos", env=env, progress=lambda: max(r() for r in readers), host_port=host_port
+        )
+        harness.run(timeout_s=timeout, stall_s=args.stall)
     return judge(out)
+
+
+@contextlib.contextmanager
+def rendezvous(backend: str, out: Path) -> Iterator[list[str]]:
+    """The nodes' rendezvous options for ``backend`` while the block runs: none for c10d (the harness's port, on node
+    0), an etcd server of the soak's own for etcd-v3, stopped at the end."""
+    if backend != "etcd-v3":
+        yield []
+        return
+    with EtcdServer(out / "etcd") as etcd:
+        yield ["--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd.endpoint}"]
 
 
 def judge(out: Path) -> int:
