@@ -142,6 +142,7 @@ class LiveCoordination:
         self._probed_round: int | None = None  # the last broken round whose peers were probed
         self._unjoined_round: int | None = None  # a round this node's workers ended before they joined
         self._compiling_told: int | None = None  # the last round whose ack wait a compiling worker extended
+        self._warm_unjoined = False  # warm workers wait for this node's first round (start_warm, then regroup)
 
     # -- a change while the workers finish ---------------------------------------------------------
     def finishing(self, worker_group: WorkerGroup) -> bool:
@@ -232,6 +233,7 @@ class LiveCoordination:
         if ctx is None or not worker_group.workers:
             raise RuntimeError("internal: a completed rendezvous left no launch context")
         old_world_size = ctx.previous_world_size
+        lost = self._warm_lost(worker_group, ctx.round)
         notice = RegroupNotice(
             round=ctx.round,
             generation=ctx.generation,
@@ -244,7 +246,7 @@ class LiveCoordination:
             start_reason=ctx.start_reason.value,
             previous_world_size=old_world_size,
             announced_at=time.time(),
-            no_departure=self._membership.kept_every_member and not replaced,
+            no_departure=self._membership.kept_every_member and not replaced and not lost,
             # Left behind: told while running (this round superseded, evicted) or found in forming the new round.
             superseded=host.phase is Phase.LEFT_BEHIND or self._membership.left_behind,
             first_round=ctx.first_round,
@@ -253,6 +255,9 @@ class LiveCoordination:
             host.phase = Phase.RUNNING  # dealt with: the notice says so
         self._regroup.announce(notice)
         lifecycle("regroup_announced", round=notice.round, world_size=f"{old_world_size}->{notice.world_size}")
+        if lost:
+            self._restart_all(worker_group)  # cold, into the round just formed: its other members wait for them
+            return
         if replaced and not self._replace(worker_group, replaced):
             return
         wait_s = ack_wait_s(self._options)
@@ -277,6 +282,27 @@ class LiveCoordination:
             waited_s=wait_s,
         )
         self._restart_all(worker_group)
+
+    def _warm_lost(self, worker_group: WorkerGroup, round_: int) -> bool:
+        """Whether this node's warm workers died while it waited for its first round (a spare's standby can last hours:
+        an out-of-memory kill, an operator's kill); their round is then the one just formed, and they start again in
+        it, cold, as a node that joins without a warm start does. Not a failure counted against --max-restarts: they
+        never trained. Before, the node found its dead worker only after it had joined the round and left it (with
+        --max-restarts 0) or forced a round more."""
+        if not self._warm_unjoined:
+            return False
+        self._warm_unjoined = False
+        result = self._host.poll_workers(worker_group)
+        if result.state is not WorkerState.FAILED:
+            return False
+        lifecycle(
+            "warm_worker_lost",
+            level=logging.WARNING,
+            round=round_,
+            exit_codes=",".join(map(str, sorted({f.exitcode for f in result.failures.values()}))),
+            why="a warm worker died while this node waited for its round: its workers start again, cold, into it",
+        )
+        return True
 
     def _restart_all(self, worker_group: WorkerGroup) -> None:
         host = self._host
@@ -365,6 +391,7 @@ class LiveCoordination:
             if not self._await_warm(worker_group, started, deciding=False):
                 return False
         lifecycle("workers_warm", took_s=round(time.monotonic() - started, 3))
+        self._warm_unjoined = True
         return True
 
     def _await_warm(self, worker_group: WorkerGroup, started: float, deciding: bool | None) -> bool:
