@@ -43,9 +43,10 @@ from elastrain.launcher.context import ContextBuilder
 from elastrain.launcher.leave import NodeLeave
 from elastrain.launcher.options import ElastrainOptions
 from elastrain.launcher.phase import Phase
-from elastrain.launcher.regroup import LiveCoordination, tell_warm
+from elastrain.launcher.regroup import LiveCoordination
 from elastrain.launcher.save_request import checkpoint_before_change
 from elastrain.launcher.verdict import FailureVerdict, fatal_exit, killed_outright, static_rendezvous_failed
+from elastrain.launcher.warm_start import tell_warm
 from elastrain.log import lifecycle
 from elastrain.rendezvous.api import membership_of
 from elastrain.rendezvous.state import ChangeKind, Departure
@@ -248,7 +249,7 @@ class ElastrainAgent(LocalElasticAgent):
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         """torch's first start (a rendezvous, then the workers); --live: the workers first, warm."""
-        if self._live.warm_start and self._rounds_seen == 0 and self._live.start_warm(worker_group):
+        if self._live.warm.enabled and self._rounds_seen == 0 and self._live.warm.start(worker_group):
             self._live.regroup(worker_group)  # the round, then its notice to the waiting workers
             self.phase = self.phase.started()
             return
@@ -292,7 +293,7 @@ class ElastrainAgent(LocalElasticAgent):
         self.phase = self.phase.stopped()
         super()._restart_workers(worker_group)
 
-    # -- what the live coordination asks of the agent (regroup.WorkerHost) --------------------------
+    # -- what the live coordination asks of the agent (worker_host.WorkerHost) ----------------------
     def form_round(self, worker_group: WorkerGroup) -> None:
         self._rendezvous(worker_group)
 

@@ -1,4 +1,4 @@
-"""The agent's side of a live regroup (``--live``): warm start, regroup notice, acknowledgements, fallback.
+"""The agent's side of a live regroup (``--live``): regroup notice, acknowledgements, fallback.
 
 A membership change whose local workers are all alive and said they can regroup (scripts that use
 :class:`elastrain.session.Session`) does not restart them: the agent completes the new round, writes a
@@ -9,29 +9,27 @@ acknowledge in time, are restarted into the same round (the fallback). When a lo
 one starts again, into the new round, where it receives the state from them: nothing is read from a checkpoint,
 even on a node alone in its job.
 
-A node's first workers may start *warm*, before it joins a round: they build what they can (imports,
-model, data) and wait for the first regroup notice, so that joining a running job costs the others
-only the regroup, not the new node's cold start. Workers that finished their training (they said so)
-are let exit before a change restarts them; a worker whose collective broke makes the agent probe its
-peers at once.
+A node's first workers may start *warm*, before it joins a round (:mod:`elastrain.launcher.warm_start`); its first
+regroup is their notice. Workers that finished their training (they said so) are let exit before a change restarts
+them; a worker whose collective broke makes the agent probe its peers at once.
 
-The agent runs the workers; this module asks it for what it needs through :class:`WorkerHost`.
+The agent runs the workers; this module asks it for what it needs through
+:class:`~elastrain.launcher.worker_host.WorkerHost`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
 
-from torch._C._distributed_c10d import HashStore
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing.api import PContext
 
 from elastrain.control import RegroupChannel, RegroupNotice
-from elastrain.env import WARM, LaunchContext, to_environ
 from elastrain.launcher.options import ElastrainOptions
 from elastrain.launcher.phase import Phase
+from elastrain.launcher.warm_start import WarmStart
+from elastrain.launcher.worker_host import WorkerHost
 from elastrain.launcher.zygote import ZygoteContext, ZygoteError
 from elastrain.log import lifecycle
 from elastrain.rendezvous.api import Membership
@@ -41,14 +39,6 @@ from elastrain.rendezvous.api import Membership
 REGROUP_ACK_MARGIN_S = 10.0
 # A worker restarted by the fallback needs this long to import torch and join; live members wait for it.
 COLD_START_ALLOWANCE_S = 30.0
-# --live: how long a node waits for its warm workers (imports, model, data) before it joins anyway; then
-# the round waits for the rest of their start, as it would for a cold one.
-WARM_START_LIMIT_S = 600.0
-# What a warm worker is not told (torch sets them from a round it does not have yet): a script that reads
-# them before the first notice fails at once instead of training alone.
-ROUND_VARIABLES = (
-    "RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"
-)  # fmt: skip
 
 
 def ack_wait_s(options: ElastrainOptions) -> float:
@@ -75,52 +65,8 @@ def regroup_timeout_s(options: ElastrainOptions) -> float:
     return ack_wait_s(options) + COLD_START_ALLOWANCE_S
 
 
-def tell_warm(worker_env: dict[str, str | None], ctx: LaunchContext) -> None:
-    """Make ``worker_env`` a warm worker's: no place in a round, everything else of ``ctx``."""
-    for name in ROUND_VARIABLES:
-        worker_env.pop(name, None)
-    worker_env.update(to_environ(ctx))
-    worker_env[WARM] = "1"
-
-
-class WorkerHost(Protocol):
-    """What the live coordination asks of the agent that runs the workers."""
-
-    phase: Phase
-
-    @property
-    def context(self) -> LaunchContext | None:
-        """The launch context of the last round formed."""
-        ...
-
-    def form_round(self, worker_group: WorkerGroup) -> None:
-        """Complete the next rendezvous: the group's ranks and :attr:`context` become the new round's."""
-        ...
-
-    def poll_workers(self, worker_group: WorkerGroup) -> RunResult:
-        """torch's check of the workers' processes (no membership verdict)."""
-        ...
-
-    def stop_workers(self, worker_group: WorkerGroup) -> None:
-        """Stop the workers (torch's way)."""
-        ...
-
-    def start_workers_tracked(self, worker_group: WorkerGroup) -> None:
-        """Start the workers outside torch's own first start, and record them in the group."""
-        ...
-
-    def replace_workers(self, worker_group: WorkerGroup, local_ranks: frozenset[int]) -> None:
-        """Start new workers for ``local_ranks`` (theirs failed) into the round just formed, beside the running
-        ones, and record them in the group; :class:`~elastrain.launcher.zygote.ZygoteError` if it cannot."""
-        ...
-
-    def raise_if_left(self) -> None:
-        """End the agent's loop if this node leaves."""
-        ...
-
-
 class LiveCoordination:
-    """One node's live regroups and warm start, for the agent ``host``."""
+    """One node's live regroups (its warm start: :attr:`warm`), for the agent ``host``."""
 
     def __init__(
         self,
@@ -134,15 +80,11 @@ class LiveCoordination:
         self._membership = membership
         self._regroup = regroup
         self._options = options
-        # The first workers start before the rendezvous (see start_warm): scripts that wait for their round only.
-        self.warm_start = warm_start
-        self.job_forming = False
-        """Whether no round had formed when the warm workers started (they may found the job)."""
+        self.warm = WarmStart(host, membership, regroup, warm_start)
         self._deferred_since: float | None = None  # when a membership change began to wait for closing workers
         self._probed_round: int | None = None  # the last broken round whose peers were probed
         self._unjoined_round: int | None = None  # a round this node's workers ended before they joined
         self._compiling_told: int | None = None  # the last round whose ack wait a compiling worker extended
-        self._warm_unjoined = False  # warm workers wait for this node's first round (start_warm, then regroup)
 
     # -- a change while the workers finish ---------------------------------------------------------
     def finishing(self, worker_group: WorkerGroup) -> bool:
@@ -233,7 +175,7 @@ class LiveCoordination:
         if ctx is None or not worker_group.workers:
             raise RuntimeError("internal: a completed rendezvous left no launch context")
         old_world_size = ctx.previous_world_size
-        lost = self._warm_lost(worker_group, ctx.round)
+        lost = self.warm.lost(worker_group, ctx.round)
         notice = RegroupNotice(
             round=ctx.round,
             generation=ctx.generation,
@@ -282,27 +224,6 @@ class LiveCoordination:
             waited_s=wait_s,
         )
         self._restart_all(worker_group)
-
-    def _warm_lost(self, worker_group: WorkerGroup, round_: int) -> bool:
-        """Whether this node's warm workers died while it waited for its first round (a spare's standby can last hours:
-        an out-of-memory kill, an operator's kill); their round is then the one just formed, and they start again in
-        it, cold, as a node that joins without a warm start does. Not a failure counted against --max-restarts: they
-        never trained. Before, the node found its dead worker only after it had joined the round and left it (with
-        --max-restarts 0) or forced a round more."""
-        if not self._warm_unjoined:
-            return False
-        self._warm_unjoined = False
-        result = self._host.poll_workers(worker_group)
-        if result.state is not WorkerState.FAILED:
-            return False
-        lifecycle(
-            "warm_worker_lost",
-            level=logging.WARNING,
-            round=round_,
-            exit_codes=",".join(map(str, sorted({f.exitcode for f in result.failures.values()}))),
-            why="a warm worker died while this node waited for its round: its workers start again, cold, into it",
-        )
-        return True
 
     def _restart_all(self, worker_group: WorkerGroup) -> None:
         host = self._host
@@ -354,70 +275,3 @@ class LiveCoordination:
                     why="a worker ended before it acknowledged the regroup",
                 )
                 return None
-
-    # -- warm start --------------------------------------------------------------------------------
-    def start_warm(self, worker_group: WorkerGroup) -> bool:
-        """--live warm join: start the workers before this node joins a round, and join once each one waits.
-
-        A Session built in a warm worker (imports, model, data) waits for the agent's first regroup notice,
-        so a node that joins a running job costs the others only the regroup and the state transfer, not
-        its cold start. A script that does not wait (it does not use Session) ends for want of a rank;
-        then its workers start the usual way, after the rendezvous, for the rest of the run. False then.
-        """
-        host = self._host
-        if worker_group.store is None:
-            worker_group.store = HashStore()  # type: ignore[assignment]  # torch requires one; warm workers get none
-        host.phase = Phase.WARMING
-        try:
-            host.start_workers_tracked(worker_group)
-        finally:
-            if host.phase is Phase.WARMING:
-                host.phase = Phase.IDLE
-        host.phase = host.phase.stopped()  # not training yet: a leave now has no checkpoint to ask for
-        started = time.monotonic()
-        # Read while the workers load (a store that does not answer delays no worker): whether this node may found
-        # the job. Its workers that wait to know are told when the job formed without it (never: a member of round 0).
-        self.job_forming = self._membership.job_formed() is False
-        if self.job_forming:
-            self._membership.on_formed_without_this_node(lambda: self._regroup.tell_job_forming(False))
-        self._regroup.tell_job_forming(self.job_forming)
-        lifecycle("workers_warming", workers=len(worker_group.workers), up_to_s=WARM_START_LIMIT_S)
-        if not self._await_warm(worker_group, started, deciding=None):
-            return False
-        if self.job_forming and self._regroup.warm_pids(deciding=True) and self._membership.job_formed():
-            # It formed while they were built: they evaluate alone first, then wait for a round where they train.
-            self._regroup.tell_job_forming(False)
-            lifecycle("job_formed_meanwhile", why="this node joins a job that trains on: its workers are told so")
-            if not self._await_warm(worker_group, started, deciding=False):
-                return False
-        lifecycle("workers_warm", took_s=round(time.monotonic() - started, 3))
-        self._warm_unjoined = True
-        return True
-
-    def _await_warm(self, worker_group: WorkerGroup, started: float, deciding: bool | None) -> bool:
-        """Wait until every worker waits for its round (``deciding=False``: none of them waiting to know whether
-        this node founds the job). False if one ended first: the workers then start after the rendezvous."""
-        host = self._host
-        local_ranks = {w.local_rank for w in worker_group.workers}
-        while not local_ranks <= set(self._regroup.warm_pids(deciding)):
-            host.raise_if_left()
-            result = host.poll_workers(worker_group)
-            if result.state is not WorkerState.HEALTHY:
-                self.warm_start = False
-                codes = sorted({f.exitcode for f in result.failures.values()}) if result.failures else [0]
-                lifecycle(
-                    "warm_start_unsupported",
-                    level=logging.WARNING,
-                    exit_codes=",".join(map(str, codes)),
-                    why="--live: a worker ended before it waited for its round (a script that does not wait: no "
-                    "Session, or a Trainer that restarts at every change); its workers now start after the rendezvous",
-                )
-                host.phase = host.phase.stopped()
-                host.stop_workers(worker_group)
-                worker_group.state = WorkerState.INIT
-                return False
-            if time.monotonic() - started > WARM_START_LIMIT_S:
-                lifecycle("warm_start_slow", level=logging.WARNING, waited_s=WARM_START_LIMIT_S, why="joining now")
-                break
-            time.sleep(0.05)
-        return True
