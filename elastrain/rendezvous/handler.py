@@ -316,7 +316,12 @@ class ElastrainRendezvousHandler(RendezvousHandler):
 
 
 def create_handler(
-    backend: RendezvousBackend, store: Store, params: RendezvousParameters, on_store_lost: str = ""
+    backend: RendezvousBackend,
+    store: Store,
+    params: RendezvousParameters,
+    on_store_lost: str = "",
+    store_address: str = "",
 ) -> RendezvousHandler:
-    """torch's handler-creator shape: elastrain's handler over ``backend`` (state) and ``store`` (per-round data)."""
-    return ElastrainRendezvousHandler(backend, store, params, on_store_lost=on_store_lost)
+    """torch's handler-creator shape: elastrain's handler over ``backend`` (state) and ``store`` (per-round data);
+    ``store_address``: the store's name in fencing claims (default: ``--rdzv-endpoint`` as given)."""
+    return ElastrainRendezvousHandler(backend, store, params, on_store_lost=on_store_lost, store_address=store_address)

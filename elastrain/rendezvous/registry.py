@@ -37,11 +37,12 @@ def create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 
 def create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
+    from elastrain.rendezvous.backends.etcd_options import store_address
     from elastrain.rendezvous.backends.etcd_v3 import create_backend  # type: ignore[import-not-found,unused-ignore]
     from elastrain.rendezvous.handler import create_handler
 
     backend, store = create_backend(params)
-    return create_handler(backend, store, params)
+    return create_handler(backend, store, params, store_address=store_address(params.endpoint))
 
 
 def etcd_v3_handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:

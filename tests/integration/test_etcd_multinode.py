@@ -50,13 +50,14 @@ class Job:
         self.nodes: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
 
-    def start_node(self, conf: str = "") -> int:
-        """Start a node (``conf``: more --rdzv-conf for it alone); its index."""
+    def start_node(self, conf: str = "", endpoint: str = "") -> int:
+        """Start a node (``conf``: more --rdzv-conf for it alone; ``endpoint``: its own spelling of the job's etcd);
+        its index."""
         i = len(self.nodes)
         log = self.tmp / f"node{i}.log"
         cmd = elastrain_cmd(
             "--rdzv-backend", "etcd-v3",
-            "--rdzv-endpoint", self.endpoint,
+            "--rdzv-endpoint", endpoint or self.endpoint,
             "--rdzv-id", self.run_id,
             "--rdzv-conf", ",".join(filter(None, [self.conf, conf])),
             "--nnodes", self.nnodes,
@@ -183,9 +184,12 @@ def test_a_node_frozen_past_its_eviction_joins_the_world_that_superseded_it(tmp_
     wakes up, finds its world superseded, and joins the newer world's next round on the same etcd: the job trains
     on two nodes again. Before, it raised "this backend cannot move there" (a c10d store can move; etcd's
     rendezvous is the job's one) and exited, closing the job's rendezvous: the other node ended as if the job had
-    finished at its next round (soak seed 90007)."""
-    job = Job(tmp_path, etcd.endpoint, "1:2", extra=("--checkpoint-dir", str(tmp_path / "ckpt")))
-    first, second = job.start_node(), job.start_node()
+    finished at its next round (soak seed 90007). The two nodes spell the job's etcd differently (another order, a
+    scheme, the default port): a fencing claim names the store the same way on both (before, the woken node took its
+    own etcd for another store, and left)."""
+    port = etcd.endpoint.rsplit(":", 1)[1]
+    job = Job(tmp_path, f"127.0.0.1:{port},localhost:{port}", "1:2", extra=("--checkpoint-dir", str(tmp_path / "ckpt")))
+    first, second = job.start_node(), job.start_node(endpoint=f"http://localhost:{port}/,127.0.0.1:{port}")
     with reaped(*job.nodes):
         job.wait_training([first, second], 2, 0, "two nodes training")
         kill_tree(job.nodes[second].pid, signal.SIGSTOP)

@@ -8,7 +8,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
 
 from elastrain.errors import RendezvousError, UsageError
-from elastrain.rendezvous.backends.etcd_options import EtcdOptions, options_from_params, parse_endpoints
+from elastrain.rendezvous.backends.etcd_options import EtcdOptions, options_from_params, parse_endpoints, store_address
 from elastrain.rendezvous.backends.etcd_v3 import STATE_MAGIC, decode_state, encode_state
 
 
@@ -28,6 +28,24 @@ def params(endpoint: str = "127.0.0.1:2379", **conf: str) -> RendezvousParameter
 )
 def test_parse_endpoints(text: str, expected: tuple[tuple[str, int], ...]) -> None:
     assert parse_endpoints(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        ("a:1,b:2", "b:2,a:1"),
+        ("a:2379,b:2", "http://b:2, a"),
+        ("[::1]:2379,a:1", "a:1,[::1]"),
+        ("https://a:1/,a:1", "a:1"),
+    ],
+)
+def test_the_store_address_is_one_string_however_the_endpoints_are_spelled(one: str, other: str) -> None:
+    assert store_address(one) == store_address(other)
+
+
+def test_the_store_address_tells_clusters_apart() -> None:
+    assert store_address("a:1,b:2") != store_address("a:1,b:3")
+    assert store_address("[::1]:2379,a:1") == "[::1]:2379,a:1"
 
 
 @pytest.mark.parametrize("text", ["a:b", "a:0", ":2379", "a:70000"])

@@ -106,6 +106,14 @@ def parse_endpoints(text: str | None) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
+def store_address(text: str | None) -> str:
+    """The job's etcd as one string, the same on every node however its ``--rdzv-endpoint`` spells the cluster
+    (another order, a scheme, the default port left out): fencing claims name their world's store by it, and a
+    node compares it with its own (before, ``a,b`` and ``b,a`` were two stores, and a node superseded on its own etcd
+    left instead of joining the newer world there)."""
+    return ",".join(sorted({f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in parse_endpoints(text)}))
+
+
 def _conf(params: RendezvousParameters, *names: str) -> str | None:
     for name in names:
         value = params.get(name)
