@@ -52,9 +52,10 @@ def test_restarts_on_a_url_supersede_like_on_a_file(root: str) -> None:
     assert sorted((p.segment, p.step) for p in h.superseded) == [("a", 6), ("a", 7)]
     assert h.series("grad_norm") == [(9, 1.0)]
     # Nothing was appended to an object: each flush is a new part; the path is their folder. Opening
-    # segment b merged a's parts (and b's header, if it was stored first) into one, in the background.
+    # segment b merged a's parts into one, in the background, with whatever else was stored by the time that merge
+    # listed the folder (b's header, b's and the other rank's points: on a loaded machine, all of them).
     parts = [str(p) for p in fsspec.filesystem("memory").ls(path, detail=False)]
-    assert len(parts) in (3, 4) and all(p.endswith(".jsonl") for p in parts), parts
+    assert 1 <= len(parts) <= 4 and all(p.endswith(".jsonl") for p in parts), parts
     assert sum(bool(re.search(r"-compacted-[0-9a-f]+\.jsonl$", p)) for p in parts) == 1, parts
 
 
