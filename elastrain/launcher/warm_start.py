@@ -52,6 +52,7 @@ class WarmStart:
         self.job_forming = False
         """Whether no round had formed when the warm workers started (they may found the job)."""
         self._unjoined = False  # warm workers wait for this node's first round (start, then the first regroup)
+        self._warmed_again = False  # a signal ended the warm workers while they built once: started warm again
 
     def start(self, worker_group: WorkerGroup) -> bool:
         """--live warm join: start the workers before this node joins a round, and join once each one waits.
@@ -61,16 +62,9 @@ class WarmStart:
         its cold start. A script that does not wait (it does not use Session) ends for want of a rank;
         then its workers start the usual way, after the rendezvous, for the rest of the run. False then.
         """
-        host = self._host
         if worker_group.store is None:
             worker_group.store = HashStore()  # type: ignore[assignment]  # torch requires one; warm workers get none
-        host.phase = Phase.WARMING
-        try:
-            host.start_workers_tracked(worker_group)
-        finally:
-            if host.phase is Phase.WARMING:
-                host.phase = Phase.IDLE
-        host.phase = host.phase.stopped()  # not training yet: a leave now has no checkpoint to ask for
+        self._start_warming(worker_group)
         started = time.monotonic()
         # Read while the workers load (a store that does not answer delays no worker): whether this node may found
         # the job. Its workers that wait to know are told when the job formed without it (never: a member of round 0).
@@ -100,8 +94,10 @@ class WarmStart:
             host.raise_if_left()
             result = host.poll_workers(worker_group)
             if result.state is not WorkerState.HEALTHY:
-                self.enabled = False
                 codes = sorted({f.exitcode for f in result.failures.values()}) if result.failures else [0]
+                if self._warm_again(worker_group, codes):
+                    continue
+                self.enabled = False
                 lifecycle(
                     "warm_start_unsupported",
                     level=logging.WARNING,
@@ -118,6 +114,35 @@ class WarmStart:
                 break
             time.sleep(0.05)
         return True
+
+    def _warm_again(self, worker_group: WorkerGroup, codes: list[int]) -> bool:
+        """Start the workers warm again, once, if a signal ended them while they built (an out-of-memory kill, an
+        operator's kill: a negative exit code), not a script that cannot wait (it exits on its own, for want of a
+        rank). Before, that too ended the warm start, and the node's round waited for its workers' whole build."""
+        if self._warmed_again or not all(code < 0 for code in codes):
+            return False
+        self._warmed_again = True
+        lifecycle(
+            "warm_worker_lost",
+            level=logging.WARNING,
+            exit_codes=",".join(map(str, codes)),
+            why="a warm worker was killed while it built: its workers start warm again (once)",
+        )
+        host = self._host
+        host.phase = host.phase.stopped()
+        host.stop_workers(worker_group)
+        self._start_warming(worker_group)
+        return True
+
+    def _start_warming(self, worker_group: WorkerGroup) -> None:
+        host = self._host
+        host.phase = Phase.WARMING
+        try:
+            host.start_workers_tracked(worker_group)
+        finally:
+            if host.phase is Phase.WARMING:
+                host.phase = Phase.IDLE
+        host.phase = host.phase.stopped()  # not training yet: a leave now has no checkpoint to ask for
 
     def lost(self, worker_group: WorkerGroup, round_: int) -> bool:
         """Whether this node's warm workers died while it waited for its first round (a spare's standby can last hours:

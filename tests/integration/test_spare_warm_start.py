@@ -1,4 +1,4 @@
-"""--live: a spare whose warm worker died while it waited takes its place all the same.
+"""--live: a node whose warm worker died, while it built or while it waited, still joins the job.
 
 Three real elastrain-run agents on 127.0.0.1 (c10d), one Session worker each (live_worker.py), ``--nnodes 1:2`` and
 ``--max-restarts 0``: a and b train, c waits as a spare with its worker built and waiting for a round (warm). c's
@@ -70,3 +70,29 @@ def test_a_spare_whose_warm_worker_died_starts_a_new_one_when_it_is_promoted(tmp
             hashes.setdefault(int(s["step"]), set()).add(s["hash"])
     last = max(hashes)
     assert len(hashes[last]) == 1, f"a and c disagree at step {last}\n{detail}"
+
+
+def test_a_warm_worker_killed_while_it_builds_starts_warm_again(tmp_path: Path) -> None:
+    """A node's warm worker is SIGKILLed while it builds (an out-of-memory kill as the model loads). Its agent starts
+    it warm again, and the node founds the job with a warm worker. Before, the kill ended the warm start as if the
+    script could not wait for its round (``warm_start_unsupported``): its workers then started after the rendezvous,
+    and the round waited for their whole build."""
+    built, stop = tmp_path / "built", tmp_path / "stop"
+    env = {"LW_MAX_STEPS": "100000", "LW_SLEEP": "0.05", "LW_STOP_FILE": str(stop), "LW_BUILD_UNTIL_FILE": str(built)}
+    a = LiveNode("a", tmp_path, free_port(), SCRIPT, env, rdzv_id="rewarm", nnodes="1", last_call_s=1,
+                 collective_timeout=20)  # fmt: skip
+    with reaped(a.proc):
+        wait_for(lambda: bool(a.events("workers_warming")), BOUND, what="a's worker to build\n" + a.dump())
+        building = [int(p) for p in a.events("workers_started")[0]["pids"].split(",")]
+        os.kill(building[0], signal.SIGKILL)
+        wait_for(lambda: len(a.events("workers_started")) >= 2, BOUND, what="a's new worker")
+        built.touch()
+        try:
+            wait_for(lambda: len(a.lines("LW_STEP")) >= 3, BOUND, what="a to train")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{a.dump()}") from None
+        (tmp_path / "stop.tmp").write_text(str(max(int(s["step"]) for s in a.lines("LW_STEP")) + 5))
+        (tmp_path / "stop.tmp").replace(stop)
+        assert a.proc.wait(timeout=BOUND) == 0, a.dump()
+    assert a.events("warm_worker_lost") and a.events("workers_warm"), a.dump()
+    assert not a.events("warm_start_unsupported"), a.dump()
