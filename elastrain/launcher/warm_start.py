@@ -13,7 +13,7 @@ import logging
 import time
 
 from torch._C._distributed_c10d import HashStore
-from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 
 from elastrain.control import RegroupChannel
 from elastrain.env import WARM, LaunchContext, to_environ
@@ -38,6 +38,11 @@ def tell_warm(worker_env: dict[str, str | None], ctx: LaunchContext) -> None:
         worker_env.pop(name, None)
     worker_env.update(to_environ(ctx))
     worker_env[WARM] = "1"
+
+
+def exit_codes(result: RunResult) -> list[int]:
+    """The distinct exit codes of ``result``'s failed workers, in order; ``[0]`` when none failed (they exited)."""
+    return sorted({f.exitcode for f in result.failures.values()}) if result.failures else [0]
 
 
 class WarmStart:
@@ -94,7 +99,7 @@ class WarmStart:
             host.raise_if_left()
             result = host.poll_workers(worker_group)
             if result.state is not WorkerState.HEALTHY:
-                codes = sorted({f.exitcode for f in result.failures.values()}) if result.failures else [0]
+                codes = exit_codes(result)
                 if self._warm_again(worker_group, codes):
                     continue
                 self.enabled = False
@@ -160,7 +165,7 @@ class WarmStart:
             "warm_worker_lost",
             level=logging.WARNING,
             round=round_,
-            exit_codes=",".join(map(str, sorted({f.exitcode for f in result.failures.values()}))),
+            exit_codes=",".join(map(str, exit_codes(result))),
             why="a warm worker died while this node waited for its round: its workers start again, cold, into it",
         )
         return True
